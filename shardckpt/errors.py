@@ -1,0 +1,95 @@
+"""Typed errors raised by shardckpt.
+
+Every error subclasses a built-in exception so that existing `except
+ValueError` / `except FileNotFoundError` code keeps working, and every message
+names the checkpoint key or variable path, what was expected, what was found,
+and what to do next.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+
+class ShardckptError(Exception):
+    """Base class of every error raised on purpose by shardckpt."""
+
+
+class CheckpointNotFoundError(ShardckptError, FileNotFoundError):
+    """The path does not exist, or an Orbax root holds no committed step."""
+
+
+class UnknownFormatError(ShardckptError, ValueError):
+    """The path exists but is not a checkpoint format shardckpt reads."""
+
+
+class CorruptCheckpointError(ShardckptError, ValueError):
+    """A checkpoint file is truncated, damaged, or its header is invalid."""
+
+
+class IncompleteCheckpointError(CorruptCheckpointError):
+    """An Orbax step was not committed (a save was interrupted)."""
+
+
+class ChecksumMismatchError(CorruptCheckpointError):
+    """An array's bytes do not match the checksum stored beside it."""
+
+
+class ShapeMismatchError(ShardckptError, ValueError):
+    """A checkpoint array's shape differs from the variable it is loaded into."""
+
+
+class DtypeMismatchError(ShardckptError, TypeError):
+    """A checkpoint array's dtype cannot be cast to the variable's dtype."""
+
+
+class IndivisibleLayoutError(ShardckptError, ValueError):
+    """A mesh axis does not divide the dimension it is asked to shard."""
+
+
+class UnloadedVariableError(ShardckptError, RuntimeError):
+    """A variable built under `lazy_init()` was used before it got a value."""
+
+
+class DestinationExistsError(ShardckptError, FileExistsError):
+    """The output path of a conversion or save already exists."""
+
+
+class BackgroundSaveError(ShardckptError, RuntimeError):
+    """A checkpoint save that ran in the background failed."""
+
+
+class CheckpointMismatchError(ShardckptError, ValueError):
+    """Checkpoint and model disagree: keys missing, unexpected, or mis-shaped.
+
+    All problems are collected and raised at once, as Keras does for
+    `load_weights`, so that one run shows everything that must be fixed.
+
+    Attributes:
+        missing: Model variable paths with no array in the checkpoint.
+        unexpected: Checkpoint keys that match no model variable.
+        mismatched: One line per variable whose shape or dtype is wrong.
+    """
+
+    def __init__(
+        self,
+        path: str,
+        *,
+        missing: Sequence[str] = (),
+        unexpected: Sequence[str] = (),
+        mismatched: Sequence[str] = (),
+    ) -> None:
+        self.path = path
+        self.missing = list(missing)
+        self.unexpected = list(unexpected)
+        self.mismatched = list(mismatched)
+        total = len(self.missing) + len(self.unexpected) + len(self.mismatched)
+        lines = [f"A total of {total} problem(s) between the model and checkpoint {path!r}:"]
+        lines += [f"  missing from checkpoint: {p}" for p in self.missing]
+        lines += [f"  not in the model: {k}" for k in self.unexpected]
+        lines += [f"  mismatch: {m}" for m in self.mismatched]
+        lines.append(
+            "Fix: build the same architecture that wrote the checkpoint, or pass "
+            "strict=False to load what matches and initialise the rest."
+        )
+        super().__init__("\n".join(lines))

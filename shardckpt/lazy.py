@@ -1,0 +1,88 @@
+"""`lazy_init()`: build Keras models with no initializer run and no weight memory.
+
+Keras 3 can create variables inside a `StatelessScope(initialize_variables=False)`
+and leave them uninitialised: shape and dtype are known, `_value` is `None`,
+and the initializer is kept for later. Keras also appends such variables to a
+global "uninitialised" list that the next plain `StatelessScope` exit
+initialises in one go, which would silently fill the model with random weights
+(on one device) long after the build. `lazy_init()` therefore takes its
+variables off that list and swaps their initializer for a sentinel that raises
+`UnloadedVariableError` naming the variable, so a value is never invented.
+
+`StatelessScope` and the uninitialised-variable list are Keras internals
+(`keras.src.backend.common`); there is no public API for deferred building.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+from keras.src.backend.common import global_state
+from keras.src.backend.common.stateless_scope import StatelessScope
+
+from shardckpt.errors import UnloadedVariableError
+
+_PENDING = "uninitialized_variables"  # Keras' global list, see module docstring.
+
+
+class _Unloaded:
+    """Initializer stand-in for a lazily built variable that has no value yet."""
+
+    def __init__(self, path: str, initializer: Any) -> None:
+        self.path = path
+        self.initializer = initializer  # the layer's own, for strict=False
+
+    def __call__(self, shape: Any = None, dtype: Any = None, **kwargs: Any) -> Any:
+        raise UnloadedVariableError(
+            f"Variable {self.path!r} was built under shardckpt.lazy_init() and has "
+            "no value yet. Fix: call shardckpt.load_sharded(model, path) before "
+            "using the model (strict=False initialises variables the checkpoint "
+            "lacks), or build the model outside lazy_init()."
+        )
+
+
+@contextlib.contextmanager
+def lazy_init() -> Iterator[None]:
+    """Builds models without running initializers or allocating weights.
+
+    Variables created inside the context have shapes and dtypes but no values;
+    `shardckpt.load_sharded` gives them values directly in their target
+    sharding. Reading an unloaded variable raises `UnloadedVariableError`.
+
+    Example:
+
+    ```python
+    with shardckpt.lazy_init():
+        model = build_model()
+    shardckpt.load_sharded(model, "model.weights.h5")
+    ```
+
+    Yields:
+        None.
+    """
+    before = {id(v) for v in global_state.get_global_attribute(_PENDING, []) or []}
+    try:
+        with StatelessScope(initialize_variables=False):
+            yield
+    finally:
+        pending = global_state.get_global_attribute(_PENDING, []) or []
+        ours = [v for v in pending if id(v) not in before]
+        global_state.set_global_attribute(
+            _PENDING, [v for v in pending if id(v) in before]
+        )
+        for variable in ours:
+            if variable._value is None and not isinstance(variable._initializer, _Unloaded):
+                variable._initializer = _Unloaded(variable.path, variable._initializer)
+
+
+def is_unloaded(variable: Any) -> bool:
+    """Returns True for a variable built lazily that has not received a value."""
+    return variable._value is None and isinstance(variable._initializer, _Unloaded)
+
+
+def original_initializer(variable: Any) -> Any:
+    """Returns the layer's own initializer of a lazily built variable."""
+    init = variable._initializer
+    return init.initializer if isinstance(init, _Unloaded) else init

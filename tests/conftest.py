@@ -1,0 +1,28 @@
+"""Test set-up: 8 simulated CPU devices, JAX backend, set before jax is imported."""
+
+import os
+
+# Must happen before the first `import jax` anywhere in the test session.
+os.environ["XLA_FLAGS"] = (
+    os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+).strip()
+os.environ["KERAS_BACKEND"] = "jax"
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import jax  # noqa: E402
+import keras  # noqa: E402
+import pytest  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def _clean_keras_state():
+    """Each test starts with no distribution and fresh Keras names."""
+    keras.distribution.set_distribution(None)
+    keras.backend.clear_session()
+    yield
+    keras.distribution.set_distribution(None)
+    keras.backend.clear_session()
+
+
+def pytest_configure(config):
+    assert jax.device_count() == 8, "conftest must set 8 CPU devices before jax import"
