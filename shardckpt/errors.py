@@ -90,6 +90,10 @@ class CheckpointMismatchError(ShardckptError, ValueError):
         lines += [f"  mismatch: {m}" for m in self.mismatched]
         lines.append(
             "Fix: build the same architecture that wrote the checkpoint, or pass "
-            "strict=False to load what matches and initialise the rest."
+            "strict=False to load what matches and initialise the rest. Orbax and "
+            "safetensors keys use variable paths, which contain layer names: "
+            "auto-generated names (dense_3) shift with every model built in the "
+            "process, so name your layers or call keras.backend.clear_session() "
+            "before building."
         )
         super().__init__("\n".join(lines))

@@ -1,0 +1,69 @@
+"""On-disk formats behind one `Reader` Protocol, and `open_reader(path)`."""
+
+from __future__ import annotations
+
+import os
+
+from shardckpt.errors import CheckpointNotFoundError, UnknownFormatError
+from shardckpt.formats.base import ArraySpec, Box, Reader, full_box
+from shardckpt.formats.h5 import H5Reader
+from shardckpt.formats.orbax import OrbaxReader, is_orbax_dir
+from shardckpt.formats.safetensors import SafetensorsReader
+
+__all__ = [
+    "ArraySpec",
+    "Box",
+    "H5Reader",
+    "OrbaxReader",
+    "Reader",
+    "SafetensorsReader",
+    "detect_format",
+    "full_box",
+    "open_reader",
+]
+
+
+def detect_format(path: str) -> str:
+    """Names the format of `path`: "h5", "keras", "orbax" or "safetensors".
+
+    Raises:
+        CheckpointNotFoundError: `path` does not exist.
+        UnknownFormatError: `path` exists but is no format shardckpt reads.
+    """
+    path = os.fspath(path)
+    if not os.path.exists(path):
+        raise CheckpointNotFoundError(
+            f"No checkpoint at {path!r}. Fix: check the path (a .weights.h5, .keras, "
+            ".safetensors, *.safetensors.index.json file or an Orbax folder)."
+        )
+    if os.path.isdir(path):
+        if is_orbax_dir(path):
+            return "orbax"
+    elif path.endswith((".h5", ".hdf5")):
+        return "h5"
+    elif path.endswith(".keras"):
+        return "keras"
+    elif path.endswith((".safetensors", ".safetensors.index.json")):
+        return "safetensors"
+    else:
+        with open(path, "rb") as f:
+            magic = f.read(8)
+        if magic == b"\x89HDF\r\n\x1a\n":
+            return "h5"
+        if magic[:4] == b"PK\x03\x04":
+            return "keras"
+    raise UnknownFormatError(
+        f"{path!r} is not a checkpoint shardckpt reads. Supported: Keras "
+        "`.weights.h5` / `.keras` files, Orbax checkpoint folders, `.safetensors` "
+        "files and `*.safetensors.index.json` sets."
+    )
+
+
+def open_reader(path: str) -> Reader:
+    """Opens `path` with the reader for its format (see `detect_format`)."""
+    fmt = detect_format(path)
+    if fmt in ("h5", "keras"):
+        return H5Reader(path)
+    if fmt == "orbax":
+        return OrbaxReader(path)
+    return SafetensorsReader(path)

@@ -1,0 +1,89 @@
+"""The reader Protocol every on-disk format implements.
+
+A reader knows a checkpoint's keys, the shape and dtype of each array, and can
+read any rectangular box of an array into a fresh host buffer. It knows
+nothing about models, devices or shardings: deciding *which* boxes to read is
+the job of `shardckpt.readplan`; reading them is the reader's only job.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Protocol, runtime_checkable
+
+import ml_dtypes
+import numpy as np
+
+Box = tuple[slice, ...]
+"""A rectangular region of an array: one `slice(start, stop)` per dimension."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ArraySpec:
+    """Shape and dtype of one array in a checkpoint, known without reading it.
+
+    Attributes:
+        shape: The array's global shape.
+        dtype: The array's numpy dtype (bfloat16 etc. through ml_dtypes).
+        chunk_rows: Rows (along axis 0) per storage chunk where reads are
+            cheaper when aligned to them (compressed chunks); None if any
+            row range costs the same.
+    """
+
+    shape: tuple[int, ...]
+    dtype: np.dtype
+    chunk_rows: int | None = None
+
+    @property
+    def nbytes(self) -> int:
+        return int(np.prod(self.shape, dtype=np.int64)) * self.dtype.itemsize
+
+
+@runtime_checkable
+class Reader(Protocol):
+    """Read access to the arrays of one checkpoint."""
+
+    path: str
+    format: str
+
+    def keys(self) -> list[str]:
+        """Returns every array key, '/'-separated, in storage order."""
+        ...
+
+    def spec(self, key: str) -> ArraySpec:
+        """Returns shape and dtype of `key` without reading its data."""
+        ...
+
+    def read(self, key: str, box: Box) -> np.ndarray:
+        """Returns a new C-contiguous array holding `box` of array `key`."""
+        ...
+
+    def close(self) -> None:
+        """Releases files and memory maps."""
+        ...
+
+
+def full_box(shape: tuple[int, ...]) -> Box:
+    """The box that covers a whole array of `shape`."""
+    return tuple(slice(0, n) for n in shape)
+
+
+# Names used by safetensors headers and Keras' h5 `dtype` attribute.
+DTYPES: dict[str, np.dtype] = {
+    "F64": np.dtype(np.float64),
+    "F32": np.dtype(np.float32),
+    "F16": np.dtype(np.float16),
+    "BF16": np.dtype(ml_dtypes.bfloat16),
+    "F8_E4M3": np.dtype(ml_dtypes.float8_e4m3fn),
+    "F8_E5M2": np.dtype(ml_dtypes.float8_e5m2),
+    "I64": np.dtype(np.int64),
+    "I32": np.dtype(np.int32),
+    "I16": np.dtype(np.int16),
+    "I8": np.dtype(np.int8),
+    "U64": np.dtype(np.uint64),
+    "U32": np.dtype(np.uint32),
+    "U16": np.dtype(np.uint16),
+    "U8": np.dtype(np.uint8),
+    "BOOL": np.dtype(np.bool_),
+}
+DTYPE_NAMES: dict[np.dtype, str] = {v: k for k, v in DTYPES.items()}

@@ -1,0 +1,216 @@
+"""Orbax checkpoints (as written by `keras.callbacks.OrbaxCheckpoint` or shardckpt).
+
+Layout: a root folder of step folders (`0/`, `100/`, ...); a step holds
+checkpointables, of which `pytree/` is the state tree of arrays in an OCDBT
+key-value store with one zarr3 array per leaf. Orbax writes a step into a
+`*.orbax-checkpoint-tmp*` folder and renames it when complete, so only
+integer-named folders are committed steps.
+
+Shapes and dtypes come from Orbax's public metadata API; each box is read with
+tensorstore through the read spec Orbax itself builds
+(`orbax.checkpoint.type_handlers.get_json_tspec_read`), so only the chunks a
+device needs are fetched and decoded.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import threading
+
+import jax
+import numpy as np
+import tensorstore as ts
+from etils import epath
+from orbax.checkpoint import type_handlers
+import orbax.checkpoint.experimental.v1 as ocp
+
+from shardckpt.errors import (
+    CheckpointNotFoundError,
+    CorruptCheckpointError,
+    IncompleteCheckpointError,
+)
+from shardckpt.formats.base import ArraySpec, Box
+
+_TMP_MARK = ".orbax-checkpoint-tmp"
+_STEP_METADATA = "_CHECKPOINT_METADATA"
+_TREE_METADATA = "_METADATA"
+# Where the array tree lives inside a step: Keras' callback and shardckpt use
+# "pytree"; Orbax v0 CheckpointManager defaults used "default"/"state".
+_TREE_ITEMS = ("pytree", "default", "state")
+
+
+def committed_steps(root: str) -> list[int]:
+    """Returns the committed step numbers under an Orbax root, ascending."""
+    steps = []
+    for name in os.listdir(root):
+        full = os.path.join(root, name)
+        if name.isdigit() and os.path.isdir(full):
+            steps.append(int(name))
+    return sorted(steps)
+
+
+def is_orbax_dir(path: str) -> bool:
+    """True for an Orbax root or step folder (committed or not)."""
+    if not os.path.isdir(path):
+        return False
+    names = os.listdir(path)
+    if _STEP_METADATA in names or _TREE_METADATA in names or _TMP_MARK in path:
+        return True
+    return any(n.isdigit() or _TMP_MARK in n for n in names) or any(
+        os.path.isfile(os.path.join(path, n, _TREE_METADATA)) for n in names
+    )
+
+
+def resolve_step(path: str) -> str:
+    """Maps an Orbax root to its latest committed step; checks a step folder.
+
+    Raises:
+        CheckpointNotFoundError: no committed step under the root.
+        IncompleteCheckpointError: the path is a half-written step, or the root
+            holds only half-written steps.
+    """
+    path = os.path.abspath(os.fspath(path))
+    if _TMP_MARK in os.path.basename(path):
+        raise IncompleteCheckpointError(
+            f"{path!r} is a step Orbax never committed (its save was interrupted). "
+            "Fix: load the checkpoint root or a committed step; shardckpt ignores "
+            "and OrbaxCheckpoint cleans such folders."
+        )
+    names = os.listdir(path)
+    if _STEP_METADATA in names or any(n in names for n in _TREE_ITEMS) or _TREE_METADATA in names:
+        return path
+    steps = committed_steps(path)
+    if steps:
+        return os.path.join(path, str(steps[-1]))
+    if any(_TMP_MARK in n for n in names):
+        raise IncompleteCheckpointError(
+            f"{path!r} holds only half-written steps ({sorted(names)}); no save "
+            "finished. Fix: let a save complete, or restore from another checkpoint."
+        )
+    raise CheckpointNotFoundError(f"No committed Orbax step under {path!r}.")
+
+
+def _tree_dir(step: str) -> str:
+    for name in _TREE_ITEMS:
+        if os.path.isdir(os.path.join(step, name)):
+            tree = os.path.join(step, name)
+            break
+    else:
+        tree = step
+    if not os.path.isfile(os.path.join(tree, _TREE_METADATA)):
+        raise IncompleteCheckpointError(
+            f"{tree!r} has no {_TREE_METADATA} file: the step is incomplete or not "
+            "an Orbax pytree checkpoint. Fix: restore from another step."
+        )
+    return tree
+
+
+class OrbaxReader:
+    """Reader for one step of an Orbax checkpoint.
+
+    Args:
+        path: An Orbax root (the latest committed step is used) or a step folder.
+
+    Raises:
+        CheckpointNotFoundError, IncompleteCheckpointError: see `resolve_step`.
+        CorruptCheckpointError: the metadata cannot be parsed.
+    """
+
+    format = "orbax"
+
+    def __init__(self, path: str) -> None:
+        self.root = os.fspath(path)
+        self.path = resolve_step(self.root)
+        self.step_dir = self.path
+        self.tree_dir = _tree_dir(self.path)
+        try:
+            tree = ocp.metadata(self.path, checkpointable_name=os.path.basename(self.tree_dir))
+            leaves = jax.tree_util.tree_flatten_with_path(tree.metadata)[0]
+        except (ValueError, KeyError, json.JSONDecodeError, FileNotFoundError) as e:
+            raise CorruptCheckpointError(
+                f"Cannot read the array metadata of {self.tree_dir!r}: {e}. Fix: "
+                "restore from another step."
+            ) from e
+        self._specs: dict[str, ArraySpec] = {}
+        self._names: dict[str, str] = {}
+        for key_path, leaf in leaves:
+            if not hasattr(leaf, "shape"):
+                continue  # a non-array leaf (string, None): not a variable
+            parts = [_key_str(k) for k in key_path]
+            key = "/".join(parts)
+            self._names[key] = ".".join(parts)  # Orbax's parameter name in OCDBT
+            self._specs[key] = ArraySpec(shape=tuple(leaf.shape), dtype=np.dtype(leaf.dtype))
+        self._context = type_handlers.get_ts_context(use_ocdbt=True)
+        self._stores: dict[str, ts.TensorStore] = {}
+        self._lock = threading.Lock()
+
+    def _store(self, key: str) -> ts.TensorStore:
+        with self._lock:
+            store = self._stores.get(key)
+        if store is not None:
+            return store
+        info = type_handlers.ParamInfo(
+            name=self._names[key],
+            parent_dir=epath.Path(self.tree_dir),
+            is_ocdbt_checkpoint=True,
+            use_zarr3=self._is_zarr3(key),
+            ts_context=self._context,
+        )
+        spec = type_handlers.get_json_tspec_read(info, use_ocdbt=True)
+        try:
+            store = ts.open(spec, read=True, context=self._context).result()
+        except ValueError as e:
+            raise CorruptCheckpointError(
+                f"Array {key!r} of {self.tree_dir!r} cannot be opened: {e}. Fix: "
+                "restore from another step."
+            ) from e
+        spec_shape = self._specs[key].shape
+        if tuple(store.shape) != spec_shape:
+            raise CorruptCheckpointError(
+                f"Array {key!r} of {self.tree_dir!r} has shape {tuple(store.shape)} "
+                f"on disk but {spec_shape} in its metadata. Fix: restore another step."
+            )
+        with self._lock:
+            self._stores[key] = store
+        return store
+
+    def _is_zarr3(self, key: str) -> bool:
+        # Orbax >= 0.9 writes zarr3; older checkpoints used zarr v2 (`.zarray`).
+        return not os.path.exists(os.path.join(self.tree_dir, self._names[key], ".zarray"))
+
+    def keys(self) -> list[str]:
+        return list(self._specs)
+
+    def spec(self, key: str) -> ArraySpec:
+        return self._specs[key]
+
+    def chunk_rows(self, key: str) -> int | None:
+        """Rows of one stored chunk along axis 0 (reads align to them)."""
+        spec = self._specs[key]
+        if not spec.shape:
+            return None
+        chunk = self._store(key).chunk_layout.read_chunk.shape
+        return int(chunk[0]) if chunk and chunk[0] else None
+
+    def read(self, key: str, box: Box) -> np.ndarray:
+        store = self._store(key)
+        try:
+            data = store[box].read().result() if box else store.read().result()
+        except ValueError as e:
+            raise CorruptCheckpointError(
+                f"Reading array {key!r} of {self.tree_dir!r} failed: {e}. The chunk "
+                "data is damaged. Fix: restore from another step."
+            ) from e
+        return np.ascontiguousarray(data)
+
+    def close(self) -> None:
+        self._stores.clear()
+
+
+def _key_str(entry: object) -> str:
+    for attr in ("key", "name", "idx"):
+        if hasattr(entry, attr):
+            return str(getattr(entry, attr))
+    return re.sub(r"^[\[.'\"]+|[\]'\"]+$", "", str(entry))

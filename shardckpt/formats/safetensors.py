@@ -1,0 +1,146 @@
+"""`.safetensors` files and `*.safetensors.index.json` shard sets.
+
+The format is an 8-byte little-endian header length, a JSON header mapping
+each key to dtype, shape and a byte range, then raw little-endian data. The
+header is parsed as JSON (nothing is executed or unpickled) and validated
+against the file size; each box is then a numpy slice of a read-only memory
+map, so a device's piece reads only its own bytes. The `safetensors` package
+is not used because its numpy binding cannot return bfloat16 and reads whole
+tensors for strided slices.
+"""
+
+from __future__ import annotations
+
+import json
+import mmap
+import os
+
+import numpy as np
+
+from shardckpt.errors import CheckpointNotFoundError, CorruptCheckpointError
+from shardckpt.formats.base import DTYPES, ArraySpec, Box
+
+_MAX_HEADER = 100 * 1024 * 1024  # the reference implementation's own limit
+
+
+class _File:
+    def __init__(self, path: str) -> None:
+        if not os.path.isfile(path):
+            raise CheckpointNotFoundError(f"No safetensors file at {path!r}.")
+        self.path = path
+        size = os.path.getsize(path)
+        with open(path, "rb") as f:
+            head = f.read(8)
+            if len(head) < 8:
+                raise _corrupt(path, "shorter than its 8-byte header length")
+            n = int.from_bytes(head, "little")
+            if n > _MAX_HEADER or 8 + n > size:
+                raise _corrupt(path, f"header length {n} does not fit the file size {size}")
+            try:
+                header = json.loads(f.read(n))
+            except (UnicodeDecodeError, json.JSONDecodeError) as e:
+                raise _corrupt(path, f"header is not valid JSON ({e})") from e
+            self._fh = open(path, "rb")
+        self.metadata = header.pop("__metadata__", None) or {}
+        self.entries: dict[str, tuple[ArraySpec, int]] = {}
+        data_start = 8 + n
+        for key, info in header.items():
+            try:
+                dtype = DTYPES[info["dtype"]]
+                shape = tuple(int(d) for d in info["shape"])
+                begin, end = (int(x) for x in info["data_offsets"])
+            except (KeyError, TypeError, ValueError) as e:
+                raise _corrupt(path, f"header entry for {key!r} is malformed ({e!r})") from e
+            spec = ArraySpec(shape=shape, dtype=dtype)
+            if end - begin != spec.nbytes or data_start + end > size:
+                raise _corrupt(
+                    path,
+                    f"array {key!r} ({info['dtype']}{list(shape)}) needs {spec.nbytes} "
+                    f"bytes at {data_start + begin}..{data_start + end}, file has {size}",
+                )
+            self.entries[key] = (spec, data_start + begin)
+        self.map = mmap.mmap(self._fh.fileno(), 0, access=mmap.ACCESS_READ) if size else None
+
+    def close(self) -> None:
+        if self.map is not None:
+            self.map.close()
+        self._fh.close()
+
+
+def _corrupt(path: str, what: str) -> CorruptCheckpointError:
+    return CorruptCheckpointError(
+        f"{path!r} is not a valid safetensors file: {what}. It is truncated or "
+        "damaged. Fix: re-download or re-save it."
+    )
+
+
+class SafetensorsReader:
+    """Reader for one `.safetensors` file or a `*.safetensors.index.json` set.
+
+    Args:
+        path: A `.safetensors` file, or an index JSON whose `weight_map` maps
+            keys to files in the same folder.
+
+    Raises:
+        CheckpointNotFoundError: a file does not exist.
+        CorruptCheckpointError: a header is invalid or a file is truncated.
+    """
+
+    format = "safetensors"
+
+    def __init__(self, path: str) -> None:
+        self.path = os.fspath(path)
+        self._files: dict[str, _File] = {}
+        self._where: dict[str, _File] = {}
+        if self.path.endswith(".json"):
+            if not os.path.isfile(self.path):
+                raise CheckpointNotFoundError(f"No safetensors index at {self.path!r}.")
+            try:
+                with open(self.path) as f:
+                    weight_map = json.load(f)["weight_map"]
+            except (json.JSONDecodeError, KeyError, TypeError) as e:
+                raise CorruptCheckpointError(
+                    f"{self.path!r} is not a safetensors index (needs a 'weight_map' "
+                    f"object): {e!r}. Fix: pass the index written with the shards."
+                ) from e
+            folder = os.path.dirname(self.path)
+            for key, name in weight_map.items():
+                file = self._open(os.path.join(folder, name))
+                if key not in file.entries:
+                    raise CorruptCheckpointError(
+                        f"Index {self.path!r} puts {key!r} in {name!r}, which has no "
+                        "such array. Fix: regenerate the index with its shards."
+                    )
+                self._where[key] = file
+        else:
+            file = self._open(self.path)
+            self._where = {k: file for k in file.entries}
+        self.metadata = {k: v for f in self._files.values() for k, v in f.metadata.items()}
+
+    def _open(self, path: str) -> _File:
+        if path not in self._files:
+            try:
+                self._files[path] = _File(path)
+            except BaseException:
+                self.close()
+                raise
+        return self._files[path]
+
+    def keys(self) -> list[str]:
+        return list(self._where)
+
+    def spec(self, key: str) -> ArraySpec:
+        return self._where[key].entries[key][0]
+
+    def read(self, key: str, box: Box) -> np.ndarray:
+        file = self._where[key]
+        spec, offset = file.entries[key]
+        if file.map is None or spec.nbytes == 0:
+            return np.zeros(spec.shape, spec.dtype)[box].copy()
+        whole = np.ndarray(spec.shape, spec.dtype, buffer=file.map, offset=offset)
+        return np.array(whole[box], copy=True, order="C")
+
+    def close(self) -> None:
+        for file in self._files.values():
+            file.close()
+        self._files.clear()

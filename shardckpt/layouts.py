@@ -1,0 +1,101 @@
+"""Target shardings: what `layout=` means for `load_sharded` and `convert`.
+
+Accepted forms, each turned into one function `variable -> TargetLayout`:
+None (the active Keras distribution, else the variable's current sharding),
+a `keras.distribution.Distribution`, a `keras.distribution.LayoutMap`, or a
+plan object with `sharding_for(variable)` or `layout_map()` (a `LayoutPlan`
+from `shardckpt.auto_layout`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import jax
+from jax.sharding import NamedSharding, PartitionSpec
+from keras import distribution as kd
+
+
+@dataclasses.dataclass(frozen=True)
+class TargetLayout:
+    """Where one variable goes.
+
+    Attributes:
+        sharding: The JAX sharding of the restored array.
+        keras_layout: The Keras `TensorLayout` to record on the variable, when
+            the target came from a Keras distribution or layout map (Keras
+            re-places later assigned values on it).
+    """
+
+    sharding: jax.sharding.Sharding
+    keras_layout: Any = None
+
+
+def resolve_layout(layout: Any) -> Callable[[Any], TargetLayout]:
+    """Returns `variable -> TargetLayout` for any accepted `layout` form.
+
+    Raises:
+        TypeError: `layout` is none of the accepted forms.
+    """
+    if layout is None:
+        active = kd.distribution()
+        if active is not None:
+            return _from_distribution(active)
+        return _current
+    if hasattr(layout, "sharding_for"):
+        return lambda v: TargetLayout(layout.sharding_for(v))
+    if isinstance(layout, kd.Distribution):
+        return _from_distribution(layout)
+    if hasattr(layout, "layout_map") and callable(layout.layout_map):
+        layout = layout.layout_map()
+    if isinstance(layout, kd.LayoutMap):
+        return _from_layout_map(layout)
+    raise TypeError(
+        "layout must be None, a keras.distribution.Distribution or LayoutMap, or a "
+        f"plan with layout_map() (shardckpt.auto_layout). Received: layout={layout!r}"
+    )
+
+
+def _current(variable: Any) -> TargetLayout:
+    if variable._value is not None and hasattr(variable._value, "sharding"):
+        return TargetLayout(variable._value.sharding, variable._layout)
+    if variable._layout is not None:
+        return _from_keras_layout(variable._layout)
+    return TargetLayout(jax.sharding.SingleDeviceSharding(jax.local_devices()[0]))
+
+
+def _from_keras_layout(layout: Any) -> TargetLayout:
+    if isinstance(layout, kd.TensorLayout):
+        return TargetLayout(layout.backend_layout, layout)
+    return TargetLayout(layout)
+
+
+def _from_distribution(dist: Any) -> Callable[[Any], TargetLayout]:
+    def layout_of(variable: Any) -> TargetLayout:
+        return _from_keras_layout(dist.get_variable_layout(variable))
+
+    return layout_of
+
+
+def _from_layout_map(layout_map: Any) -> Callable[[Any], TargetLayout]:
+    mesh = layout_map.device_mesh
+    if mesh is None:
+        raise TypeError("The LayoutMap has no device_mesh; build it as LayoutMap(mesh).")
+
+    def layout_of(variable: Any) -> TargetLayout:
+        found = layout_map[variable.path]
+        if found is None:
+            replicated = kd.TensorLayout([None] * len(variable.shape), mesh)
+            return TargetLayout(replicated.backend_layout, replicated)
+        if found.device_mesh is None:
+            found.device_mesh = mesh
+        return _from_keras_layout(found)
+
+    return layout_of
+
+
+def replicated(mesh: jax.sharding.Mesh) -> NamedSharding:
+    """A sharding that puts a full copy on every device of `mesh`."""
+    return NamedSharding(mesh, PartitionSpec())

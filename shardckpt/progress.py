@@ -1,0 +1,55 @@
+"""A byte-counting rich progress bar that can be switched off."""
+
+from __future__ import annotations
+
+import threading
+from types import TracebackType
+
+from rich.progress import (
+    BarColumn,
+    DownloadColumn,
+    Progress,
+    TextColumn,
+    TimeRemainingColumn,
+    TransferSpeedColumn,
+)
+
+
+class ByteProgress:
+    """Context manager: `advance(n)` adds `n` bytes; thread-safe; no-op when disabled."""
+
+    def __init__(self, total: int, description: str, *, enabled: bool) -> None:
+        self._enabled = enabled
+        self._lock = threading.Lock()
+        self._progress = (
+            Progress(
+                TextColumn("{task.description}"),
+                BarColumn(),
+                DownloadColumn(),
+                TransferSpeedColumn(),
+                TimeRemainingColumn(),
+                transient=True,
+            )
+            if enabled
+            else None
+        )
+        self._task = self._progress.add_task(description, total=total) if self._progress else None
+
+    def __enter__(self) -> "ByteProgress":
+        if self._progress is not None:
+            self._progress.start()
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        if self._progress is not None:
+            self._progress.stop()
+
+    def advance(self, n: int) -> None:
+        if self._progress is not None:
+            with self._lock:
+                self._progress.advance(self._task, n)

@@ -1,0 +1,372 @@
+"""`load_sharded`: checkpoint -> reader -> key matching -> read plan -> jax.Array.
+
+Each variable is filled straight into its target sharding: the reader returns
+only the boxes this process's devices hold (see `readplan`), the pieces are
+put on their devices, and `jax.make_array_from_single_device_arrays`
+assembles the global array. No full tensor goes through one device, and the
+host holds a full tensor only when the variable is replicated.
+
+Variables are replaced one at a time, so a model built normally peaks at the
+model plus the variables in flight, never two copies of the model.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import os
+import sys
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import numpy as np
+
+from shardckpt import naming, readplan
+from shardckpt.errors import (
+    CheckpointMismatchError,
+    DtypeMismatchError,
+    IndivisibleLayoutError,
+)
+from shardckpt.formats import Reader, open_reader
+from shardckpt.layouts import TargetLayout, resolve_layout
+from shardckpt.lazy import is_unloaded, original_initializer
+from shardckpt.progress import ByteProgress
+
+DEFAULT_MAX_INFLIGHT = 256 * 1024 * 1024
+# Reads run on a few threads: numpy copies, h5 page faults and tensorstore
+# decoding all release the GIL, and overlapping them hides I/O latency.
+_WORKERS = min(8, max(2, (os.cpu_count() or 2)))
+
+
+@dataclasses.dataclass(kw_only=True)
+class LoadReport:
+    """What `load_sharded` did.
+
+    Attributes:
+        path: The checkpoint read (for Orbax: the step folder).
+        format: "h5", "keras", "orbax" or "safetensors".
+        arrays: Variables that received a value from the checkpoint.
+        bytes_read: Bytes of array data read by this process.
+        seconds: Wall time of the whole load.
+        missing: Variable paths with no array in the checkpoint.
+        unexpected: Checkpoint keys matching no variable.
+        skipped: Optimizer/metric keys left unread because the model has no
+            such variables (e.g. a full-state checkpoint into a fresh model).
+        casts: "path: stored -> variable dtype" for every cast made.
+        initialized: Lazily built variables initialised because the
+            checkpoint lacked them (`strict=False` only).
+    """
+
+    path: str
+    format: str
+    arrays: int = 0
+    bytes_read: int = 0
+    seconds: float = 0.0
+    missing: list[str] = dataclasses.field(default_factory=list)
+    unexpected: list[str] = dataclasses.field(default_factory=list)
+    skipped: list[str] = dataclasses.field(default_factory=list)
+    casts: list[str] = dataclasses.field(default_factory=list)
+    initialized: list[str] = dataclasses.field(default_factory=list)
+
+    def __str__(self) -> str:
+        rate = self.bytes_read / self.seconds / 2**30 if self.seconds else 0.0
+        lines = [
+            f"Loaded {self.arrays} arrays ({self.bytes_read / 2**20:.1f} MiB) from "
+            f"{self.format} {self.path!r} in {self.seconds:.2f} s ({rate:.2f} GiB/s)."
+        ]
+        for label, items in (
+            ("missing", self.missing),
+            ("unexpected", self.unexpected),
+            ("skipped (model has no such variables)", self.skipped),
+            ("cast", self.casts),
+            ("initialised (not in checkpoint)", self.initialized),
+        ):
+            if items:
+                shown = ", ".join(items[:8]) + (f", ... ({len(items)} total)" if len(items) > 8 else "")
+                lines.append(f"  {label}: {shown}")
+        return "\n".join(lines)
+
+
+@dataclasses.dataclass
+class _Job:
+    key: str
+    variable: Any
+    target: TargetLayout
+
+
+def load_sharded(
+    model: Any,
+    path: str | os.PathLike,
+    *,
+    layout: Any = None,
+    strict: bool = True,
+    max_inflight_bytes: int = DEFAULT_MAX_INFLIGHT,
+    progress: bool | None = None,
+) -> LoadReport:
+    """Loads a checkpoint into `model`, each variable directly in its sharding.
+
+    Works on models built under `shardckpt.lazy_init()` (variables get their
+    first value) and on models built normally (values are replaced variable by
+    variable). All checks (keys, shapes, dtypes, divisibility) run before any
+    variable is touched, so a failing call leaves the model as it was.
+
+    Example:
+
+    ```python
+    with shardckpt.lazy_init():
+        model = build_model()
+    keras.distribution.set_distribution(plan.distribution())
+    print(shardckpt.load_sharded(model, "model.weights.h5"))
+    ```
+
+    Args:
+        model: A Keras 3 model (JAX backend).
+        path: A `.weights.h5` or `.keras` file, an Orbax root (its latest
+            committed step) or step folder, a `.safetensors` file or a
+            `*.safetensors.index.json`.
+        layout: Where variables go. None: the active Keras distribution, else
+            each variable's current sharding (or device 0 for a lazy one). Also
+            a `keras.distribution.LayoutMap`, a `Distribution`, or a plan with
+            `layout_map()` / `sharding_for(variable)` (`shardckpt.auto_layout`).
+        strict: Raise on missing or unexpected keys. With False, load what
+            matches; lazily built variables the checkpoint lacks are
+            initialised with their own initializer, in their sharding.
+        max_inflight_bytes: Most bytes of array data read into host memory at
+            once, beyond the pieces being assembled (at least one row of a
+            variable is read at a time).
+        progress: Show a progress bar. None: when stderr is a terminal.
+
+    Returns:
+        A `LoadReport`.
+
+    Raises:
+        CheckpointNotFoundError: nothing at `path`, or no committed step.
+        UnknownFormatError: `path` is not a format shardckpt reads.
+        CorruptCheckpointError: a file is truncated or damaged.
+        IncompleteCheckpointError: an Orbax step was never committed.
+        CheckpointMismatchError: keys missing/unexpected (strict) or shapes differ.
+        DtypeMismatchError: a stored dtype cannot be cast to the variable's.
+        IndivisibleLayoutError: a mesh axis does not divide a sharded dimension.
+    """
+    start = time.perf_counter()
+    if max_inflight_bytes < 1:
+        raise ValueError(f"max_inflight_bytes must be positive. Received: {max_inflight_bytes}")
+    reader = open_reader(os.fspath(path))
+    try:
+        report = LoadReport(path=reader.path, format=reader.format)
+        jobs, to_init = _match(model, reader, report, strict, resolve_layout(layout))
+        total = sum(reader.spec(job.key).nbytes for job in jobs)
+        show = sys.stderr.isatty() if progress is None else progress
+        with ByteProgress(total, f"loading {os.path.basename(reader.path)}", enabled=show) as bar:
+            _run(jobs, reader, report, max_inflight_bytes, bar.advance)
+        for variable, target in to_init:
+            _initialize(variable, target)
+            report.initialized.append(variable.path)
+    finally:
+        reader.close()
+    report.seconds = time.perf_counter() - start
+    return report
+
+
+def _match(
+    model: Any,
+    reader: Reader,
+    report: LoadReport,
+    strict: bool,
+    layout_of: Callable[[Any], TargetLayout],
+) -> tuple[list[_Job], list[tuple[Any, TargetLayout]]]:
+    """Pairs keys with variables and checks everything before any I/O."""
+    wanted = naming.keys_for(model, reader.format)
+    stored = set(reader.keys())
+    collections_stored = {k.split("/", 1)[0] for k in stored}
+    jobs: list[_Job] = []
+    seen: set[int] = set()
+    mismatched: list[str] = []
+    missing_vars: list[Any] = []
+    for key, variable in wanted.items():
+        if not naming.is_variable(variable):
+            mismatched.append(
+                f"{key}: the layer saves a computed value here (quantized or LoRA "
+                "layer), which load_sharded cannot place; load it with "
+                "model.load_weights"
+            )
+            continue
+        if key not in stored:
+            optional = naming.is_optional_key(key)
+            if optional and key.split("/", 1)[0] not in collections_stored:
+                continue  # e.g. a weights-only checkpoint: optimizer keeps its state
+            if id(variable) not in seen:
+                missing_vars.append(variable)
+                report.missing.append(f"{variable.path} (key {key!r})")
+            continue
+        stored.discard(key)
+        if id(variable) in seen:
+            continue  # a shared variable saved under two keys: load it once
+        seen.add(id(variable))
+        spec = reader.spec(key)
+        if tuple(spec.shape) != tuple(variable.shape):
+            mismatched.append(
+                f"{variable.path}: checkpoint {key!r} has shape {tuple(spec.shape)}, "
+                f"the variable {tuple(variable.shape)}"
+            )
+            continue
+        target_dtype = np.dtype(variable.dtype)
+        _check_cast(variable.path, key, spec.dtype, target_dtype)
+        if spec.dtype != target_dtype:
+            report.casts.append(f"{variable.path}: {spec.dtype} -> {target_dtype}")
+        target = layout_of(variable)
+        _check_divisible(variable, target)
+        jobs.append(_Job(key, variable, target))
+    for key in sorted(stored):
+        if naming.is_optional_key(key) and not any(k.startswith(key.split("/", 1)[0] + "/") for k in wanted):
+            report.skipped.append(key)
+        else:
+            report.unexpected.append(key)
+    if mismatched or (strict and (report.missing or report.unexpected)):
+        raise CheckpointMismatchError(
+            reader.path,
+            missing=report.missing if strict else (),
+            unexpected=report.unexpected if strict else (),
+            mismatched=mismatched,
+        )
+    to_init = [(v, layout_of(v)) for v in missing_vars if is_unloaded(v)]
+    for variable, target in to_init:
+        _check_divisible(variable, target)
+    return jobs, to_init
+
+
+def _check_cast(path: str, key: str, stored: np.dtype, target: np.dtype) -> None:
+    numeric = "biuf"
+    if stored == target:
+        return
+    if stored.kind not in numeric + "V" or target.kind not in numeric + "V":
+        raise DtypeMismatchError(
+            f"Variable {path!r}: checkpoint {key!r} holds {stored}, which cannot be "
+            f"cast to the variable's {target}. Fix: build the variable with a "
+            "numeric dtype matching the checkpoint."
+        )
+
+
+def _check_divisible(variable: Any, target: TargetLayout) -> None:
+    sharding = target.sharding
+    spec = getattr(sharding, "spec", None)
+    mesh = getattr(sharding, "mesh", None)
+    if spec is None or mesh is None:
+        return
+    for dim, axes in enumerate(spec):
+        if axes is None or dim >= len(variable.shape):
+            continue
+        names = axes if isinstance(axes, tuple) else (axes,)
+        ways = int(np.prod([mesh.shape[a] for a in names]))
+        if variable.shape[dim] % ways:
+            raise IndivisibleLayoutError(
+                f"Variable {variable.path!r} of shape {tuple(variable.shape)}: "
+                f"dimension {dim} ({variable.shape[dim]}) is sharded over mesh axes "
+                f"{names} of total size {ways}, which does not divide it. Fix: "
+                "replicate this dimension in the layout (None), or use a mesh axis "
+                "size that divides it."
+            )
+
+
+class _Budget:
+    """Caps bytes of read data alive at once across worker threads."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.used = 0
+        self._cond = threading.Condition()
+
+    def acquire(self, n: int) -> int:
+        n = min(n, self.limit)  # one read larger than the cap runs alone
+        with self._cond:
+            self._cond.wait_for(lambda: self.used + n <= self.limit)
+            self.used += n
+        return n
+
+    def release(self, n: int) -> None:
+        with self._cond:
+            self.used -= n
+            self._cond.notify_all()
+
+
+def _run(
+    jobs: list[_Job],
+    reader: Reader,
+    report: LoadReport,
+    max_inflight: int,
+    advance: Callable[[int], None],
+) -> None:
+    budget = _Budget(max_inflight)
+    # Largest first so the long reads overlap the many small ones.
+    order = sorted(jobs, key=lambda j: -reader.spec(j.key).nbytes)
+    with concurrent.futures.ThreadPoolExecutor(_WORKERS) as pool:
+        futures = [pool.submit(_load_one, job, reader, budget, advance) for job in order]
+        try:
+            for future in concurrent.futures.as_completed(futures):
+                report.bytes_read += future.result()
+                report.arrays += 1
+        except BaseException:
+            for f in futures:
+                f.cancel()
+            raise
+
+
+def _load_one(job: _Job, reader: Reader, budget: _Budget, advance: Callable[[int], None]) -> int:
+    spec = reader.spec(job.key)
+    variable = job.variable
+    shape = tuple(variable.shape)
+    dtype = np.dtype(variable.dtype)
+    sharding = job.target.sharding
+    parts = readplan.pieces(sharding.addressable_devices_indices_map(shape), shape)
+    on_host = all(d.platform == "cpu" for p in parts for d in p.devices)
+    chunk_rows = reader.chunk_rows(job.key) if hasattr(reader, "chunk_rows") else None
+    reads = readplan.plan(
+        shape,
+        spec.dtype.itemsize,
+        parts,
+        budget=budget.limit,
+        chunk_rows=chunk_rows,
+        # Off-host, finish one piece at a time so it can leave host memory.
+        per_piece=not on_host and len(parts) > 1,
+    )
+    buffers = [np.empty(p.shape, dtype) for p in parts]
+    done = 0
+    for read in reads:
+        nbytes = readplan.volume(read.box) * spec.dtype.itemsize
+        held = budget.acquire(nbytes)
+        try:
+            data = reader.read(job.key, read.box)
+            for copy in read.copies:
+                buffers[copy.piece][copy.dst] = data[copy.src]
+            del data
+        finally:
+            budget.release(held)
+        done += nbytes
+        advance(nbytes)
+    singles = [
+        jax.device_put(buffers[i], device) for i, part in enumerate(parts) for device in part.devices
+    ]
+    value = jax.make_array_from_single_device_arrays(shape, sharding, singles)
+    _assign(variable, value, job.target)
+    return done
+
+
+def _assign(variable: Any, value: jax.Array, target: TargetLayout) -> None:
+    # Bypass `Variable.assign`, which would re-place the value on the variable's
+    # previous layout; the target layout becomes the variable's layout so that
+    # later assigns (optimizer updates) keep it.
+    variable._layout = target.keras_layout if target.keras_layout is not None else target.sharding
+    variable._value = value
+    variable._initializer = None  # drops lazy_init's sentinel
+
+
+def _initialize(variable: Any, target: TargetLayout) -> None:
+    variable._layout = target.keras_layout if target.keras_layout is not None else target.sharding
+    initializer = original_initializer(variable)
+    variable._initializer = None
+    # Keras jits the initializer with the layout as out_shardings, so the value
+    # is created directly in its sharding.
+    variable._initialize_with_initializer(initializer)
