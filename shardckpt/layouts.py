@@ -16,6 +16,7 @@ from typing import Any
 import jax
 from jax.sharding import NamedSharding, PartitionSpec
 from keras import distribution as kd
+from keras.src.distribution.distribution_lib import Distribution  # no public export of the base class
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,7 +47,7 @@ def resolve_layout(layout: Any) -> Callable[[Any], TargetLayout]:
         return _current
     if hasattr(layout, "sharding_for"):
         return lambda v: TargetLayout(layout.sharding_for(v))
-    if isinstance(layout, kd.Distribution):
+    if isinstance(layout, Distribution):
         return _from_distribution(layout)
     if hasattr(layout, "layout_map") and callable(layout.layout_map):
         layout = layout.layout_map()

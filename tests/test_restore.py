@@ -1,0 +1,185 @@
+"""load_sharded against Keras' own loading: bit-equal values and exact shardings."""
+
+from __future__ import annotations
+
+import jax
+import keras
+import ml_dtypes
+import numpy as np
+import pytest
+import safetensors.numpy as stnp
+
+import shardckpt
+from tests.zoo import build_zoo, randomize, zoo_layout_map
+
+MESHES = {"1x8": (1, 8), "2x4": (2, 4), "8x1": (8, 1)}
+
+
+def _fresh(build, mesh_shape=None, lazy=False, **kw):
+    """Builds a model from a clean session (stable auto names), optionally sharded."""
+    keras.backend.clear_session()  # also clears the distribution
+    dist = None
+    if mesh_shape is not None:
+        mesh = keras.distribution.DeviceMesh(mesh_shape, ["data", "model"])
+        dist = keras.distribution.ModelParallel(layout_map=zoo_layout_map(mesh))
+        keras.distribution.set_distribution(dist)
+    if lazy:
+        with shardckpt.lazy_init():
+            model = build(**kw)
+    else:
+        model = build(**kw)
+    return model, dist
+
+
+def _write(model, tmp_path, fmt):
+    if fmt == "h5":
+        path = tmp_path / "m.weights.h5"
+        model.save_weights(path)
+    elif fmt == "keras":
+        path = tmp_path / "m.keras"
+        model.save(path)
+    elif fmt == "safetensors":
+        path = tmp_path / "m.safetensors"
+        stnp.save_file({v.path: np.asarray(v.value) for v in model.weights}, str(path))
+    else:
+        raise AssertionError(fmt)
+    return str(path)
+
+
+def _assert_same(model, expected_values, dist):
+    assert len(model.weights) == len(expected_values)
+    for v, want in zip(model.weights, expected_values):
+        got = np.asarray(v.value)
+        assert got.dtype == want.dtype, v.path
+        np.testing.assert_array_equal(got, want, err_msg=v.path)
+        if dist is not None:
+            expected = dist.get_variable_layout(v).backend_layout
+            assert v.value.sharding.is_equivalent_to(expected, v.ndim), (
+                v.path,
+                v.value.sharding,
+                expected,
+            )
+
+
+def _keras_loaded(path, dtype="float32", **kw):
+    """What Keras' own `load_weights` produces for `path` (one device)."""
+    model, _ = _fresh(build_zoo, dtype=dtype, **kw)
+    model.load_weights(path)
+    return [np.asarray(v.value) for v in model.weights]
+
+
+@pytest.mark.parametrize("fmt", ["h5", "keras", "safetensors"])
+def test_formats_bit_exact_on_1x8(tmp_path, fmt):
+    src, _ = _fresh(build_zoo)
+    randomize(src)
+    path = _write(src, tmp_path, fmt)
+    want = [np.asarray(v.value) for v in src.weights]
+    if fmt != "safetensors":
+        for a, b in zip(_keras_loaded(path), want):
+            np.testing.assert_array_equal(a, b)
+    model, dist = _fresh(build_zoo, MESHES["1x8"], lazy=True)
+    report = shardckpt.load_sharded(model, path)
+    _assert_same(model, want, dist)
+    assert report.arrays == len(model.weights)
+    assert report.missing == [] and report.unexpected == [] and report.casts == []
+    assert report.format == {"h5": "h5", "keras": "keras", "safetensors": "safetensors"}[fmt]
+
+
+@pytest.mark.parametrize("mesh", ["2x4", "8x1", None], ids=["2x4", "8x1", "one_device"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_meshes_and_dtypes_h5(tmp_path, mesh, dtype):
+    src, _ = _fresh(build_zoo, dtype=dtype)
+    randomize(src, seed=3)
+    path = _write(src, tmp_path, "h5")
+    want = _keras_loaded(path, dtype)
+    model, dist = _fresh(build_zoo, MESHES.get(mesh), lazy=True, dtype=dtype)
+    shardckpt.load_sharded(model, path)
+    _assert_same(model, want, dist)
+    if mesh is None:  # no distribution: everything on device 0, like Keras
+        for v in model.weights:
+            assert v.value.sharding.device_set == {jax.devices()[0]}, v.path
+    # The model runs after loading, sharded, and matches one device exactly.
+    tokens = np.arange(16, dtype="int32").reshape(2, 8) % 32
+    ref_model, _ = _fresh(build_zoo, dtype=dtype)
+    ref_model.load_weights(path)
+    np.testing.assert_allclose(
+        np.asarray(model(tokens, training=False), "float32"),
+        np.asarray(ref_model(tokens, training=False), "float32"),
+        rtol=2e-2 if dtype == "bfloat16" else 1e-5,
+        atol=2e-2 if dtype == "bfloat16" else 1e-5,
+    )
+
+
+def test_cast_float32_checkpoint_into_bfloat16_model_like_keras(tmp_path):
+    src, _ = _fresh(build_zoo, rnn=False)
+    randomize(src, seed=5)
+    path = _write(src, tmp_path, "h5")
+    want = _keras_loaded(path, "bfloat16", rnn=False)
+    model, dist = _fresh(build_zoo, MESHES["2x4"], lazy=True, dtype="bfloat16", rnn=False)
+    report = shardckpt.load_sharded(model, path)
+    _assert_same(model, want, dist)
+    cast = [v.path for v in model.weights if np.dtype(v.dtype) == np.dtype(ml_dtypes.bfloat16)]
+    assert sorted(c.split(":")[0] for c in report.casts) == sorted(cast)
+
+
+def test_normally_built_model_is_replaced_in_its_sharding(tmp_path):
+    src, _ = _fresh(build_zoo)
+    randomize(src, seed=7)
+    path = _write(src, tmp_path, "keras")
+    want = [np.asarray(v.value) for v in src.weights]
+    model, dist = _fresh(build_zoo, MESHES["2x4"], lazy=False)
+    before = {v.path: np.asarray(v.value) for v in model.weights}
+    shardckpt.load_sharded(model, path)
+    _assert_same(model, want, dist)
+    assert any(not np.array_equal(before[v.path], np.asarray(v.value)) for v in model.weights)
+
+
+def test_explicit_layout_map_without_distribution(tmp_path):
+    src, _ = _fresh(build_zoo)
+    randomize(src, seed=9)
+    path = _write(src, tmp_path, "safetensors")
+    model, _ = _fresh(build_zoo, lazy=True)
+    mesh = keras.distribution.DeviceMesh((2, 4), ["data", "model"])
+    layout_map = zoo_layout_map(mesh)
+    shardckpt.load_sharded(model, path, layout=layout_map)
+    dist = keras.distribution.ModelParallel(layout_map=zoo_layout_map(mesh))
+    _assert_same(model, [np.asarray(v.value) for v in src.weights], dist)
+
+
+def test_small_inflight_budget_gives_same_result(tmp_path):
+    src, _ = _fresh(build_zoo)
+    randomize(src, seed=11)
+    path = _write(src, tmp_path, "h5")
+    model, dist = _fresh(build_zoo, MESHES["1x8"], lazy=True)
+    shardckpt.load_sharded(model, path, max_inflight_bytes=64)  # one row at a time
+    _assert_same(model, [np.asarray(v.value) for v in src.weights], dist)
+
+
+def test_strict_false_initialises_missing_variables_in_their_sharding(tmp_path):
+    src, _ = _fresh(build_zoo)
+    randomize(src, seed=13)
+    values = {v.path: np.asarray(v.value) for v in src.weights}
+    dropped = "block/up/kernel"
+    path = str(tmp_path / "partial.safetensors")
+    stnp.save_file({k: v for k, v in values.items() if k != dropped}, path)
+    model, dist = _fresh(build_zoo, MESHES["1x8"], lazy=True)
+    with pytest.raises(shardckpt.errors.CheckpointMismatchError, match=dropped):
+        shardckpt.load_sharded(model, path)
+    report = shardckpt.load_sharded(model, path, strict=False)
+    assert report.initialized == [dropped]
+    assert report.missing == [f"{dropped} (key '{dropped}')"]
+    for v in model.weights:
+        assert v.value.sharding.is_equivalent_to(dist.get_variable_layout(v).backend_layout, v.ndim)
+        if v.path != dropped:
+            np.testing.assert_array_equal(np.asarray(v.value), values[v.path])
+    kernel = next(v for v in model.weights if v.path == dropped)
+    assert np.asarray(kernel.value).std() > 0  # glorot_uniform ran, not zeros
+
+
+def test_progress_bar_runs(tmp_path, capsys):
+    src, _ = _fresh(build_zoo)
+    path = _write(src, tmp_path, "h5")
+    model, _ = _fresh(build_zoo, MESHES["1x8"], lazy=True)
+    report = shardckpt.load_sharded(model, path, progress=True)
+    assert report.bytes_read == sum(int(np.asarray(v.value).nbytes) for v in model.weights)
+    assert "Loaded" in str(report)

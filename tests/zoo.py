@@ -1,0 +1,87 @@
+"""Small real Keras models covering the layer types the restore engine must handle."""
+
+from __future__ import annotations
+
+import keras
+import numpy as np
+from keras import layers
+
+
+@keras.saving.register_keras_serializable("shardckpt_tests")
+class Int8Table(layers.Layer):
+    """A layer with an int8 and a float variable (like a quantized lookup)."""
+
+    def build(self, input_shape):
+        self.table = self.add_weight(
+            shape=(16, 8), initializer="zeros", dtype="int8", trainable=False, name="table"
+        )
+        self.scale = self.add_weight(shape=(8,), initializer="ones", name="scale")
+
+    def call(self, x):
+        return x * self.scale
+
+
+@keras.saving.register_keras_serializable("shardckpt_tests")
+class Block(keras.Model):
+    """A subclassed model nested inside a functional one."""
+
+    def __init__(self, dim, **kwargs):
+        super().__init__(**kwargs)
+        self.dim = dim
+        self.up = layers.Dense(dim * 2, name="up")
+        self.down = layers.EinsumDense("btd,dh->bth", output_shape=(None, dim), bias_axes="h", name="down")
+        self.norm = layers.LayerNormalization(name="norm")
+
+    def call(self, x):
+        return self.norm(x + self.down(keras.activations.gelu(self.up(x))))
+
+    def get_config(self):
+        return {**super().get_config(), "dim": self.dim}
+
+
+def build_zoo(
+    dtype: str = "float32", dim: int = 16, vocab: int = 32, seq: int = 8, rnn: bool | None = None
+) -> keras.Model:
+    """Dense, EinsumDense, Embedding, Conv1D, LayerNorm, BatchNorm, GRU, a nested
+    subclassed model and an int8 variable, all dimensions divisible by 8.
+
+    The GRU is left out for bfloat16 by default: Keras' orthogonal initializer
+    needs a QR decomposition that JAX's CPU LAPACK has no bfloat16 kernel for.
+    """
+    rnn = dtype != "bfloat16" if rnn is None else rnn
+    tokens = keras.Input((seq,), dtype="int32", name="tokens")
+    x = layers.Embedding(vocab, dim, dtype=dtype, name="embed")(tokens)
+    x = Block(dim, dtype=dtype, name="block")(x)
+    x = layers.Conv1D(dim, 3, padding="same", dtype=dtype, name="conv")(x)
+    x = layers.BatchNormalization(dtype=dtype, name="bn")(x)
+    if rnn:
+        x = layers.GRU(dim, return_sequences=True, dtype=dtype, name="gru")(x)
+    x = Int8Table(dtype=dtype, name="int8_table")(x[..., :8])
+    x = layers.Dense(vocab, dtype=dtype, name="head")(x)
+    return keras.Model(tokens, x, name="zoo")
+
+
+def randomize(model: keras.Model, seed: int = 0) -> None:
+    """Gives every variable distinct random values (initializers give zeros/ones)."""
+    rng = np.random.default_rng(seed)
+    for v in model.weights:
+        dtype = np.dtype(v.dtype)
+        if dtype.kind in "iu":
+            value = rng.integers(-100, 100, size=v.shape).astype(dtype)
+        else:
+            value = rng.standard_normal(v.shape).astype(np.float32).astype(dtype)
+        v.assign(value)
+
+
+def zoo_layout_map(mesh: keras.distribution.DeviceMesh) -> keras.distribution.LayoutMap:
+    """Shards kernels and embeddings over the "model" axis, columns and rows."""
+    lm = keras.distribution.LayoutMap(mesh)
+    lm["embed/embeddings"] = ("model", None)
+    lm["block/up/kernel"] = (None, "model")
+    lm["block/up/bias"] = ("model",)
+    lm["block/down/kernel"] = ("model", None)
+    lm["conv/kernel"] = (None, None, "model")
+    lm["gru/.*/kernel"] = (None, "model")
+    lm["int8_table/table"] = ("model", None)
+    lm["head/kernel"] = ("data", "model")
+    return lm
