@@ -238,15 +238,23 @@ def _match(
     return jobs, to_init
 
 
+# Casts Keras' own loading would make without losing meaning: float width
+# changes, integer width changes, and integers or booleans into floats. A float
+# checkpoint loaded into an integer variable is a mistake, not a cast.
+_CASTS = {"f": "f", "i": "iu", "u": "iu", "b": "bf"}
+
+
 def _check_cast(path: str, key: str, stored: np.dtype, target: np.dtype) -> None:
-    numeric = "biuf"
     if stored == target:
         return
-    if stored.kind not in numeric + "V" or target.kind not in numeric + "V":
+    # Integers and booleans may also go into floats.
+    allowed = _CASTS.get(stored.kind, "") + ("f" if stored.kind in "iu" else "")
+    if target.kind not in allowed:
         raise DtypeMismatchError(
-            f"Variable {path!r}: checkpoint {key!r} holds {stored}, which cannot be "
-            f"cast to the variable's {target}. Fix: build the variable with a "
-            "numeric dtype matching the checkpoint."
+            f"Variable {path!r}: checkpoint {key!r} holds {stored}, which does not "
+            f"cast to the variable's {target} without losing meaning. Fix: build "
+            f"the variable with dtype {stored} (or a wider one of the same kind), "
+            "or convert the checkpoint."
         )
 
 
@@ -364,9 +372,14 @@ def _assign(variable: Any, value: jax.Array, target: TargetLayout) -> None:
 
 
 def _initialize(variable: Any, target: TargetLayout) -> None:
-    variable._layout = target.keras_layout if target.keras_layout is not None else target.sharding
     initializer = original_initializer(variable)
     variable._initializer = None
-    # Keras jits the initializer with the layout as out_shardings, so the value
-    # is created directly in its sharding.
-    variable._initialize_with_initializer(initializer)
+    if target.keras_layout is not None or isinstance(target.sharding, jax.sharding.NamedSharding):
+        variable._layout = target.keras_layout or target.sharding
+        # Keras jits the initializer with the layout as out_shardings, so the
+        # value is created directly in its sharding.
+        variable._initialize_with_initializer(initializer)
+    else:  # one device: Keras' own default placement
+        variable._layout = None
+        variable._initialize_with_initializer(initializer)
+        variable._value = jax.device_put(variable._value, target.sharding)

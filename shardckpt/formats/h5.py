@@ -133,7 +133,7 @@ class H5Reader:
                 f"Reading array {key!r} of {self.path!r} failed: {e}. The file is "
                 "damaged. Fix: re-create it from its source."
             ) from e
-        return np.ascontiguousarray(np.asarray(data).view(spec.dtype))
+        return np.asarray(np.asarray(data).view(spec.dtype), order="C")
 
     def attrs(self, group: str) -> dict[str, object]:
         """Returns the HDF5 attributes of `group` (Keras stores layer names there)."""

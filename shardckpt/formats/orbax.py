@@ -142,9 +142,32 @@ class OrbaxReader:
             key = "/".join(parts)
             self._names[key] = ".".join(parts)  # Orbax's parameter name in OCDBT
             self._specs[key] = ArraySpec(shape=tuple(leaf.shape), dtype=np.dtype(leaf.dtype))
+        self._check_all_listed()
         self._context = type_handlers.get_ts_context(use_ocdbt=True)
         self._stores: dict[str, ts.TensorStore] = {}
         self._lock = threading.Lock()
+
+    def _check_all_listed(self) -> None:
+        # Orbax's metadata call logs and drops arrays whose store it cannot
+        # open (a damaged OCDBT node), returning a smaller tree; compare with
+        # the tree Orbax recorded at save time so damage is not read as
+        # "missing keys".
+        with open(os.path.join(self.tree_dir, _TREE_METADATA)) as f:
+            recorded = json.load(f).get("tree_metadata", {})
+        expected = {
+            "/".join(str(k["key"]) for k in entry["key_metadata"])
+            for entry in recorded.values()
+            if not entry.get("value_metadata", {}).get("skip_deserialize", False)
+            and "Array" in entry.get("value_metadata", {}).get("value_type", "")
+            or entry.get("value_metadata", {}).get("value_type") == "np.ndarray"
+        }
+        lost = sorted(expected - set(self._specs))
+        if lost:
+            raise CorruptCheckpointError(
+                f"{len(lost)} array(s) of {self.tree_dir!r} cannot be opened although "
+                f"the checkpoint lists them (first: {lost[0]!r}); its data files are "
+                "damaged. Fix: restore from another step."
+            )
 
     def _store(self, key: str) -> ts.TensorStore:
         with self._lock:
@@ -203,7 +226,8 @@ class OrbaxReader:
                 f"Reading array {key!r} of {self.tree_dir!r} failed: {e}. The chunk "
                 "data is damaged. Fix: restore from another step."
             ) from e
-        return np.ascontiguousarray(data)
+        # np.asarray, not np.ascontiguousarray: the latter turns scalars into 1-D.
+        return np.asarray(data, order="C")
 
     def close(self) -> None:
         self._stores.clear()

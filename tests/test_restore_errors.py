@@ -1,0 +1,180 @@
+"""Bad input: every case raises a typed error naming the problem, and leaves the model untouched."""
+
+from __future__ import annotations
+
+import os
+import shutil
+
+import keras
+import numpy as np
+import pytest
+import safetensors.numpy as stnp
+
+import shardckpt
+from shardckpt import errors
+from tests.zoo import build_zoo, randomize
+
+
+def _lazy(dim=16, mesh=None, layout_map=None):
+    keras.backend.clear_session()
+    if mesh is not None:
+        keras.distribution.set_distribution(keras.distribution.ModelParallel(layout_map=layout_map))
+    with shardckpt.lazy_init():
+        return build_zoo(dim=dim, rnn=False)
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    root = tmp_path_factory.mktemp("bad")
+    keras.backend.clear_session()
+    model = build_zoo(rnn=False)
+    randomize(model, seed=1)
+    model.save_weights(root / "m.weights.h5")
+    stnp.save_file({v.path: np.asarray(v.value) for v in model.weights}, str(root / "m.safetensors"))
+    return root
+
+
+def _untouched(model):
+    for v in model.weights:
+        with pytest.raises(errors.UnloadedVariableError, match=v.path):
+            v.numpy()
+
+
+def test_missing_file(tmp_path):
+    model = _lazy()
+    with pytest.raises(errors.CheckpointNotFoundError, match="nothing.weights.h5"):
+        shardckpt.load_sharded(model, tmp_path / "nothing.weights.h5")
+    assert isinstance(errors.CheckpointNotFoundError("x"), FileNotFoundError)
+
+
+def test_unknown_format(tmp_path):
+    path = tmp_path / "notes.txt"
+    path.write_text("hello")
+    with pytest.raises(errors.UnknownFormatError, match="notes.txt"):
+        shardckpt.load_sharded(_lazy(), path)
+
+
+@pytest.mark.parametrize("name", ["m.weights.h5", "m.safetensors"])
+def test_truncated_file(files, tmp_path, name):
+    data = (files / name).read_bytes()
+    bad = tmp_path / name
+    bad.write_bytes(data[: len(data) - 700])
+    model = _lazy()
+    with pytest.raises(errors.CorruptCheckpointError, match="truncated"):
+        shardckpt.load_sharded(model, bad)
+    _untouched(model)
+
+
+def test_corrupt_safetensors_header(tmp_path):
+    bad = tmp_path / "bad.safetensors"
+    bad.write_bytes((20).to_bytes(8, "little") + b"{not json at all!!!}" + b"\0" * 64)
+    with pytest.raises(errors.CorruptCheckpointError, match="not valid JSON"):
+        shardckpt.load_sharded(_lazy(), bad)
+
+
+def test_shape_mismatch_lists_every_variable(files):
+    model = _lazy(dim=24)  # checkpoint was written with dim=16
+    with pytest.raises(errors.CheckpointMismatchError) as info:
+        shardckpt.load_sharded(model, files / "m.weights.h5")
+    message = str(info.value)
+    assert "block/up/kernel" in message and "(16, 32)" in message and "(24, 48)" in message
+    assert len(info.value.mismatched) >= 5
+    _untouched(model)
+
+
+def test_dtype_mismatch(files, tmp_path):
+    keras.backend.clear_session()
+    model = build_zoo(rnn=False)
+    values = {v.path: np.asarray(v.value) for v in model.weights}
+    values["int8_table/table"] = values["int8_table/table"].astype("float32")
+    path = tmp_path / "float_table.safetensors"
+    stnp.save_file(values, str(path))
+    lazy = _lazy()
+    with pytest.raises(errors.DtypeMismatchError, match="int8_table/table.*float32.*int8"):
+        shardckpt.load_sharded(lazy, path)
+    _untouched(lazy)
+
+
+def test_missing_and_unexpected_keys_in_one_error(files, tmp_path):
+    keras.backend.clear_session()
+    model = build_zoo(rnn=False)
+    values = {v.path: np.asarray(v.value) for v in model.weights}
+    del values["head/bias"]
+    values["extra/weight"] = np.zeros((3,), "float32")
+    path = tmp_path / "keys.safetensors"
+    stnp.save_file(values, str(path))
+    lazy = _lazy()
+    with pytest.raises(errors.CheckpointMismatchError) as info:
+        shardckpt.load_sharded(lazy, path)
+    assert info.value.missing == ["head/bias (key 'head/bias')"]
+    assert info.value.unexpected == ["extra/weight"]
+    _untouched(lazy)
+    report = shardckpt.load_sharded(lazy, path, strict=False)
+    assert report.unexpected == ["extra/weight"] and report.initialized == ["head/bias"]
+
+
+def test_indivisible_layout(files):
+    mesh = keras.distribution.DeviceMesh((1, 8), ["data", "model"])
+    layout_map = keras.distribution.LayoutMap(mesh)
+    layout_map["head/bias"] = ("model",)  # 32 divides; make one that does not:
+    layout_map["block/norm/gamma"] = ("model",)
+    keras.backend.clear_session()
+    with shardckpt.lazy_init():
+        model = build_zoo(dim=12, rnn=False)
+    keras.backend.clear_session()
+    src = build_zoo(dim=12, rnn=False)
+    path = files / "dim12.weights.h5"
+    src.save_weights(path)
+    with pytest.raises(errors.IndivisibleLayoutError, match="block/norm/gamma.*12.*8"):
+        shardckpt.load_sharded(model, path, layout=layout_map)
+    _untouched(model)
+
+
+def test_half_written_orbax_step(tmp_path):
+    keras.backend.clear_session()
+    model = build_zoo(rnn=False)
+    model.compile(optimizer="sgd", loss="mse")
+    callback = keras.callbacks.OrbaxCheckpoint(str(tmp_path / "ck"), save_freq="epoch")
+    x = np.zeros((8, 8), "int32")
+    model.fit(x, np.zeros((8, 8, 32)), epochs=1, verbose=0, callbacks=[callback])
+    callback.wait_until_finished()
+    # A save killed mid-way leaves only Orbax's temporary folder behind.
+    shutil.move(tmp_path / "ck" / "0", tmp_path / "ck" / "1.orbax-checkpoint-tmp-1234")
+    lazy = _lazy()
+    with pytest.raises(errors.IncompleteCheckpointError, match="half-written"):
+        shardckpt.load_sharded(lazy, tmp_path / "ck")
+    with pytest.raises(errors.IncompleteCheckpointError, match="never committed"):
+        shardckpt.load_sharded(lazy, tmp_path / "ck" / "1.orbax-checkpoint-tmp-1234")
+    os.remove(tmp_path / "ck" / "1.orbax-checkpoint-tmp-1234" / "pytree" / "_METADATA")
+    shutil.move(tmp_path / "ck" / "1.orbax-checkpoint-tmp-1234", tmp_path / "ck" / "1")
+    with pytest.raises(errors.IncompleteCheckpointError, match="_METADATA"):
+        shardckpt.load_sharded(lazy, tmp_path / "ck")
+    _untouched(lazy)
+
+
+def test_corrupt_orbax_chunk(tmp_path):
+    keras.backend.clear_session()
+    model = build_zoo(rnn=False)
+    model.compile(optimizer="sgd", loss="mse")
+    callback = keras.callbacks.OrbaxCheckpoint(str(tmp_path / "ck"), save_freq="epoch")
+    model.fit(np.zeros((8, 8), "int32"), np.zeros((8, 8, 32)), epochs=1, verbose=0, callbacks=[callback])
+    callback.wait_until_finished()
+    data_dir = tmp_path / "ck" / "0" / "pytree" / "d"
+    for name in os.listdir(data_dir):
+        blob = bytearray((data_dir / name).read_bytes())
+        blob[len(blob) // 2 : len(blob) // 2 + 64] = b"\xff" * 64
+        (data_dir / name).write_bytes(bytes(blob))
+    with pytest.raises(errors.CorruptCheckpointError):
+        shardckpt.load_sharded(_lazy(), tmp_path / "ck")
+
+
+def test_no_pickle_loaded(tmp_path):
+    # A .keras file is read as zip + HDF5 only; a pickle in its place is refused.
+    import pickle
+
+    path = tmp_path / "evil.keras"
+    path.write_bytes(pickle.dumps({"a": 1}))
+    with pytest.raises(errors.CorruptCheckpointError, match="evil.keras"):
+        shardckpt.load_sharded(_lazy(), path)
+    with pytest.raises(errors.UnknownFormatError):
+        shardckpt.load_sharded(_lazy(), path.rename(tmp_path / "evil.pkl"))

@@ -1,0 +1,92 @@
+"""Orbax checkpoints written by Keras' own OrbaxCheckpoint, restored onto other meshes."""
+
+from __future__ import annotations
+
+import os
+
+import keras
+import numpy as np
+import pytest
+
+import shardckpt
+from tests.zoo import build_zoo, randomize, zoo_layout_map
+
+
+def _session(mesh_shape=None):
+    keras.backend.clear_session()
+    if mesh_shape is None:
+        return None
+    mesh = keras.distribution.DeviceMesh(mesh_shape, ["data", "model"])
+    dist = keras.distribution.ModelParallel(layout_map=zoo_layout_map(mesh))
+    keras.distribution.set_distribution(dist)
+    return dist
+
+
+def _train_and_save(directory, mesh_shape):
+    """Trains the zoo one epoch under `mesh_shape`; Keras' callback writes the full state."""
+    _session(mesh_shape)
+    model = build_zoo(rnn=False)
+    randomize(model, seed=21)
+    model.compile(optimizer="adam", loss="mse")
+    x = np.arange(64, dtype="int32").reshape(8, 8) % 32
+    y = np.ones((8, 8, 32), "float32")
+    callback = keras.callbacks.OrbaxCheckpoint(str(directory), save_freq="epoch")
+    model.fit(x, y, epochs=1, batch_size=8, verbose=0, callbacks=[callback])
+    callback.wait_until_finished()
+    state = {v.path: np.asarray(v.value) for v in model.weights}
+    opt = {v.path: np.asarray(v.value) for v in model.optimizer.variables}
+    return state, opt
+
+
+@pytest.fixture(scope="module")
+def keras_orbax(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("orbax") / "ckpt"
+    state, opt = _train_and_save(directory, (2, 4))  # saved sharded on a 2x4 mesh
+    return str(directory), state, opt
+
+
+@pytest.mark.parametrize("mesh", [(1, 8), (8, 1), (4, 2)])
+def test_keras_orbax_root_onto_other_meshes(keras_orbax, mesh):
+    directory, state, _ = keras_orbax
+    dist = _session(mesh)
+    with shardckpt.lazy_init():
+        model = build_zoo(rnn=False)
+    report = shardckpt.load_sharded(model, directory)
+    assert report.format == "orbax" and os.path.basename(report.path) == "0"
+    assert report.unexpected == [] and report.missing == []
+    assert len(report.skipped) > 0  # optimizer + metrics state; the model has none
+    for v in model.weights:
+        np.testing.assert_array_equal(np.asarray(v.value), state[v.path], err_msg=v.path)
+        want = dist.get_variable_layout(v).backend_layout
+        assert v.value.sharding.is_equivalent_to(want, v.ndim), v.path
+
+
+def test_full_state_with_optimizer_from_step_folder(keras_orbax):
+    directory, state, opt = keras_orbax
+    dist = _session((1, 8))
+    model = build_zoo(rnn=False)
+    model.compile(optimizer="adam", loss="mse")
+    model.optimizer.build(model.trainable_variables)
+    report = shardckpt.load_sharded(model, os.path.join(directory, "0"))
+    assert report.skipped == [] and report.unexpected == []
+    for v in model.weights:
+        np.testing.assert_array_equal(np.asarray(v.value), state[v.path], err_msg=v.path)
+        assert v.value.sharding.is_equivalent_to(dist.get_variable_layout(v).backend_layout, v.ndim)
+    for v in model.optimizer.variables:
+        np.testing.assert_array_equal(np.asarray(v.value), opt[v.path], err_msg=v.path)
+    assert int(np.asarray(model.optimizer.iterations.value)) == 1
+
+
+def test_keras_load_weights_agrees_on_one_device(keras_orbax):
+    directory, state, _ = keras_orbax
+    _session(None)
+    reference = build_zoo(rnn=False)
+    reference.compile(optimizer="adam", loss="mse")
+    reference.optimizer.build(reference.trainable_variables)
+    reference.load_weights(directory)
+    _session(None)
+    with shardckpt.lazy_init():
+        model = build_zoo(rnn=False)
+    shardckpt.load_sharded(model, directory)
+    for v, w in zip(model.weights, reference.weights):
+        np.testing.assert_array_equal(np.asarray(v.value), np.asarray(w.value), err_msg=v.path)
