@@ -1,0 +1,259 @@
+#!/usr/bin/env python3
+"""Restore benchmark: shardckpt vs Keras' own loading, same machine, same run.
+
+Builds an MLP stack (default ~400M parameters, 1.6 GB float32), writes it as
+`.weights.h5` (Keras), a Keras-written Orbax checkpoint (Keras' OrbaxCheckpoint
+callback, weights only) and `.safetensors`, then, each in a fresh process on 8
+simulated CPU devices under `ModelParallel` (up kernels column-, down kernels
+row-sharded):
+
+- read: a plain sequential read of the file(s) (page cache warm), and for
+  Orbax a concurrent tensorstore read of every array (its decode floor);
+- keras: build the sharded model normally (random init), `model.load_weights`;
+- shardckpt: build under `lazy_init()`, `load_sharded`.
+
+It prints build and load seconds, both as multiples of the plain read, and the
+peak anonymous memory over the final state (sampled RssAnon). On a GPU it also
+prints peak device memory from `jax` memory stats.
+
+Usage:
+    python tools/bench_restore.py [--blocks 12] [--dim 2048] [--workdir DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+FORMATS = {"h5": "model.weights.h5", "orbax": "orbax", "safetensors": "model.safetensors"}
+
+
+def _setup_jax(devices: int) -> None:
+    os.environ.setdefault("KERAS_BACKEND", "jax")
+    if os.environ.get("JAX_PLATFORMS", "cpu") == "cpu" and "--xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+        os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
+
+
+def build(blocks: int, dim: int):
+    import keras
+
+    x = inputs = keras.Input((dim,))
+    for i in range(blocks):
+        h = keras.layers.Dense(4 * dim, activation="gelu", name=f"b{i}_up")(x)
+        x = x + keras.layers.Dense(dim, name=f"b{i}_down")(h)
+    return keras.Model(inputs, x, name="mlp")
+
+
+def distribution():
+    import jax
+    import keras
+
+    n = len(jax.devices())
+    mesh = keras.distribution.DeviceMesh((1, n), ["data", "model"])
+    layout_map = keras.distribution.LayoutMap(mesh)
+    layout_map[r"b\d+_up/kernel"] = (None, "model")
+    layout_map[r"b\d+_up/bias"] = ("model",)
+    layout_map[r"b\d+_down/kernel"] = ("model", None)
+    return keras.distribution.ModelParallel(layout_map=layout_map)
+
+
+def prepare(args) -> None:
+    _setup_jax(8)
+    import keras
+    import numpy as np
+    import safetensors.numpy as stnp
+
+    model = build(args.blocks, args.dim)
+    rng = np.random.default_rng(0)
+    for v in model.weights:
+        v.assign(rng.standard_normal(v.shape, dtype=np.float32) * 0.02)
+    model.save_weights(os.path.join(args.workdir, FORMATS["h5"]))
+    stnp.save_file(
+        {v.path: np.asarray(v.value) for v in model.weights},
+        os.path.join(args.workdir, FORMATS["safetensors"]),
+    )
+    model.compile(optimizer=keras.optimizers.SGD(0.0), loss="mse")
+    callback = keras.callbacks.OrbaxCheckpoint(
+        os.path.join(args.workdir, FORMATS["orbax"]), save_freq="epoch", save_weights_only=True
+    )
+    x = np.zeros((8, args.dim), "float32")
+    model.fit(x, x, epochs=1, batch_size=8, verbose=0, callbacks=[callback])
+    callback.wait_until_finished()
+    print(json.dumps({"params": int(model.count_params())}))
+
+
+def _file_bytes(path: str) -> list[str]:
+    if os.path.isdir(path):
+        return [os.path.join(r, f) for r, _, fs in os.walk(path) for f in fs]
+    return [path]
+
+
+def plain_read(path: str) -> float:
+    buf = bytearray(64 << 20)
+    files = _file_bytes(path)
+    for f in files:  # warm the page cache, as both loaders see it warm
+        with open(f, "rb", buffering=0) as fh:
+            while fh.readinto(buf):
+                pass
+    start = time.perf_counter()
+    for f in files:
+        with open(f, "rb", buffering=0) as fh:
+            while fh.readinto(buf):
+                pass
+    return time.perf_counter() - start
+
+
+def tensorstore_read(path: str) -> float:
+    """Concurrent tensorstore read of every array of the Orbax step: the decode floor."""
+    _setup_jax(8)
+    from shardckpt.formats import OrbaxReader
+
+    reader = OrbaxReader(path)
+    stores = [reader._store(k) for k in reader.keys()]
+    start = time.perf_counter()
+    futures = [s.read() for s in stores]
+    for f in futures:
+        f.result()
+    return time.perf_counter() - start
+
+
+def run(args) -> None:
+    _setup_jax(8)
+    sys.path.insert(0, os.path.dirname(HERE))
+    from _memory import PeakSampler, rss_anon
+
+    import jax
+    import keras
+    import numpy as np
+
+    import shardckpt
+
+    path = os.path.join(args.workdir, FORMATS[args.format])
+    out = {"read_s": plain_read(path)}
+    if args.format == "orbax":
+        out["ts_read_s"] = tensorstore_read(path)
+    keras.distribution.set_distribution(distribution())
+    base = rss_anon()
+    with PeakSampler() as sampler:
+        start = time.perf_counter()
+        if args.mode == "keras":
+            model = build(args.blocks, args.dim)
+            if args.format == "orbax":
+                model.compile(optimizer=keras.optimizers.SGD(0.0), loss="mse")
+        else:
+            with shardckpt.lazy_init():
+                model = build(args.blocks, args.dim)
+        jax.block_until_ready([v.value for v in model.weights if v._value is not None])
+        out["build_s"] = time.perf_counter() - start
+        start = time.perf_counter()
+        if args.mode == "keras":
+            if args.format == "safetensors":
+                out["load_s"] = None  # Keras has no safetensors loader
+            else:
+                model.load_weights(path)
+        else:
+            shardckpt.load_sharded(model, path, progress=False)
+        jax.block_until_ready([v.value for v in model.weights])
+        if out.get("load_s", 0) is not None:
+            out["load_s"] = time.perf_counter() - start
+    final = rss_anon()
+    out["state_gb"] = sum(int(np.prod(v.shape)) * 4 for v in model.weights) / 1e9
+    out["final_over_base_gb"] = (final - base) / 1e9
+    out["peak_over_final_gb"] = (sampler.peak - final) / 1e9
+    if jax.devices()[0].platform != "cpu":
+        stats = jax.devices()[0].memory_stats() or {}
+        out["device_peak_gb"] = stats.get("peak_bytes_in_use", 0) / 1e9
+    # Correctness spot check: one sharded kernel against the file.
+    kernel = next(v for v in model.weights if v.path.endswith("_down/kernel"))
+    out["sharding"] = str(kernel.value.sharding.spec)
+    print("RESULT " + json.dumps(out))
+
+
+def _child(args, *extra) -> dict:
+    cmd = [sys.executable, os.path.abspath(__file__), "--workdir", args.workdir,
+           "--blocks", str(args.blocks), "--dim", str(args.dim), *extra]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise SystemExit(f"child {extra} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+    line = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ") or l.startswith("{")][-1]
+    return json.loads(line.removeprefix("RESULT "))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--blocks", type=int, default=12)
+    parser.add_argument("--dim", type=int, default=2048)
+    parser.add_argument("--workdir", default=None)
+    parser.add_argument("--repeat", type=int, default=1, help="runs per cell; the best is shown")
+    parser.add_argument("--formats", default="h5,orbax,safetensors")
+    parser.add_argument("--_prepare", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--_run", nargs=2, metavar=("MODE", "FORMAT"), help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args._prepare:
+        prepare(args)
+        return
+    if args._run:
+        args.mode, args.format = args._run
+        run(args)
+        return
+    cleanup = None
+    if args.workdir is None:
+        cleanup = tempfile.TemporaryDirectory(prefix="bench_restore_")
+        args.workdir = cleanup.name
+    info = _child(args, "--_prepare")
+    print(f"model: {info['params'] / 1e6:.0f}M parameters, {info['params'] * 4 / 1e9:.2f} GB float32; "
+          f"8 simulated CPU devices, ModelParallel (1, 8); workdir {args.workdir}")
+    rows = []
+    for fmt in args.formats.split(","):
+        for mode in ("keras", "shardckpt"):
+            if mode == "keras" and fmt == "safetensors":
+                continue
+            best = None
+            for _ in range(args.repeat):
+                r = _child(args, "--_run", mode, fmt)
+                if best is None or (r["load_s"] or 0) < (best["load_s"] or 0):
+                    best = r
+            rows.append((fmt, mode, best))
+    _print_table(rows)
+    if cleanup:
+        cleanup.cleanup()
+
+
+def _print_table(rows) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title="restore: shardckpt vs Keras (same run)")
+    for col in ("format", "loader", "read s", "build s", "load s", "load/read", "(build+load)/read",
+                "peak over final GB", "vs Keras load"):
+        table.add_column(col, justify="right")
+    keras_load = {fmt: r["load_s"] for fmt, mode, r in rows if mode == "keras"}
+    for fmt, mode, r in rows:
+        floor = r["read_s"]
+        extra = ""
+        if fmt == "orbax":
+            extra = f" (ts {r['ts_read_s']:.2f})"
+        load = r["load_s"]
+        ratio_floor = load / floor if load else float("nan")
+        vs = f"{load / keras_load[fmt]:.2f}x" if fmt in keras_load and mode == "shardckpt" else ""
+        table.add_row(
+            fmt, mode, f"{floor:.2f}{extra}", f"{r['build_s']:.2f}", f"{load:.2f}",
+            f"{ratio_floor:.1f}x", f"{(r['build_s'] + load) / floor:.1f}x",
+            f"{r['peak_over_final_gb']:.2f}", vs,
+        )
+    Console(width=170).print(table)
+    for fmt, mode, r in rows:
+        if fmt == "orbax" and mode == "shardckpt":
+            print(f"orbax: shardckpt load / concurrent tensorstore read = {r['load_s'] / r['ts_read_s']:.2f}x")
+        if "device_peak_gb" in r:
+            print(f"{fmt} {mode}: peak device memory {r['device_peak_gb']:.2f} GB (state {r['state_gb']:.2f} GB)")
+
+
+if __name__ == "__main__":
+    main()
