@@ -22,6 +22,7 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
+import ml_dtypes
 import numpy as np
 
 from shardckpt import naming, readplan
@@ -31,6 +32,7 @@ from shardckpt.errors import (
     IndivisibleLayoutError,
 )
 from shardckpt.formats import Reader, open_reader
+from shardckpt.formats.base import ALIGNMENT, aligned_empty
 from shardckpt.layouts import TargetLayout, resolve_layout
 from shardckpt.lazy import is_unloaded, original_initializer
 from shardckpt.progress import ByteProgress
@@ -244,12 +246,29 @@ def _match(
 _CASTS = {"f": "f", "i": "iu", "u": "iu", "b": "bf"}
 
 
+def _kind(dtype: np.dtype) -> str:
+    """numpy's dtype kind, with ml_dtypes' bfloat16/float8 (kind "V") as floats."""
+    if dtype.kind != "V":
+        return dtype.kind
+    try:
+        ml_dtypes.finfo(dtype)
+        return "f"
+    except ValueError:
+        pass
+    try:
+        ml_dtypes.iinfo(dtype)
+        return "i"
+    except ValueError:
+        return "V"
+
+
 def _check_cast(path: str, key: str, stored: np.dtype, target: np.dtype) -> None:
     if stored == target:
         return
     # Integers and booleans may also go into floats.
-    allowed = _CASTS.get(stored.kind, "") + ("f" if stored.kind in "iu" else "")
-    if target.kind not in allowed:
+    kind = _kind(stored)
+    allowed = _CASTS.get(kind, "") + ("f" if kind in "iu" else "")
+    if _kind(target) not in allowed:
         raise DtypeMismatchError(
             f"Variable {path!r}: checkpoint {key!r} holds {stored}, which does not "
             f"cast to the variable's {target} without losing meaning. Fix: build "
@@ -340,14 +359,21 @@ def _load_one(job: _Job, reader: Reader, budget: _Budget, advance: Callable[[int
         # Off-host, finish one piece at a time so it can leave host memory.
         per_piece=not on_host and len(parts) > 1,
     )
-    buffers = [np.empty(p.shape, dtype) for p in parts]
+    fetch = getattr(reader, "view", reader.read)  # zero-copy where the format allows
+    buffers: list[np.ndarray | None] = [None] * len(parts)
     done = 0
     for read in reads:
         nbytes = readplan.volume(read.box) * spec.dtype.itemsize
         held = budget.acquire(nbytes)
         try:
-            data = reader.read(job.key, read.box)
+            data = fetch(job.key, read.box)
             for copy in read.copies:
+                whole = parts[copy.piece].shape == data.shape and copy.dst == copy.src
+                if whole and fetch is reader.read and _adoptable(data, dtype):
+                    buffers[copy.piece] = data  # a fresh read that is exactly the piece
+                    continue
+                if buffers[copy.piece] is None:
+                    buffers[copy.piece] = aligned_empty(parts[copy.piece].shape, dtype)
                 buffers[copy.piece][copy.dst] = data[copy.src]
             del data
         finally:
@@ -355,11 +381,30 @@ def _load_one(job: _Job, reader: Reader, budget: _Budget, advance: Callable[[int
         done += nbytes
         advance(nbytes)
     singles = [
-        jax.device_put(buffers[i], device) for i, part in enumerate(parts) for device in part.devices
+        jax.device_put(buffers[i] if j == 0 else _replica(buffers[i]), device)
+        for i, part in enumerate(parts)
+        for j, device in enumerate(part.devices)
     ]
     value = jax.make_array_from_single_device_arrays(shape, sharding, singles)
     _assign(variable, value, job.target)
     return done
+
+
+def _replica(buffer: np.ndarray) -> np.ndarray:
+    # On CPU, device_put adopts an aligned buffer instead of copying it; each
+    # device must own its memory (a donating train step updates it in place).
+    copy = aligned_empty(buffer.shape, buffer.dtype)
+    copy[...] = buffer
+    return copy
+
+
+def _adoptable(data: np.ndarray, dtype: np.dtype) -> bool:
+    return (
+        data.dtype == dtype
+        and data.flags.c_contiguous
+        and data.flags.writeable
+        and data.ctypes.data % ALIGNMENT == 0
+    )
 
 
 def _assign(variable: Any, value: jax.Array, target: TargetLayout) -> None:

@@ -120,12 +120,20 @@ class H5Reader:
     def spec(self, key: str) -> ArraySpec:
         return self._datasets[key].spec
 
-    def read(self, key: str, box: Box) -> np.ndarray:
+    def view(self, key: str, box: Box) -> np.ndarray:
+        """`box` of `key` without a copy where the dataset is memory-mapped."""
         entry = self._datasets[key]
         spec = entry.spec
         if entry.offset is not None and self._map is not None:
             whole = np.ndarray(spec.shape, spec.dtype, buffer=self._map, offset=entry.offset)
-            return np.array(whole[box], copy=True, order="C")
+            return whole[box]
+        return self.read(key, box)
+
+    def read(self, key: str, box: Box) -> np.ndarray:
+        entry = self._datasets[key]
+        spec = entry.spec
+        if entry.offset is not None and self._map is not None:
+            return np.array(self.view(key, box), copy=True, order="C")
         try:
             data = entry.dataset[box] if spec.shape else entry.dataset[()]
         except OSError as e:

@@ -132,13 +132,16 @@ class SafetensorsReader:
     def spec(self, key: str) -> ArraySpec:
         return self._where[key].entries[key][0]
 
-    def read(self, key: str, box: Box) -> np.ndarray:
+    def view(self, key: str, box: Box) -> np.ndarray:
+        """`box` of `key` without a copy: a read-only slice of the memory map."""
         file = self._where[key]
         spec, offset = file.entries[key]
         if file.map is None or spec.nbytes == 0:
-            return np.zeros(spec.shape, spec.dtype)[box].copy()
-        whole = np.ndarray(spec.shape, spec.dtype, buffer=file.map, offset=offset)
-        return np.array(whole[box], copy=True, order="C")
+            return np.zeros(spec.shape, spec.dtype)[box]
+        return np.ndarray(spec.shape, spec.dtype, buffer=file.map, offset=offset)[box]
+
+    def read(self, key: str, box: Box) -> np.ndarray:
+        return np.array(self.view(key, box), copy=True, order="C")
 
     def close(self) -> None:
         for file in self._files.values():
