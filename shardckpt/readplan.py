@@ -27,6 +27,8 @@ from typing import Any
 
 from shardckpt.formats.base import Box
 
+__all__ = ["Box", "Copy", "Piece", "Read", "normalize", "pieces", "plan", "volume"]
+
 # A bounding box is read whole when it is at most this much larger than the
 # pieces it covers; above it, reading per piece wastes less I/O.
 _UNION_SLACK = 1.25

@@ -360,6 +360,7 @@ def _load_one(job: _Job, reader: Reader, budget: _Budget, advance: Callable[[int
         per_piece=not on_host and len(parts) > 1,
     )
     fetch = getattr(reader, "view", reader.read)  # zero-copy where the format allows
+    fresh = not hasattr(reader, "view")  # data we own, not a view of a memory map
     buffers: list[np.ndarray | None] = [None] * len(parts)
     done = 0
     for read in reads:
@@ -368,10 +369,14 @@ def _load_one(job: _Job, reader: Reader, budget: _Budget, advance: Callable[[int
         try:
             data = fetch(job.key, read.box)
             for copy in read.copies:
-                whole = parts[copy.piece].shape == data.shape and copy.dst == copy.src
-                if whole and fetch is reader.read and _adoptable(data, dtype):
-                    buffers[copy.piece] = data  # a fresh read that is exactly the piece
-                    continue
+                if fresh and _covers(copy.dst, parts[copy.piece].shape):
+                    part = data[copy.src]
+                    if _adoptable(part, dtype):
+                        # A fresh read holds this piece contiguously (row blocks,
+                        # replicas): the piece is a view, no copy. The views of
+                        # one read cover disjoint bytes, so devices never share.
+                        buffers[copy.piece] = part
+                        continue
                 if buffers[copy.piece] is None:
                     buffers[copy.piece] = aligned_empty(parts[copy.piece].shape, dtype)
                 buffers[copy.piece][copy.dst] = data[copy.src]
@@ -396,6 +401,10 @@ def _replica(buffer: np.ndarray) -> np.ndarray:
     copy = aligned_empty(buffer.shape, buffer.dtype)
     copy[...] = buffer
     return copy
+
+
+def _covers(box: readplan.Box, shape: tuple[int, ...]) -> bool:
+    return all(s.start == 0 and s.stop == n for s, n in zip(box, shape))
 
 
 def _adoptable(data: np.ndarray, dtype: np.dtype) -> bool:
