@@ -1,0 +1,477 @@
+"""`OrbaxCheckpoint`: Keras' Orbax callback with little blocking and exact resume.
+
+A drop-in for `keras.callbacks.OrbaxCheckpoint` (same arguments, same meaning,
+same on-disk layout: an `ocp.training.Checkpointer` root whose steps hold the
+"pytree" state tree, plus "model_config"/"assets" for full saves), with:
+
+* Background saves that block training only for a device-side snapshot
+  (`snapshot.py`); Orbax writes it on one worker thread. At most one save is in
+  flight: when the next is due while one is still writing, the training thread
+  waits for it, and the wait is logged (`logging` WARNING, and
+  `save_waits_s`). Errors of a background save are raised as
+  `BackgroundSaveError` at the next save or at the end of training.
+* Two JSON items beside the arrays: "shardckpt_metadata" (the user's metadata,
+  step, epoch, logs, versions, mesh and layout) and "data_iterator" (the
+  position of every process's iterator after the batches trained on).
+* Retention by latest N, best N by `monitor`, and every `keep_period` steps.
+* Resume: `fit` restores the latest committed step (all model, optimizer,
+  metric and seed-generator variables, iterator position, epoch and position in
+  the epoch) and continues bit-identically to an uninterrupted run.
+
+Multi-process runs (`jax.process_count() > 1`) keep Orbax's own async save on
+the training thread instead of the worker: Orbax's barriers may run device
+collectives, which must be issued in the same order on every process.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import time
+import warnings
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import jax
+import numpy as np
+import orbax.checkpoint.experimental.v1 as ocp
+from keras.src.callbacks.monitor_callback import MonitorCallback
+from keras.src.saving import saving_lib
+
+from shardckpt.errors import BackgroundSaveError
+from shardckpt.training import iterators, metadata as metadata_lib, resume, retention, snapshot
+
+_log = logging.getLogger("shardckpt")
+
+
+class OrbaxCheckpoint(MonitorCallback):
+    """Saves and resumes training state with Orbax, asynchronously and exactly.
+
+    Arguments up to `save_weights_only` are those of
+    `keras.callbacks.OrbaxCheckpoint`, in its order and with its meaning, so
+    swapping the import is enough. The rest are keyword-only additions.
+
+    Steps are named as Keras names them: the epoch index for
+    `save_freq="epoch"`, the number of batches trained for an integer
+    `save_freq`. `keep_period` counts in the same unit.
+
+    Resume (`resume=True`): at the start of `fit`, if `directory` holds a
+    committed step, it is restored and `fit` continues after it. A step saved
+    in the middle of an epoch resumes in that epoch: only its remaining
+    batches run (the callback stops the shortened epoch with
+    `model.stop_training` and clears the flag in `on_epoch_end`), so epoch
+    boundaries match the uninterrupted run. Exact mid-epoch resume needs the
+    data to continue where it stopped: feed `fit` from `self.batches()` over
+    `data_iterator`. With array inputs an epoch restarts from its first
+    batch, as with `keras.callbacks.BackupAndRestore`.
+
+    Example:
+
+    ```python
+    ckpt = shardckpt.OrbaxCheckpoint(
+        "ckpts/", save_freq=100, max_to_keep=3, keep_best=1,
+        metadata={"run": "exp-7"}, data_iterator=it)
+    model.fit(ckpt.batches(), steps_per_epoch=500, epochs=10, callbacks=[ckpt])
+    ```
+
+    Args:
+        directory: Root folder of the checkpoints.
+        monitor: Metric for `save_best_only` and `keep_best`.
+        verbose: 1 prints a line per save and per wait.
+        save_best_only: Save only when `monitor` improves.
+        mode: "auto", "min" or "max": the direction of `monitor`.
+        save_freq: "epoch", or save every this many batches.
+        initial_value_threshold: Initial "best" value for `save_best_only`.
+        max_to_keep: Keep the latest N steps (None: keep every step).
+        save_on_background: Write in the background (training waits only for a
+            snapshot). False: each save is written before training goes on.
+        save_weights_only: Save trainable and non-trainable variables only
+            (no optimizer/metrics/model config; such a step cannot resume
+            exactly).
+        keep_best: Also keep the N best steps by `monitor` (with `max_to_keep`).
+        keep_period: Also keep every step that is a multiple of this.
+        metadata: A JSON dict, or a callable `(epoch, logs) -> dict`, saved under
+            "user" in each step's metadata.
+        data_iterator: An object with `get_state()` / `set_state(state)`.
+        resume: Restore the latest committed step when `fit` starts.
+
+    Raises:
+        ValueError: an argument is out of range.
+        TypeError: `data_iterator` lacks `get_state`/`set_state`, or `metadata`
+            is neither a dict nor callable.
+    """
+
+    def __init__(
+        self,
+        directory: str,
+        monitor: str = "val_loss",
+        verbose: int = 0,
+        save_best_only: bool = False,
+        mode: str = "auto",
+        save_freq: str | int = "epoch",
+        initial_value_threshold: float | None = None,
+        max_to_keep: int | None = None,
+        save_on_background: bool = True,
+        save_weights_only: bool = False,
+        *,
+        keep_best: int | None = None,
+        keep_period: int | None = None,
+        metadata: dict[str, Any] | Callable[[int, dict], dict] | None = None,
+        data_iterator: Any = None,
+        resume: bool = True,
+    ) -> None:
+        ocp_init = getattr(ocp, "initialize", None)
+        if callable(ocp_init):
+            ocp_init()
+        super().__init__(monitor, mode, initial_value_threshold)
+        if save_freq != "epoch" and (not isinstance(save_freq, int) or isinstance(save_freq, bool) or save_freq < 1):
+            raise ValueError(f"Unrecognized save_freq: {save_freq}. Expected save_freq are 'epoch' or integer values")
+        if metadata is not None and not (isinstance(metadata, dict) or callable(metadata)):
+            raise TypeError(
+                "metadata must be a JSON dict or a callable (epoch, logs) -> dict. "
+                f"Received: metadata={metadata!r}"
+            )
+        # Validate the counts now rather than at the first fit.
+        retention.preservation_policy(
+            max_to_keep=max_to_keep, keep_best=keep_best, monitor=monitor,
+            higher_is_better=False, keep_period=keep_period,
+        )
+        self.directory = str(directory)
+        self.verbose = verbose
+        self.save_best_only = save_best_only
+        self.save_freq = save_freq
+        self.max_to_keep = max_to_keep
+        self.save_on_background = save_on_background
+        self.save_weights_only = save_weights_only
+        self.keep_best = keep_best
+        self.keep_period = keep_period
+        self.metadata = metadata
+        self.data_iterator = data_iterator
+        self.resume = resume
+        self._tracker = (
+            iterators.IteratorTracker(data_iterator, on_first_pull=self._restore_iterator_early)
+            if data_iterator is not None
+            else None
+        )
+        self.checkpointer: Any = None
+        self.resumed: resume.ResumeInfo | None = None
+        self.save_blocking_s: list[float] = []
+        self.save_waits_s: list[float] = []
+        self._context = _json_context()
+        self._executor: concurrent.futures.ThreadPoolExecutor | None = None
+        self._pending: Any = None  # Future (worker) or Orbax AsyncResponse
+        self._pending_step: int | None = None
+        self._iterator_restored_from: str | None = None
+        self._reset_counters()
+
+    # ---- public API ---------------------------------------------------------
+
+    def batches(self) -> Iterator[Any]:
+        """The batches of `data_iterator`, to pass to `fit` (call once per fit).
+
+        The iterator is set to the resumed position before its first batch is
+        pulled, and its state is recorded before every pull, so each save holds
+        the position after exactly the batches trained on (Keras pulls ahead).
+
+        Raises:
+            ValueError: the callback has no `data_iterator`.
+        """
+        if self._tracker is None:
+            raise ValueError("OrbaxCheckpoint.batches() needs data_iterator=... in the constructor.")
+        self._tracker = iterators.IteratorTracker(self.data_iterator, on_first_pull=self._restore_iterator_early)
+        return self._tracker.batches()
+
+    def wait_until_finished(self) -> None:
+        """Blocks until every started save is written (on every process).
+
+        Raises:
+            BackgroundSaveError: a background save failed.
+        """
+        self._finish_pending()
+        if self.checkpointer is not None:
+            self.checkpointer.wait()
+        _sync("shardckpt_wait_until_finished")
+
+    def is_multihost_enabled(self) -> bool:
+        """True when JAX runs more than one process (as Keras' callback)."""
+        return jax.process_count() > 1
+
+    def is_primary_host(self) -> bool:
+        """True on process 0 (as Keras' callback)."""
+        return jax.process_index() == 0
+
+    # ---- Keras callback hooks -----------------------------------------------
+
+    def on_train_begin(self, logs: dict | None = None) -> None:
+        self._reset_counters()
+        # Keras' trainer reads `_initial_epoch` right after this hook, as
+        # BackupAndRestore relies on (a private attribute, the only hook there is).
+        self._previous_initial_epoch = getattr(self._model, "_initial_epoch", None)
+        if self.monitor_op is None and (self.keep_best is not None or self.save_best_only):
+            self._set_monitor_op()
+        self.checkpointer = self._make_checkpointer()
+        if self._executor is None and self.save_on_background and jax.process_count() == 1:
+            self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="shardckpt-save")
+        self._model_config = None if self.save_weights_only else saving_lib._serialize_model_as_json(self.model)[0]
+        self._layout = metadata_lib.layout_of(self.model)
+        step_dir = resume.latest_step_dir(self.directory) if self.resume else None
+        if step_dir is not None:
+            self._resume_from(step_dir)
+
+    def on_epoch_begin(self, epoch: int, logs: dict | None = None) -> None:
+        self._epoch = epoch
+        self._batch_in_epoch = 0
+        self._last_batch_seen = None
+        if self._resume_epoch == epoch:
+            self._batch_in_epoch = self._resume_offset
+            if self._resume_metrics is not None:
+                # fit reset the metrics before this hook; give back the partial
+                # epoch's accumulators so epoch-end logs match the unbroken run.
+                for variable, value in zip(self.model.metrics_variables, self._resume_metrics):
+                    variable.assign(value)
+
+    def on_train_batch_end(self, batch: int, logs: dict | None = None) -> None:
+        if self._last_batch_seen is None or batch <= self._last_batch_seen:
+            add = batch + 1
+        else:
+            add = batch - self._last_batch_seen
+        self._last_batch_seen = batch
+        self._batch_in_epoch += add
+        self._fit_batches += add
+        self._total_batches_seen += add
+        if self._resume_epoch == self._epoch and self._batch_in_epoch >= (self._steps_per_epoch or 0) > 0:
+            # The resumed epoch has run its remaining batches: end it here.
+            # `_model`, not `model`: the property would sync the JAX state every batch.
+            self._model.stop_training = True
+            self._stopped_epoch_early = True
+        if self.save_freq == "epoch":
+            return
+        self._batches_since_save += add
+        if self._batches_since_save < self.save_freq:
+            return
+        self._batches_since_save = 0
+        if self.save_best_only and not self._improved(logs, f"batch {batch}"):
+            return
+        # A save after an epoch's last batch resumes at the next epoch.
+        complete = bool(self._steps_per_epoch) and self._batch_in_epoch >= self._steps_per_epoch
+        self._save(self._total_batches_seen, logs, epoch_complete=complete)
+
+    def on_epoch_end(self, epoch: int, logs: dict | None = None) -> None:
+        if self._stopped_epoch_early:
+            self._model.stop_training = False
+            self._stopped_epoch_early = False
+        self._resume_epoch = None
+        if self.save_freq != "epoch":
+            return
+        if self.save_best_only and not self._improved(logs, f"epoch {epoch}"):
+            return
+        self._save(epoch, logs, epoch_complete=True)
+
+    def on_train_end(self, logs: dict | None = None) -> None:
+        self._model._initial_epoch = self._previous_initial_epoch
+        try:
+            self._finish_pending()
+        finally:
+            if self.checkpointer is not None:
+                self.checkpointer.close()
+            _sync("shardckpt_checkpoint_cleanup")
+
+    # ---- saving ------------------------------------------------------------
+
+    def _save(self, step: int, logs: dict | None, *, epoch_complete: bool) -> None:
+        start = time.perf_counter()
+        self._finish_pending(waiting_for=step)
+        model = self.model  # Callback.model syncs the JAX state into the variables
+        tree = snapshot.snapshot_state(model, weights_only=self.save_weights_only)
+        json_logs = metadata_lib.json_logs(logs)
+        payload: dict[str, Any] = {resume.ARRAYS_ITEM: tree}
+        if not self.save_weights_only:
+            payload["model_config"] = {"config": self._model_config}
+            assets = saving_lib._save_assets_to_dict(model)
+            if assets is not None:
+                payload["assets"] = assets
+        payload[resume.METADATA_ITEM] = self._metadata(step, json_logs, epoch_complete)
+        if self._tracker is not None:
+            state = self._tracker.state_after(self._fit_batches)
+            payload[resume.ITERATOR_ITEM] = {"process_states": iterators.gather_json(state)}
+        metrics = {k: v for k, v in json_logs.items() if isinstance(v, float)}
+        if not self.save_on_background:
+            with self._context:
+                self.checkpointer.save_checkpointables(step, payload, metrics=metrics, force=True)
+        elif self._executor is not None:
+            self._pending = self._executor.submit(self._write, step, payload, metrics)
+        else:
+            with self._context:
+                self._pending = self.checkpointer.save_checkpointables_async(
+                    step, payload, metrics=metrics, force=True
+                )
+        self._pending_step = step
+        self.save_blocking_s.append(time.perf_counter() - start)
+        if self.verbose > 0:
+            print(f"OrbaxCheckpoint: step {step} saved to {self.directory} "
+                  f"({'background' if self.save_on_background else 'written'}, "
+                  f"training blocked {self.save_blocking_s[-1] * 1e3:.1f} ms)")
+
+    def _write(self, step: int, payload: dict[str, Any], metrics: dict[str, float]) -> None:
+        # Runs on the single worker thread; the training thread never touches
+        # the Checkpointer while a save is pending, so Orbax sees one caller.
+        with self._context:
+            self.checkpointer.save_checkpointables(step, payload, metrics=metrics, force=True)
+
+    def _finish_pending(self, waiting_for: int | None = None) -> None:
+        """Waits for the save in flight and raises its error, if any."""
+        if self._pending is None:
+            return
+        pending, step = self._pending, self._pending_step
+        self._pending = self._pending_step = None
+        start = time.perf_counter()
+        still_running = not pending.done() if hasattr(pending, "done") else True
+        try:
+            pending.result()
+        except Exception as e:
+            raise BackgroundSaveError(
+                f"Saving checkpoint step {step} to {self.directory!r} failed in the "
+                f"background: {type(e).__name__}: {e}. The step was not committed; "
+                "earlier steps are intact. Fix: check disk space and permissions of "
+                "the directory, then rerun (training resumes from the last committed step)."
+            ) from e
+        waited = time.perf_counter() - start
+        if waiting_for is not None and (still_running and waited > 1e-3):
+            self.save_waits_s.append(waited)
+            message = (
+                f"Checkpoint step {waiting_for} waited {waited:.3f} s for the background "
+                f"save of step {step} to finish (one save in flight at a time)."
+            )
+            _log.warning(message)
+            if self.verbose > 0:
+                print(f"OrbaxCheckpoint: {message}")
+
+    def _metadata(self, step: int, json_logs: dict[str, Any], epoch_complete: bool) -> dict[str, Any]:
+        user = self.metadata(self._epoch, dict(json_logs)) if callable(self.metadata) else self.metadata
+        best = self.best
+        return {
+            "format": metadata_lib.FORMAT,
+            "step": int(step),
+            "epoch": int(self._epoch),
+            "epoch_complete": epoch_complete,
+            "batch": int(self._steps_per_epoch if epoch_complete and self._steps_per_epoch else self._batch_in_epoch),
+            "steps_per_epoch": self._steps_per_epoch,
+            "total_batches": int(self._total_batches_seen),
+            "save_freq": self.save_freq,
+            "logs": json_logs,
+            "monitor": self.monitor,
+            "best": None if best is None else metadata_lib.json_number(best),
+            "save_weights_only": self.save_weights_only,
+            "user": user,
+            "versions": metadata_lib.versions(),
+            "layout": self._layout,
+        }
+
+    def _improved(self, logs: dict | None, where: str) -> bool:
+        if self.monitor_op is None:
+            self._set_monitor_op()
+        current = (logs or {}).get(self.monitor)
+        if current is None:
+            warnings.warn(f"Can save best model only with {self.monitor} available, skipping save at {where}.",
+                          stacklevel=3)
+            return False
+        if not self._is_improvement(current, self.best):
+            return False
+        self.best = current
+        return True
+
+    # ---- resuming ------------------------------------------------------------
+
+    def _resume_from(self, step_dir: str) -> None:
+        iterator = self.data_iterator if (self._tracker is not None and not self._tracker.used) else None
+        info = resume.restore_step(self.model, step_dir, data_iterator=iterator)
+        if self._tracker is not None and self._tracker.used and self._iterator_restored_from != step_dir:
+            raise RuntimeError(
+                f"batches() restored the data iterator from {self._iterator_restored_from!r} "
+                f"but the model resumes from {step_dir!r}. Fix: do not write to "
+                f"{self.directory!r} from another process while this run starts."
+            )
+        self.resumed = info
+        meta = info.metadata
+        if meta.get("epoch") is None:
+            _log.warning("Step %s has no shardckpt metadata (written by Keras?): "
+                         "weights restored, epoch not known; fit starts at its initial_epoch.", step_dir)
+            return
+        self._model._initial_epoch = info.next_epoch
+        self._total_batches_seen = int(meta.get("total_batches") or 0)
+        if meta.get("best") is not None and not isinstance(meta["best"], str):
+            self.best = float(meta["best"])
+        if not info.epoch_complete:
+            if self._tracker is None:
+                _log.warning("Resuming from mid-epoch step %s without data_iterator: epoch %d "
+                             "restarts from its first batch (not bit-exact).", step_dir, info.epoch)
+                return
+            self._resume_epoch = info.epoch
+            self._resume_offset = int(info.batch or 0)
+            self._resume_metrics = [np.asarray(v.value) for v in self.model.metrics_variables]
+        _log.info("Resumed from %s: epoch %s, batch %s.", step_dir, info.epoch, info.batch)
+
+    def _restore_iterator_early(self) -> None:
+        """Sets the iterator's saved position before fit pulls its first batch."""
+        if not self.resume:
+            return
+        step_dir = resume.latest_step_dir(self.directory)
+        if step_dir is None:
+            return
+        item = resume.read_json_item(step_dir, resume.ITERATOR_ITEM)
+        state = resume.iterator_state_for_process(item, jax.process_index())
+        if state is not None:
+            self.data_iterator.set_state(state)
+        self._iterator_restored_from = step_dir
+
+    # ---- helpers --------------------------------------------------------------
+
+    def _reset_counters(self) -> None:
+        self._epoch = 0
+        self._batch_in_epoch = 0
+        self._last_batch_seen: int | None = None
+        self._batches_since_save = 0
+        self._fit_batches = 0
+        self._resume_epoch: int | None = None
+        self._resume_offset = 0
+        self._resume_metrics: list[np.ndarray] | None = None
+        self._stopped_epoch_early = False
+        params = getattr(self, "params", None) or {}
+        self._steps_per_epoch = params.get("steps")
+        model = getattr(self, "_model", None)
+        optimizer = getattr(model, "optimizer", None)
+        self._total_batches_seen = int(optimizer.iterations) if optimizer is not None and optimizer.built else 0
+
+    def _make_checkpointer(self) -> Any:
+        higher = self.monitor_op is not None and self.monitor_op(1.0, 0.0)
+        policy = retention.preservation_policy(
+            max_to_keep=self.max_to_keep, keep_best=self.keep_best, monitor=self.monitor,
+            higher_is_better=bool(higher), keep_period=self.keep_period,
+        )
+        return ocp.training.Checkpointer(
+            self.directory,
+            preservation_policy=policy,
+            # Every call is a decision the callback already made.
+            save_decision_policy=ocp.training.save_decision_policies.FixedIntervalPolicy(1),
+            # Half-written steps of a killed run: never restored, removed here.
+            cleanup_tmp_directories=True,
+        )
+
+
+def _json_context() -> Any:
+    """An Orbax context that writes our metadata items with Orbax's JsonHandler.
+
+    Without it a dict would go to the PyTree handler (registered last), which
+    cannot hold None or lists of mixed types.
+    """
+    registry = ocp.handlers.local_registry()
+    registry.add(ocp.handlers.JsonHandler, checkpointable_name=resume.METADATA_ITEM)
+    registry.add(ocp.handlers.JsonHandler, checkpointable_name=resume.ITERATOR_ITEM)
+    context = ocp.Context()
+    context.checkpointables.registry = registry
+    return context
+
+
+def _sync(key: str) -> None:
+    if jax.process_count() > 1:
+        ocp.multihost.sync_global_processes(key)

@@ -1,0 +1,63 @@
+"""The JSON metadata item saved beside the arrays of every step."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import jax
+import keras
+import numpy as np
+
+FORMAT = "shardckpt.training/1"
+
+
+def json_number(value: Any) -> Any:
+    """Converts a log value (jax/numpy scalar) to a JSON number; NaN/inf to str."""
+    try:
+        number = float(np.asarray(value))
+    except (TypeError, ValueError):
+        return str(value)
+    return number if math.isfinite(number) else str(number)
+
+
+def json_logs(logs: dict[str, Any] | None) -> dict[str, Any]:
+    return {str(k): json_number(v) for k, v in (logs or {}).items()}
+
+
+def versions() -> dict[str, str]:
+    import orbax.checkpoint
+
+    import shardckpt
+
+    return {
+        "keras": keras.__version__,
+        "jax": jax.__version__,
+        "orbax_checkpoint": orbax.checkpoint.__version__,
+        "shardckpt": getattr(shardckpt, "__version__", "unknown"),
+    }
+
+
+def layout_of(model: Any) -> dict[str, Any]:
+    """Mesh shape/axes of the active distribution and each variable's spec.
+
+    The plan is what the arrays were saved from; `load_sharded` can put them
+    on any other mesh, so this is a record, not a requirement.
+    """
+    distribution = keras.distribution.distribution()
+    mesh = getattr(distribution, "device_mesh", None)
+    specs: dict[str, Any] = {}
+    for variable in model.weights:
+        sharding = getattr(variable.value, "sharding", None)
+        spec = getattr(sharding, "spec", None)
+        specs[variable.path] = None if spec is None else [
+            list(axis) if isinstance(axis, tuple) else axis for axis in spec
+        ]
+    return {
+        "distribution": type(distribution).__name__ if distribution is not None else None,
+        "mesh_shape": list(mesh.shape) if mesh is not None else None,
+        "mesh_axes": list(mesh.axis_names) if mesh is not None else None,
+        "process_count": jax.process_count(),
+        "device_count": jax.device_count(),
+        "variables": specs,
+    }

@@ -1,0 +1,168 @@
+"""Reading a step back: metadata, iterator position, and `restore_latest`.
+
+Values go into the model through `shardckpt.load_sharded`, which reads each
+variable's pieces straight into its current sharding (any mesh), so resuming
+on a different topology is the same call.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Any
+
+import orbax.checkpoint.experimental.v1 as ocp
+
+from shardckpt.errors import CheckpointNotFoundError, CorruptCheckpointError
+from shardckpt.formats.orbax import committed_steps
+from shardckpt.restore import LoadReport, load_sharded
+
+METADATA_ITEM = "shardckpt_metadata"
+ITERATOR_ITEM = "data_iterator"
+ARRAYS_ITEM = "pytree"  # the name Keras' callback and `model.load_weights` use
+
+
+@dataclasses.dataclass(kw_only=True)
+class ResumeInfo:
+    """Where a restored run stands.
+
+    Attributes:
+        step: The Orbax step restored.
+        path: Its step folder.
+        epoch: The epoch (0-based) the save happened in.
+        batch: Batches of that epoch done when saved.
+        epoch_complete: True for a save at the end of `epoch`.
+        total_batches: Batches trained since the run began.
+        metadata: The whole metadata item (user's dict under "user").
+        iterator_state: The state given to the data iterator (this process's),
+            or None.
+        report: What `load_sharded` loaded.
+    """
+
+    step: int
+    path: str
+    epoch: int | None
+    batch: int | None
+    epoch_complete: bool
+    total_batches: int | None
+    metadata: dict[str, Any]
+    iterator_state: Any
+    report: LoadReport | None
+
+    @property
+    def next_epoch(self) -> int:
+        """The epoch `fit` continues with."""
+        if self.epoch is None:
+            return 0
+        return self.epoch + 1 if self.epoch_complete else self.epoch
+
+
+def latest_step_dir(directory: str) -> str | None:
+    """Returns the latest committed step folder under `directory`, or None.
+
+    Half-written steps (`*.orbax-checkpoint-tmp*`) are never returned.
+    """
+    directory = os.fspath(directory)
+    if not os.path.isdir(directory):
+        return None
+    steps = committed_steps(directory)
+    return os.path.join(directory, str(steps[-1])) if steps else None
+
+
+def read_json_item(step_dir: str, name: str) -> Any:
+    """Returns JSON checkpointable `name` of a step, or None if it has none."""
+    if not os.path.isdir(os.path.join(step_dir, name)):
+        return None
+    try:
+        return ocp.load_checkpointables(step_dir, {name: None})[name]
+    except (ValueError, KeyError, FileNotFoundError) as e:
+        raise CorruptCheckpointError(
+            f"Cannot read item {name!r} of checkpoint step {step_dir!r}: {e}. Fix: "
+            "delete this step folder to resume from the previous one."
+        ) from e
+
+
+def iterator_state_for_process(item: Any, process_index: int) -> Any:
+    """Picks this process's state out of a saved iterator item."""
+    if item is None:
+        return None
+    states = item.get("process_states") or []
+    if process_index >= len(states):
+        raise CorruptCheckpointError(
+            f"The checkpoint holds iterator states for {len(states)} process(es); this "
+            f"is process {process_index}. Fix: resume with the same number of "
+            "processes, or set the iterator position yourself."
+        )
+    return states[process_index]
+
+
+def build_optimizer(model: Any) -> None:
+    """Creates optimizer variables so that their saved values have a target."""
+    optimizer = getattr(model, "optimizer", None)
+    if optimizer is not None and not optimizer.built:
+        optimizer.build(model.trainable_variables)
+
+
+def restore_step(model: Any, step_dir: str, *, data_iterator: Any = None, strict: bool = True) -> ResumeInfo:
+    """Restores one step into `model` (and `data_iterator`); see `restore_latest`."""
+    import jax
+
+    build_optimizer(model)
+    metadata = read_json_item(step_dir, METADATA_ITEM) or {}
+    iterator_state = None
+    if data_iterator is not None:
+        iterator_state = iterator_state_for_process(read_json_item(step_dir, ITERATOR_ITEM), jax.process_index())
+    # The one call that moves values (switch point for another restore engine).
+    report = load_sharded(model, step_dir, strict=strict, progress=False)
+    if data_iterator is not None and iterator_state is not None:
+        data_iterator.set_state(iterator_state)
+    return ResumeInfo(
+        step=int(os.path.basename(step_dir)),
+        path=step_dir,
+        epoch=metadata.get("epoch"),
+        batch=metadata.get("batch"),
+        epoch_complete=bool(metadata.get("epoch_complete", True)),
+        total_batches=metadata.get("total_batches"),
+        metadata=metadata,
+        iterator_state=iterator_state,
+        report=report,
+    )
+
+
+def restore_latest(model: Any, directory: str | os.PathLike, *, data_iterator: Any = None, strict: bool = True) -> ResumeInfo:
+    """Restores the latest committed checkpoint of `directory` outside `fit`.
+
+    Every model, optimizer and metric variable (seed-generator states included)
+    gets its saved value in its current sharding, so this works on any mesh.
+    The optimizer is built first if needed. With `data_iterator`, its saved
+    position (this process's) is set too.
+
+    Example:
+
+    ```python
+    model.compile(optimizer="adam", loss="mse")
+    info = shardckpt.restore_latest(model, "ckpts/", data_iterator=it)
+    print(info.step, info.next_epoch, info.metadata["user"])
+    ```
+
+    Args:
+        model: A compiled, built Keras model (JAX backend).
+        directory: A root written by `OrbaxCheckpoint` (or Keras' callback).
+        data_iterator: Optional iterator with `set_state(state)`.
+        strict: Passed to `load_sharded`: refuse missing/unexpected arrays.
+
+    Returns:
+        A `ResumeInfo`.
+
+    Raises:
+        CheckpointNotFoundError: `directory` holds no committed step.
+        CheckpointMismatchError, ShapeMismatchError, ...: see `load_sharded`.
+    """
+    step_dir = latest_step_dir(os.fspath(directory))
+    if step_dir is None:
+        raise CheckpointNotFoundError(
+            f"No committed checkpoint step under {os.fspath(directory)!r} (half-written "
+            "steps are ignored). Fix: check the directory, or train with "
+            "OrbaxCheckpoint first."
+        )
+    return restore_step(model, step_dir, data_iterator=data_iterator, strict=strict)

@@ -1,0 +1,205 @@
+"""Training subprocess for the kill-and-resume tests of `OrbaxCheckpoint`.
+
+Two modes:
+
+* `python _train_worker.py run '<json>'`: one training run.
+* `python _train_worker.py serve`: a fork server. jax and keras are imported
+  once (no device touched, so forking is safe); each JSON line on stdin forks
+  a child that does one run. The server prints `pid N` when a child starts
+  and `exit N CODE` when it ends (CODE -9: killed by SIGKILL). This saves an
+  interpreter start per run, which matters for ten kill trials on two cores.
+
+A run trains a small model on a (2, 4) mesh of 8 CPU devices with fixed seeds,
+from a deterministic data iterator fed through `OrbaxCheckpoint.batches()`.
+It appends "b <batches>" to `progress` after every batch ("s <step>" after a
+save is dispatched), and when it finishes writes every variable's value to
+`out` (.npz, no pickle) and a JSON with shardings and the iterator state.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+os.environ["XLA_FLAGS"] = (
+    os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+).strip()
+os.environ["KERAS_BACKEND"] = "jax"
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import jax  # noqa: E402
+import keras  # noqa: E402
+import numpy as np  # noqa: E402
+
+import shardckpt.training  # noqa: E402
+
+N_EXAMPLES = 96
+BATCH = 16
+
+
+class ShuffledIterator:
+    """An endless iterator over a fixed data set, reshuffled per pass.
+
+    Its whole position is `{"pass": p, "index": i}`, so `set_state` restores it
+    exactly (as grain's iterators do).
+    """
+
+    def __init__(self, seed: int = 7) -> None:
+        rng = np.random.default_rng(seed)
+        self.x = rng.standard_normal((N_EXAMPLES, 12)).astype("float32")
+        self.y = (self.x[:, :3].sum(axis=1, keepdims=True) > 0).astype("float32")
+        self.seed = seed
+        self.state = {"pass": 0, "index": 0}
+
+    def _order(self, p: int) -> np.ndarray:
+        return np.random.default_rng(self.seed * 1000 + p).permutation(N_EXAMPLES)
+
+    def __iter__(self) -> "ShuffledIterator":
+        return self
+
+    def __next__(self) -> tuple[np.ndarray, np.ndarray]:
+        p, i = self.state["pass"], self.state["index"]
+        if i + BATCH > N_EXAMPLES:
+            p, i = p + 1, 0
+        idx = self._order(p)[i : i + BATCH]
+        self.state = {"pass": p, "index": i + BATCH}
+        return self.x[idx], self.y[idx]
+
+    def get_state(self) -> dict:
+        return dict(self.state)
+
+    def set_state(self, state: dict) -> None:
+        self.state = {"pass": int(state["pass"]), "index": int(state["index"])}
+
+
+def build_model() -> keras.Model:
+    inputs = keras.Input((12,), name="x")
+    h = keras.layers.Dense(32, activation="relu", name="up")(inputs)
+    h = keras.layers.BatchNormalization(name="norm")(h)
+    h = keras.layers.Dropout(0.25, name="drop")(h)
+    outputs = keras.layers.Dense(1, name="down")(h)
+    model = keras.Model(inputs, outputs, name="tiny")
+    model.compile(optimizer=keras.optimizers.Adam(1e-2), loss="mse", metrics=["mae"])
+    return model
+
+
+def layout() -> keras.distribution.ModelParallel:
+    mesh = keras.distribution.DeviceMesh((2, 4), ["data", "model"])
+    layout_map = keras.distribution.LayoutMap(mesh)
+    layout_map["up/kernel"] = (None, "model")
+    layout_map["up/bias"] = ("model",)
+    layout_map["down/kernel"] = ("model", None)
+    return keras.distribution.ModelParallel(layout_map=layout_map, batch_dim_name="data")
+
+
+class Progress(keras.callbacks.Callback):
+    def __init__(self, path: str, ckpt: shardckpt.training.OrbaxCheckpoint) -> None:
+        super().__init__()
+        self.file = open(path, "a", buffering=1)
+        self.ckpt = ckpt
+        self.batches = 0
+        self.saves = 0
+
+    def _note_saves(self) -> None:
+        while self.saves < len(self.ckpt.save_blocking_s):
+            self.saves += 1
+            self.file.write(f"s {self.saves}\n")
+
+    def on_train_batch_end(self, batch, logs=None):
+        self.batches += 1
+        self._note_saves()
+        self.file.write(f"b {self.batches}\n")
+
+    def on_epoch_end(self, epoch, logs=None):
+        self._note_saves()
+
+
+def run(args: dict) -> None:
+    """One training run; see the module docstring for `args` keys."""
+    if args.get("cache"):
+        jax.config.update("jax_compilation_cache_dir", args["cache"])
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+        jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+    keras.utils.set_random_seed(1234)
+    keras.distribution.set_distribution(layout())
+    model = build_model()
+    data = ShuffledIterator()
+    ckpt = shardckpt.training.OrbaxCheckpoint(
+        args["dir"],
+        save_freq=args.get("save_freq", "epoch"),
+        max_to_keep=args.get("max_to_keep", 2),
+        data_iterator=data,
+        metadata={"trial": args.get("trial", -1)},
+        resume=True,
+    )
+    callbacks = [ckpt]
+    if args.get("progress"):
+        callbacks.append(Progress(args["progress"], ckpt))
+    model.fit(
+        ckpt.batches(),
+        steps_per_epoch=args.get("steps", 6),
+        epochs=args.get("epochs", 4),
+        callbacks=callbacks,
+        verbose=0,
+    )
+    ckpt.wait_until_finished()
+    dump(model, data, ckpt, args["out"])
+
+
+def dump(model: keras.Model, data: ShuffledIterator, ckpt, out: str) -> None:
+    arrays, shardings = {}, {}
+    groups = {
+        "trainable_variables": model.trainable_variables,
+        "non_trainable_variables": model.non_trainable_variables,
+        "optimizer_variables": model.optimizer.variables,
+        "metrics_variables": model.metrics_variables,
+    }
+    for group, variables in groups.items():
+        for v in variables:
+            key = f"{group}/{v.path}"
+            arrays[key] = np.asarray(v.value)
+            shardings[key] = str(v.value.sharding.spec)
+    np.savez(out + ".npz", **arrays)
+    resumed = ckpt.resumed
+    with open(out + ".json", "w") as f:
+        json.dump(
+            {
+                "shardings": shardings,
+                "iterator": data.get_state(),
+                "resumed_step": None if resumed is None else resumed.step,
+                "resumed_epoch_complete": None if resumed is None else resumed.epoch_complete,
+            },
+            f,
+        )
+
+
+def serve() -> None:
+    for line in sys.stdin:
+        if not line.strip():
+            continue
+        args = json.loads(line)
+        pid = os.fork()
+        if pid == 0:
+            code = 0
+            try:
+                run(args)
+            except BaseException:  # report, then leave without running parent cleanup
+                import traceback
+
+                traceback.print_exc()
+                code = 1
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(code)
+        print(f"pid {pid}", flush=True)
+        _, status = os.waitpid(pid, 0)
+        code = -os.WTERMSIG(status) if os.WIFSIGNALED(status) else os.WEXITSTATUS(status)
+        print(f"exit {pid} {code}", flush=True)
+
+
+if __name__ == "__main__":
+    if sys.argv[1] == "serve":
+        serve()
+    else:
+        run(json.loads(sys.argv[2]))
