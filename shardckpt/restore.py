@@ -156,7 +156,7 @@ def load_sharded(
     start = time.perf_counter()
     if max_inflight_bytes < 1:
         raise ValueError(f"max_inflight_bytes must be positive. Received: {max_inflight_bytes}")
-    reader = open_reader(os.fspath(path))
+    reader = open_reader(os.fspath(path), cache_bytes=max_inflight_bytes)
     try:
         report = LoadReport(path=reader.path, format=reader.format)
         jobs, to_init = _match(model, reader, report, strict, resolve_layout(layout))
@@ -343,12 +343,17 @@ def _run(
 
 def _load_one(job: _Job, reader: Reader, budget: _Budget, advance: Callable[[int], None]) -> int:
     spec = reader.spec(job.key)
-    variable = job.variable
-    shape = tuple(variable.shape)
-    dtype = np.dtype(variable.dtype)
+    shape = tuple(job.variable.shape)
+    dtype = np.dtype(job.variable.dtype)
     sharding = job.target.sharding
     parts = readplan.pieces(sharding.addressable_devices_indices_map(shape), shape)
     on_host = all(d.platform == "cpu" for p in parts for d in p.devices)
+    if hasattr(reader, "read_pieces") and reader.chunk_bytes(job.key) <= budget.limit:
+        buffers = _read_pieces(job, reader, parts, dtype, spec, budget, on_host)
+        _place(job, shape, sharding, parts, buffers)
+        done = sum(readplan.volume(p.box) for p in parts) * spec.dtype.itemsize
+        advance(done)
+        return done
     chunk_rows = reader.chunk_rows(job.key) if hasattr(reader, "chunk_rows") else None
     reads = readplan.plan(
         shape,
@@ -385,14 +390,55 @@ def _load_one(job: _Job, reader: Reader, budget: _Budget, advance: Callable[[int
             budget.release(held)
         done += nbytes
         advance(nbytes)
+    _place(job, shape, sharding, parts, buffers)
+    return done
+
+
+def _read_pieces(
+    job: _Job,
+    reader: Any,
+    parts: list[readplan.Piece],
+    dtype: np.dtype,
+    spec: Any,
+    budget: _Budget,
+    on_host: bool,
+) -> list[np.ndarray]:
+    """Lets the reader decode straight into per-piece buffers (Orbax)."""
+    buffers = [aligned_empty(p.shape, spec.dtype) for p in parts]
+    # On host every piece is final memory anyway; off host, one piece at a
+    # time keeps the host copy of a variable to one piece.
+    groups = [list(range(len(parts)))] if on_host else [[i] for i in range(len(parts))]
+    for group in groups:
+        held = budget.acquire(reader.chunk_bytes(job.key))  # the shared chunk cache
+        try:
+            reader.read_pieces(job.key, [parts[i].box for i in group], [buffers[i] for i in group])
+        finally:
+            budget.release(held)
+    if spec.dtype != dtype:
+        buffers = [_cast(b, dtype) for b in buffers]
+    return buffers
+
+
+def _cast(buffer: np.ndarray, dtype: np.dtype) -> np.ndarray:
+    out = aligned_empty(buffer.shape, dtype)
+    out[...] = buffer
+    return out
+
+
+def _place(
+    job: _Job,
+    shape: tuple[int, ...],
+    sharding: jax.sharding.Sharding,
+    parts: list[readplan.Piece],
+    buffers: list[np.ndarray],
+) -> None:
     singles = [
         jax.device_put(buffers[i] if j == 0 else _replica(buffers[i]), device)
         for i, part in enumerate(parts)
         for j, device in enumerate(part.devices)
     ]
     value = jax.make_array_from_single_device_arrays(shape, sharding, singles)
-    _assign(variable, value, job.target)
-    return done
+    _assign(job.variable, value, job.target)
 
 
 def _replica(buffer: np.ndarray) -> np.ndarray:

@@ -59,11 +59,16 @@ def detect_format(path: str) -> str:
     )
 
 
-def open_reader(path: str) -> Reader:
-    """Opens `path` with the reader for its format (see `detect_format`)."""
+def open_reader(path: str, *, cache_bytes: int = 256 * 1024 * 1024) -> Reader:
+    """Opens `path` with the reader for its format (see `detect_format`).
+
+    Args:
+        path: The checkpoint.
+        cache_bytes: Decoded-chunk cache of compressed formats (Orbax).
+    """
     fmt = detect_format(path)
     if fmt in ("h5", "keras"):
         return H5Reader(path)
     if fmt == "orbax":
-        return OrbaxReader(path)
+        return OrbaxReader(path, cache_bytes=cache_bytes)
     return SafetensorsReader(path)

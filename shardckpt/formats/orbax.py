@@ -10,6 +10,11 @@ Shapes and dtypes come from Orbax's public metadata API; each box is read with
 tensorstore through the read spec Orbax itself builds
 (`orbax.checkpoint.type_handlers.get_json_tspec_read`), so only the chunks a
 device needs are fetched and decoded.
+
+`read_pieces` lets tensorstore copy decoded chunks straight into the caller's
+per-device buffers. A chunk shared by several pieces (one chunk per array is
+what a single-device save writes) is decoded once: the reader's context has a
+chunk cache of `cache_bytes`, and concurrent reads of one chunk share it.
 """
 
 from __future__ import annotations
@@ -120,8 +125,9 @@ class OrbaxReader:
 
     format = "orbax"
 
-    def __init__(self, path: str) -> None:
+    def __init__(self, path: str, *, cache_bytes: int = 256 * 1024 * 1024) -> None:
         self.root = os.fspath(path)
+        self.cache_bytes = cache_bytes
         self.path = resolve_step(self.root)
         self.step_dir = self.path
         self.tree_dir = _tree_dir(self.path)
@@ -143,7 +149,9 @@ class OrbaxReader:
             self._names[key] = ".".join(parts)  # Orbax's parameter name in OCDBT
             self._specs[key] = ArraySpec(shape=tuple(leaf.shape), dtype=np.dtype(leaf.dtype))
         self._check_all_listed()
-        self._context = type_handlers.get_ts_context(use_ocdbt=True)
+        context = type_handlers.get_ts_context(use_ocdbt=True).spec.to_json()
+        context["cache_pool"] = {"total_bytes_limit": cache_bytes}
+        self._context = ts.Context(ts.Context.Spec(context))
         self._stores: dict[str, ts.TensorStore] = {}
         self._lock = threading.Lock()
 
@@ -216,6 +224,30 @@ class OrbaxReader:
             return None
         chunk = self._store(key).chunk_layout.read_chunk.shape
         return int(chunk[0]) if chunk and chunk[0] else None
+
+    def chunk_bytes(self, key: str) -> int:
+        """Decoded bytes of one stored chunk of `key`."""
+        spec = self._specs[key]
+        if not spec.shape:
+            return spec.dtype.itemsize
+        chunk = self._store(key).chunk_layout.read_chunk.shape
+        return int(np.prod([c or n for c, n in zip(chunk, spec.shape)])) * spec.dtype.itemsize
+
+    def read_pieces(self, key: str, boxes: list[Box], outs: list[np.ndarray]) -> None:
+        """Fills `outs[i]` with `boxes[i]` of `key`, all pieces read concurrently."""
+        store = self._store(key)
+        futures = [
+            ts.array(out, copy=False).write(store[box] if box else store)
+            for box, out in zip(boxes, outs)
+        ]
+        try:
+            for future in futures:
+                future.result()
+        except ValueError as e:
+            raise CorruptCheckpointError(
+                f"Reading array {key!r} of {self.tree_dir!r} failed: {e}. The chunk "
+                "data is damaged. Fix: restore from another step."
+            ) from e
 
     def read(self, key: str, box: Box) -> np.ndarray:
         store = self._store(key)
