@@ -162,6 +162,9 @@ def test_sigkill_and_resume_is_bit_exact(server, tmp_path, save_freq):
             assert arrays[key].dtype == expected.dtype, key
         assert info["shardings"] == ref_info["shardings"]
         assert info["iterator"] == ref_info["iterator"], f"trial {trial}: iterator position"
+        assert info["history"], f"trial {trial}: the resumed run trained no epoch"
+        for epoch, logs in info["history"].items():
+            assert logs == ref_info["history"][epoch], f"trial {trial}: epoch {epoch} logs"
         # The stored layout is the one asked for (not replicated by accident).
         assert info["shardings"]["trainable_variables/up/kernel"] == "P(None, 'model')"
 
