@@ -271,10 +271,23 @@ class OrbaxCheckpoint(MonitorCallback):
         self._model._initial_epoch = self._previous_initial_epoch
         try:
             self._finish_pending()
-        finally:
-            if self.checkpointer is not None:
-                self.checkpointer.close()
-            _sync("shardckpt_checkpoint_cleanup")
+        except BackgroundSaveError as failure:
+            self._close(failure)
+            raise
+        self._close(None)
+        _sync("shardckpt_checkpoint_cleanup")
+
+    def _close(self, failure: BackgroundSaveError | None) -> None:
+        if self.checkpointer is None:
+            return
+        try:
+            self.checkpointer.close()
+        except Exception as e:
+            # Orbax keeps a failed save's error and raises it again on close;
+            # that one is already being reported, anything else is new.
+            cause = getattr(failure, "original", None)
+            if cause is None or not (e is cause or (type(e) is type(cause) and str(e) == str(cause))):
+                raise
 
     # ---- saving ------------------------------------------------------------
 
@@ -329,12 +342,7 @@ class OrbaxCheckpoint(MonitorCallback):
         try:
             pending.result()
         except Exception as e:
-            raise BackgroundSaveError(
-                f"Saving checkpoint step {step} to {self.directory!r} failed in the "
-                f"background: {type(e).__name__}: {e}. The step was not committed; "
-                "earlier steps are intact. Fix: check disk space and permissions of "
-                "the directory, then rerun (training resumes from the last committed step)."
-            ) from e
+            raise _background_error(e, step, self.directory) from e
         waited = time.perf_counter() - start
         if waiting_for is not None and (still_running and waited > 1e-3):
             self.save_waits_s.append(waited)
@@ -470,6 +478,23 @@ def _json_context() -> Any:
     context = ocp.Context()
     context.checkpointables.registry = registry
     return context
+
+
+def _background_error(error: Exception, step: int | None, directory: str) -> BackgroundSaveError:
+    """Wraps a save thread's exception; keeps it as `.original` and `.step`.
+
+    `__cause__` is set too, but Keras' traceback filtering re-raises errors
+    from `fit` with `from None`, so the attributes are what survives.
+    """
+    wrapped = BackgroundSaveError(
+        f"Saving checkpoint step {step} to {directory!r} failed in the background: "
+        f"{type(error).__name__}: {error}. The step was not committed; earlier steps "
+        "are intact. Fix: check disk space and permissions of the directory, then "
+        "rerun (training resumes from the last committed step)."
+    )
+    wrapped.original = error
+    wrapped.step = step
+    return wrapped
 
 
 def _sync(key: str) -> None:

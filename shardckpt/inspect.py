@@ -1,0 +1,152 @@
+"""`inspect(path) -> CheckpointInfo`: what a checkpoint holds, without loading it.
+
+Shapes and dtypes come from each format's metadata through the same readers
+`load_sharded` uses (`shardckpt.formats`), so no array data is read. For an
+Orbax checkpoint written by `shardckpt.OrbaxCheckpoint` the step's metadata
+item and data-iterator state are read too (small JSON files).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Any
+
+from shardckpt.formats import open_reader
+from shardckpt.formats.orbax import committed_steps
+
+_TMP_MARK = ".orbax-checkpoint-tmp"
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ArrayInfo:
+    """One array of a checkpoint.
+
+    Attributes:
+        key: Its key ('/'-separated; Orbax: the state-tree path).
+        shape: Global shape.
+        dtype: Numpy dtype name.
+        nbytes: Size in bytes, uncompressed.
+    """
+
+    key: str
+    shape: tuple[int, ...]
+    dtype: str
+    nbytes: int
+
+
+@dataclasses.dataclass(kw_only=True)
+class CheckpointInfo:
+    """What `inspect` found.
+
+    Attributes:
+        path: The file or folder described (for Orbax: the step folder).
+        format: "h5", "keras", "orbax" or "safetensors".
+        step: The Orbax step described, else None.
+        steps: Every committed step of the Orbax root, ascending ([] otherwise).
+        incomplete: Names of half-written Orbax steps (ignored by restore).
+        items: Orbax checkpointables of the step ("pytree", "model_config", ...).
+        arrays: The arrays, in storage order.
+        metadata: The step's shardckpt metadata item, or None.
+        iterator_state: The saved data-iterator states (one per process), or None.
+    """
+
+    path: str
+    format: str
+    step: int | None = None
+    steps: list[int] = dataclasses.field(default_factory=list)
+    incomplete: list[str] = dataclasses.field(default_factory=list)
+    items: list[str] = dataclasses.field(default_factory=list)
+    arrays: list[ArrayInfo] = dataclasses.field(default_factory=list)
+    metadata: dict[str, Any] | None = None
+    iterator_state: list[Any] | None = None
+
+    @property
+    def total_bytes(self) -> int:
+        """Bytes of all arrays, uncompressed."""
+        return sum(a.nbytes for a in self.arrays)
+
+    def __str__(self) -> str:
+        lines = [f"{self.format} checkpoint {self.path!r}"]
+        if self.steps:
+            lines.append(f"  steps: {self.steps} (showing {self.step})")
+        if self.incomplete:
+            lines.append(f"  half-written (ignored): {self.incomplete}")
+        if self.items:
+            lines.append(f"  items: {self.items}")
+        if self.metadata:
+            meta = self.metadata
+            lines.append(
+                f"  epoch {meta.get('epoch')} batch {meta.get('batch')} "
+                f"(epoch complete: {meta.get('epoch_complete')}), logs {meta.get('logs')}"
+            )
+            if meta.get("user") is not None:
+                lines.append(f"  user metadata: {meta['user']}")
+        if self.iterator_state is not None:
+            lines.append(f"  data iterator: {self.iterator_state}")
+        width = max([len(a.key) for a in self.arrays] + [3])
+        lines.append(f"  {'key':<{width}}  {'shape':<18} {'dtype':<9} {'bytes':>12}")
+        for a in self.arrays:
+            lines.append(f"  {a.key:<{width}}  {str(a.shape):<18} {a.dtype:<9} {a.nbytes:>12,}")
+        lines.append(f"  {len(self.arrays)} arrays, {self.total_bytes:,} bytes")
+        return "\n".join(lines)
+
+
+def inspect(path: str | os.PathLike) -> CheckpointInfo:
+    """Describes a checkpoint: steps, arrays (shape, dtype, bytes), metadata.
+
+    Example:
+
+    ```python
+    info = shardckpt.inspect("ckpts/")
+    print(info)                      # a table of arrays
+    info.metadata["user"], info.iterator_state
+    ```
+
+    Args:
+        path: Anything `load_sharded` reads: an Orbax root (its latest
+            committed step is described) or step folder, a `.weights.h5`,
+            `.keras` or `.safetensors` file, a `*.safetensors.index.json`.
+
+    Returns:
+        A `CheckpointInfo`.
+
+    Raises:
+        CheckpointNotFoundError: nothing at `path`, or no committed step.
+        IncompleteCheckpointError: `path` is a half-written Orbax step, or a
+            root holding only such steps.
+        UnknownFormatError: not a checkpoint format shardckpt reads.
+        CorruptCheckpointError: metadata cannot be parsed.
+    """
+    path = os.fspath(path)
+    reader = open_reader(path)
+    try:
+        info = CheckpointInfo(path=reader.path, format=reader.format)
+        for key in reader.keys():
+            spec = reader.spec(key)
+            info.arrays.append(ArrayInfo(key=key, shape=tuple(spec.shape), dtype=str(spec.dtype), nbytes=spec.nbytes))
+    finally:
+        reader.close()
+    if info.format == "orbax":
+        _describe_orbax(info)
+    return info
+
+
+def _describe_orbax(info: CheckpointInfo) -> None:
+    # Imported here: the training package pulls in Keras callbacks, which a
+    # plain inspection of an h5 file does not need.
+    from shardckpt.training import resume
+
+    step_dir = info.path
+    root = os.path.dirname(step_dir)
+    name = os.path.basename(step_dir)
+    if name.isdigit():
+        info.step = int(name)
+        info.steps = committed_steps(root)
+        info.incomplete = sorted(n for n in os.listdir(root) if _TMP_MARK in n)
+    info.items = sorted(
+        n for n in os.listdir(step_dir) if os.path.isdir(os.path.join(step_dir, n)) and not n.startswith((".", "_"))
+    )
+    info.metadata = resume.read_json_item(step_dir, resume.METADATA_ITEM)
+    item = resume.read_json_item(step_dir, resume.ITERATOR_ITEM)
+    info.iterator_state = None if item is None else list(item.get("process_states") or [])

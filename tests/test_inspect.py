@@ -1,0 +1,66 @@
+"""`shardckpt.inspect`: arrays, steps, half-written steps, metadata, other formats."""
+
+from __future__ import annotations
+
+import os
+import shutil
+
+import keras
+import numpy as np
+import pytest
+
+from shardckpt import errors
+from shardckpt.inspect import inspect
+from shardckpt.training import OrbaxCheckpoint
+
+
+def _model(compile: bool = True) -> keras.Model:
+    inputs = keras.Input((5,), name="x")
+    h = keras.layers.Dense(7, name="a")(inputs)
+    outputs = keras.layers.Dense(2, name="b", dtype="bfloat16")(h)
+    model = keras.Model(inputs, outputs)
+    if compile:
+        model.compile(optimizer="sgd", loss="mse")
+    return model
+
+
+def test_inspect_orbax_root_step_and_half_written_steps(tmp_path):
+    model = _model()
+    ckpt = OrbaxCheckpoint(str(tmp_path), metadata={"note": "hello"})
+    model.fit(np.ones((8, 5), "float32"), np.ones((8, 2), "float32"), epochs=2, verbose=0, callbacks=[ckpt])
+    ckpt.wait_until_finished()
+    # A killed save leaves a temporary folder: listed, never described.
+    shutil.copytree(tmp_path / "1", tmp_path / "2.orbax-checkpoint-tmp-123")
+
+    info = inspect(str(tmp_path))
+    assert (info.format, info.step, info.steps) == ("orbax", 1, [0, 1])
+    assert info.incomplete == ["2.orbax-checkpoint-tmp-123"]
+    assert info.path == str(tmp_path / "1")
+    assert info.metadata["user"] == {"note": "hello"} and info.metadata["epoch"] == 1
+    assert info.iterator_state is None
+    arrays = {a.key: a for a in info.arrays}
+    assert (arrays["trainable_variables/a/kernel"].shape, arrays["trainable_variables/a/kernel"].dtype) == ((5, 7), "float32")
+    b = arrays["trainable_variables/b/kernel"]
+    assert (b.shape, b.nbytes) == ((7, 2), 7 * 2 * np.dtype(b.dtype).itemsize)
+    assert "optimizer_variables/sgd/iteration" in arrays
+    assert inspect(str(tmp_path / "0")).step == 0
+
+    with pytest.raises(errors.IncompleteCheckpointError):
+        inspect(str(tmp_path / "2.orbax-checkpoint-tmp-123"))
+    only_tmp = tmp_path.parent / (tmp_path.name + "_only_tmp")
+    os.makedirs(only_tmp / "5.orbax-checkpoint-tmp-9")
+    with pytest.raises(errors.IncompleteCheckpointError):
+        inspect(str(only_tmp))
+
+
+def test_inspect_weights_h5_and_missing_path(tmp_path):
+    model = _model(compile=False)  # no optimizer: the file holds the layer weights only
+    path = str(tmp_path / "m.weights.h5")
+    model.save_weights(path)
+    info = inspect(path)
+    assert info.format == "h5" and info.steps == [] and info.metadata is None
+    shapes = sorted(a.shape for a in info.arrays)
+    assert shapes == sorted(tuple(w.shape) for w in model.weights)
+    assert info.total_bytes == sum(int(np.prod(w.shape)) * np.dtype(w.dtype).itemsize for w in model.weights)
+    with pytest.raises(errors.CheckpointNotFoundError):
+        inspect(str(tmp_path / "nothing_here"))
