@@ -34,6 +34,7 @@ from typing import Any
 
 import jax
 import numpy as np
+import orbax.checkpoint
 import orbax.checkpoint.experimental.v1 as ocp
 from keras.src.callbacks.monitor_callback import MonitorCallback
 from keras.src.saving import saving_lib
@@ -499,4 +500,5 @@ def _background_error(error: Exception, step: int | None, directory: str) -> Bac
 
 def _sync(key: str) -> None:
     if jax.process_count() > 1:
-        ocp.multihost.sync_global_processes(key)
+        # The v0 public barrier (the v1 one wants an Orbax operation id).
+        orbax.checkpoint.multihost.sync_global_processes(key)

@@ -1,0 +1,85 @@
+"""One of 2 processes (4 CPU devices each) training with OrbaxCheckpoint on a
+(2, 4) mesh, then restoring the checkpoint with `restore_latest` into a fresh
+model. Run by tests/test_callback_multiprocess.py: argv = process id, port,
+folder. Process 0 writes the trained values (all-gathered) to expected.npz;
+each process checks its own shards of the restored model against them.
+"""
+
+import json
+import os
+import sys
+
+process_id, port, folder = int(sys.argv[1]), sys.argv[2], sys.argv[3]
+os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
+os.environ["KERAS_BACKEND"] = "jax"
+os.environ["JAX_PLATFORMS"] = "cpu"
+
+import jax  # noqa: E402
+
+jax.config.update("jax_cpu_collectives_implementation", "gloo")
+jax.distributed.initialize(f"127.0.0.1:{port}", num_processes=2, process_id=process_id)
+
+import keras  # noqa: E402
+import numpy as np  # noqa: E402
+from jax.experimental import multihost_utils  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from shardckpt.training import OrbaxCheckpoint, restore_latest  # noqa: E402
+from tests._train_worker import ShuffledIterator, build_model, layout  # noqa: E402
+
+
+def groups(model):
+    return {
+        "trainable_variables": model.trainable_variables,
+        "non_trainable_variables": model.non_trainable_variables,
+        "optimizer_variables": model.optimizer.variables,
+        "metrics_variables": model.metrics_variables,
+    }
+
+
+def fresh(seed):
+    keras.backend.clear_session()
+    distribution = layout()
+    distribution.auto_shard_dataset = False  # each process feeds its own numpy batches
+    keras.distribution.set_distribution(distribution)
+    keras.utils.set_random_seed(seed)
+    return build_model(), distribution
+
+
+model, distribution = fresh(1234)
+data = ShuffledIterator(seed=10 + process_id)  # each process its own data and position
+ckpt = OrbaxCheckpoint(os.path.join(folder, "ckpt"), save_freq=2, data_iterator=data, max_to_keep=2)
+model.fit(ckpt.batches(), steps_per_epoch=3, epochs=2, callbacks=[ckpt], verbose=0)
+ckpt.wait_until_finished()
+trained = {}
+for group, variables in groups(model).items():
+    for v in variables:
+        trained[f"{group}/{v.path}"] = np.asarray(multihost_utils.process_allgather(v.value, tiled=True))
+if process_id == 0:
+    np.savez(os.path.join(folder, "expected.npz"), **trained)
+saved_state = data.get_state()
+
+# Restore into a model with other initial values, on the same 2-process mesh.
+model, distribution = fresh(99)
+model.fit(np.zeros((8, 12), "float32"), np.zeros((8, 1), "float32"), batch_size=8, verbose=0)  # builds optimizer/metrics
+other = ShuffledIterator(seed=10 + process_id)
+info = restore_latest(model, os.path.join(folder, "ckpt"), data_iterator=other)
+shards = 0
+for group, variables in groups(model).items():
+    for v in variables:
+        key = f"{group}/{v.path}"
+        want = distribution.get_variable_layout(v).backend_layout
+        assert v.value.sharding.is_equivalent_to(want, v.ndim), key
+        for shard in v.value.addressable_shards:
+            np.testing.assert_array_equal(np.asarray(shard.data), trained[key][shard.index], err_msg=key)
+            shards += 1
+result = {
+    "step": info.step,
+    "shards": shards,
+    "iterator_saved": saved_state,
+    "iterator_restored": other.get_state(),
+    "kernel_spec": str(model.get_layer("up").kernel.value.sharding.spec),
+}
+with open(os.path.join(folder, f"result{process_id}.json"), "w") as f:
+    json.dump(result, f)
+jax.distributed.shutdown()

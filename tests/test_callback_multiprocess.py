@@ -1,0 +1,80 @@
+"""2 real processes x 4 CPU devices train with OrbaxCheckpoint on a (2, 4) mesh;
+the checkpoint restores bit-exact in those 2 processes and, resharded, here in
+1 process with 8 devices."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+
+import keras
+import numpy as np
+import pytest
+
+from shardckpt import load_sharded
+from shardckpt.inspect import inspect
+from tests._train_worker import build_model
+
+pytestmark = pytest.mark.multiprocess
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_two_process_training_checkpoint_restores_on_two_and_on_one_process(tmp_path):
+    port = str(_free_port())
+    env = {**os.environ, "PYTHONPATH": ROOT}
+    env.pop("XLA_FLAGS", None)
+    worker = os.path.join(ROOT, "tests", "_mp_train_worker.py")
+    procs = [
+        subprocess.Popen([sys.executable, worker, str(i), port, str(tmp_path)], env=env, cwd=ROOT,
+                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        for i in range(2)
+    ]
+    outputs = []
+    for p in procs:
+        try:
+            out, _ = p.communicate(timeout=240)
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                q.kill()
+            raise
+        outputs.append(out)
+    for p, out in zip(procs, outputs):
+        assert p.returncode == 0, out[-4000:]
+    results = [json.loads((tmp_path / f"result{i}.json").read_text()) for i in range(2)]
+    for i, r in enumerate(results):
+        assert r["step"] == 6 and r["shards"] > 0, r
+        assert r["iterator_restored"] == r["iterator_saved"], (i, r)
+        assert r["kernel_spec"] == "P(None, 'model')"
+    # The two processes read different data, so their positions differ.
+    info = inspect(str(tmp_path / "ckpt"))
+    assert info.steps == [4, 6]
+    assert info.iterator_state == [results[0]["iterator_saved"], results[1]["iterator_saved"]]
+    assert info.metadata["layout"]["mesh_shape"] == [2, 4] and info.metadata["layout"]["process_count"] == 2
+
+    # One process, 8 devices, another mesh: every variable resharded, bit-exact.
+    expected = dict(np.load(tmp_path / "expected.npz", allow_pickle=False))
+    mesh = keras.distribution.DeviceMesh((4, 2), ["data", "model"])
+    layout_map = keras.distribution.LayoutMap(mesh)
+    layout_map["up/kernel"] = (None, "model")
+    layout_map["down/kernel"] = ("model", None)
+    keras.distribution.set_distribution(keras.distribution.ModelParallel(layout_map=layout_map, batch_dim_name="data"))
+    model = build_model()
+    model.fit(np.zeros((8, 12), "float32"), np.zeros((8, 1), "float32"), epochs=1, verbose=0)
+    load_sharded(model, str(tmp_path / "ckpt"), progress=False)
+    for group in ("trainable_variables", "non_trainable_variables", "metrics_variables"):
+        for v in getattr(model, group):
+            np.testing.assert_array_equal(np.asarray(v.value), expected[f"{group}/{v.path}"], err_msg=v.path)
+    for v in model.optimizer.variables:
+        np.testing.assert_array_equal(np.asarray(v.value), expected[f"optimizer_variables/{v.path}"], err_msg=v.path)
+    kernel = model.get_layer("up").kernel.value.sharding
+    assert kernel.spec == keras.src.backend.jax.core.jax.sharding.PartitionSpec(None, "model")
+    assert kernel.mesh.devices.shape == (4, 2)
