@@ -89,7 +89,7 @@ def test_keras_reads_the_checkpoint_and_load_sharded_reshards(tmp_path):
     keras.distribution.set_distribution(_mesh_distribution())
     model = _model()
     it = CountingIterator()
-    ckpt = OrbaxCheckpoint(str(tmp_path), data_iterator=it, max_to_keep=1)
+    ckpt = OrbaxCheckpoint(str(tmp_path), data_iterator=it, max_to_keep=1, compression=True)
     _fit(model, ckpt, it)
     assert sorted(os.listdir(tmp_path)) == ["1"]
     layout = inspect(str(tmp_path)).metadata["layout"]

@@ -95,6 +95,10 @@ class OrbaxCheckpoint(MonitorCallback):
             "user" in each step's metadata.
         data_iterator: An object with `get_state()` / `set_state(state)`.
         resume: Restore the latest committed step when `fit` starts.
+        compression: zstd-compress array chunks as Keras' callback does. Off by
+            default: float training state shrinks ~10% while compression took
+            about a third of a background save's CPU time (tools/bench_save.py);
+            readers (Keras, Orbax, shardckpt) handle both.
 
     Raises:
         ValueError: an argument is out of range.
@@ -120,6 +124,7 @@ class OrbaxCheckpoint(MonitorCallback):
         metadata: dict[str, Any] | Callable[[int, dict], dict] | None = None,
         data_iterator: Any = None,
         resume: bool = True,
+        compression: bool = False,
     ) -> None:
         ocp_init = getattr(ocp, "initialize", None)
         if callable(ocp_init):
@@ -158,7 +163,8 @@ class OrbaxCheckpoint(MonitorCallback):
         self.resumed: resume.ResumeInfo | None = None
         self.save_blocking_s: list[float] = []
         self.save_waits_s: list[float] = []
-        self._context = _json_context()
+        self.compression = compression
+        self._context = _json_context(compression=compression)
         self._executor: concurrent.futures.ThreadPoolExecutor | None = None
         self._pending: Any = None  # Future (worker) or Orbax AsyncResponse
         self._pending_step: int | None = None
@@ -213,7 +219,11 @@ class OrbaxCheckpoint(MonitorCallback):
         self.checkpointer = self._make_checkpointer()
         if self._executor is None and self.save_on_background and jax.process_count() == 1:
             self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="shardckpt-save")
+        # Config and assets (vocabularies...) do not change during fit; Keras'
+        # callback rebuilds both at every save (tens of ms on the training thread).
+        # Private Keras helpers, the ones its callback and load_model use.
         self._model_config = None if self.save_weights_only else saving_lib._serialize_model_as_json(self.model)[0]
+        self._assets = None if self.save_weights_only else saving_lib._save_assets_to_dict(self.model)
         self._layout = metadata_lib.layout_of(self.model)
         step_dir = resume.latest_step_dir(self.directory) if self.resume else None
         if step_dir is not None:
@@ -297,38 +307,41 @@ class OrbaxCheckpoint(MonitorCallback):
         self._finish_pending(waiting_for=step)
         model = self.model  # Callback.model syncs the JAX state into the variables
         tree = snapshot.snapshot_state(model, weights_only=self.save_weights_only)
-        json_logs = metadata_lib.json_logs(logs)
         payload: dict[str, Any] = {resume.ARRAYS_ITEM: tree}
         if not self.save_weights_only:
             payload["model_config"] = {"config": self._model_config}
-            assets = saving_lib._save_assets_to_dict(model)
-            if assets is not None:
-                payload["assets"] = assets
-        payload[resume.METADATA_ITEM] = self._metadata(step, json_logs, epoch_complete)
+            if self._assets is not None:
+                payload["assets"] = self._assets
+        logs = dict(logs or {})
+        user = self.metadata(self._epoch, logs) if callable(self.metadata) else self.metadata
+        # Counters are read now: training moves them on while the save runs.
+        meta = self._metadata(step, epoch_complete)
         if self._tracker is not None:
             state = self._tracker.state_after(self._fit_batches)
             payload[resume.ITERATOR_ITEM] = {"process_states": iterators.gather_json(state)}
-        metrics = {k: v for k, v in json_logs.items() if isinstance(v, float)}
         if not self.save_on_background:
-            with self._context:
-                self.checkpointer.save_checkpointables(step, payload, metrics=metrics, force=True)
+            self._write(step, payload, meta, logs, user, self.best)
         elif self._executor is not None:
-            self._pending = self._executor.submit(self._write, step, payload, metrics)
+            self._pending = self._executor.submit(self._write, step, payload, meta, logs, user, self.best)
         else:
+            metrics = _complete(payload, meta, logs, user, self.best)
             with self._context:
                 self._pending = self.checkpointer.save_checkpointables_async(
                     step, payload, metrics=metrics, force=True
                 )
-        self._pending_step = step
+        self._pending_step = step if self.save_on_background else None
         self.save_blocking_s.append(time.perf_counter() - start)
         if self.verbose > 0:
             print(f"OrbaxCheckpoint: step {step} saved to {self.directory} "
                   f"({'background' if self.save_on_background else 'written'}, "
                   f"training blocked {self.save_blocking_s[-1] * 1e3:.1f} ms)")
 
-    def _write(self, step: int, payload: dict[str, Any], metrics: dict[str, float]) -> None:
-        # Runs on the single worker thread; the training thread never touches
-        # the Checkpointer while a save is pending, so Orbax sees one caller.
+    def _write(self, step: int, payload: dict[str, Any], meta: dict[str, Any], logs: dict[str, Any],
+               user: Any, best: Any) -> None:
+        # On the worker thread (background) or the training thread (sync). The
+        # training thread never touches the Checkpointer while a save is
+        # pending, so Orbax sees one caller at a time.
+        metrics = _complete(payload, meta, logs, user, best)
         with self._context:
             self.checkpointer.save_checkpointables(step, payload, metrics=metrics, force=True)
 
@@ -355,9 +368,8 @@ class OrbaxCheckpoint(MonitorCallback):
             if self.verbose > 0:
                 print(f"OrbaxCheckpoint: {message}")
 
-    def _metadata(self, step: int, json_logs: dict[str, Any], epoch_complete: bool) -> dict[str, Any]:
-        user = self.metadata(self._epoch, dict(json_logs)) if callable(self.metadata) else self.metadata
-        best = self.best
+    def _metadata(self, step: int, epoch_complete: bool) -> dict[str, Any]:
+        """The metadata item without logs/user/best (see `_complete`)."""
         return {
             "format": metadata_lib.FORMAT,
             "step": int(step),
@@ -367,11 +379,8 @@ class OrbaxCheckpoint(MonitorCallback):
             "steps_per_epoch": self._steps_per_epoch,
             "total_batches": int(self._total_batches_seen),
             "save_freq": self.save_freq,
-            "logs": json_logs,
             "monitor": self.monitor,
-            "best": None if best is None else metadata_lib.json_number(best),
             "save_weights_only": self.save_weights_only,
-            "user": user,
             "versions": metadata_lib.versions(),
             "layout": self._layout,
         }
@@ -467,18 +476,37 @@ class OrbaxCheckpoint(MonitorCallback):
         )
 
 
-def _json_context() -> Any:
-    """An Orbax context that writes our metadata items with Orbax's JsonHandler.
+def _json_context(*, compression: bool) -> Any:
+    """The Orbax context of every save: JSON items and array compression.
 
-    Without it a dict would go to the PyTree handler (registered last), which
-    cannot hold None or lists of mixed types.
+    Our metadata items go to Orbax's JsonHandler; without the registry a dict
+    would go to the PyTree handler (registered last), which cannot hold None or
+    lists of mixed types.
     """
     registry = ocp.handlers.local_registry()
     registry.add(ocp.handlers.JsonHandler, checkpointable_name=resume.METADATA_ITEM)
     registry.add(ocp.handlers.JsonHandler, checkpointable_name=resume.ITERATOR_ITEM)
     context = ocp.Context()
     context.checkpointables.registry = registry
+    context.array.saving.use_compression = compression
     return context
+
+
+def _complete(payload: dict[str, Any], meta: dict[str, Any], logs: dict[str, Any], user: Any, best: Any) -> dict:
+    """Adds logs, user metadata and best value to the metadata item.
+
+    Converting logs to numbers waits for the step that produced them; done on
+    the save thread, the training thread does not wait.
+
+    Returns:
+        The numeric logs, which Orbax stores as the step's metrics (BestN ranks
+        steps by them).
+    """
+    json_logs = metadata_lib.json_logs(logs)
+    meta = dict(meta, logs=json_logs, user=metadata_lib.jsonable(user),
+                best=None if best is None else metadata_lib.json_number(best))
+    payload[resume.METADATA_ITEM] = meta
+    return {k: v for k, v in json_logs.items() if isinstance(v, float)}
 
 
 def _background_error(error: Exception, step: int | None, directory: str) -> BackgroundSaveError:

@@ -21,6 +21,24 @@ def json_number(value: Any) -> Any:
     return number if math.isfinite(number) else str(number)
 
 
+def jsonable(value: Any) -> Any:
+    """Returns `value` with numpy/jax arrays and scalars turned into JSON values."""
+    if isinstance(value, dict):
+        return {str(k): jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [jsonable(v) for v in value]
+    if value is None or isinstance(value, (bool, int, str)):
+        return value
+    if isinstance(value, float):
+        return json_number(value)
+    if hasattr(value, "shape") and hasattr(value, "dtype"):
+        array = np.asarray(value)
+        return json_number(array) if array.ndim == 0 else jsonable(array.tolist())
+    if isinstance(value, np.generic):
+        return json_number(value)
+    return value  # anything else: Orbax's JSON handler reports it
+
+
 def json_logs(logs: dict[str, Any] | None) -> dict[str, Any]:
     return {str(k): json_number(v) for k, v in (logs or {}).items()}
 
