@@ -297,6 +297,17 @@ def test_drop_in_positional_arguments_and_bad_input(tmp_path):
     assert {a.key.split("/")[0] for a in info.arrays} == {"trainable_variables"}
     assert len(info.arrays) == len(model.trainable_variables)
 
+    # Resuming from a weights-only step restores the weights (not exact, but no error).
+    saved = {v.path: np.asarray(v.value) for v in model.trainable_variables}
+    keras.backend.clear_session()
+    again = _model(seed=8)
+    resumed = OrbaxCheckpoint(str(tmp_path), "loss", 0, False, "min", 2, None, 1, False, True)
+    again.fit(np.ones((16, 6), "float32"), np.ones((16, 1), "float32"), batch_size=8, epochs=2,
+              callbacks=[resumed, _RecordAt(1)], verbose=0)
+    assert resumed.resumed.step == 4 and again.history.epoch == []  # all epochs were done
+    for v in again.trainable_variables:
+        np.testing.assert_array_equal(np.asarray(v.value), saved[v.path], err_msg=v.path)
+
     with pytest.raises(ValueError, match="save_freq"):
         OrbaxCheckpoint(str(tmp_path), save_freq="batch")
     with pytest.raises(ValueError, match="max_to_keep"):

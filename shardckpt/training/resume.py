@@ -112,6 +112,9 @@ def restore_step(model: Any, step_dir: str, *, data_iterator: Any = None, strict
     iterator_state = None
     if data_iterator is not None:
         iterator_state = iterator_state_for_process(read_json_item(step_dir, ITERATOR_ITEM), jax.process_index())
+    # A weights-only step has no optimizer/metric arrays: those keep their
+    # values (such a step cannot resume bit-exactly; documented on the callback).
+    strict = strict and not metadata.get("save_weights_only", False)
     # The one call that moves values (switch point for another restore engine).
     report = load_sharded(model, step_dir, strict=strict, progress=False)
     if data_iterator is not None and iterator_state is not None:
