@@ -47,7 +47,6 @@ class IteratorTracker:
         self._on_first_pull = on_first_pull
         self._states: collections.deque[tuple[int, Any]] = collections.deque()
         self._pulled = 0
-        self._base = 0
         self.used = False
 
     def batches(self) -> Iterator[Any]:
@@ -65,14 +64,6 @@ class IteratorTracker:
             self._states.append((self._pulled, state))
             self._pulled += 1
             yield batch
-
-    def rebase(self, consumed: int) -> None:
-        """Declares that batch number `consumed` (counted from fit's start) is next.
-
-        The callback counts consumed batches from the start of `fit`; pulls are
-        counted from the first `batches()` call, which is the same origin.
-        """
-        self._base = consumed
 
     def state_after(self, consumed: int) -> Any:
         """Returns the iterator state after `consumed` batches went to training.
