@@ -97,3 +97,8 @@ class CheckpointMismatchError(ShardckptError, ValueError):
             "before building."
         )
         super().__init__("\n".join(lines))
+
+
+class LayoutError(ShardckptError, ValueError):
+    """A layout request is invalid: an unknown mesh axis, a rule whose axes do
+    not fit the variable, a plan that does not match the model or devices."""

@@ -1,0 +1,301 @@
+"""Decide, from how tensors flow, which dimension of each variable to split.
+
+The planner walks the traced forward graph (`trace.py`) in execution order
+and keeps, for every array, the one dimension split over the model axis
+(or none). Where a variable meets an activation it decides the variable's
+split, by the Megatron pairing:
+
+- a matmul/einsum/convolution whose input is *not* split splits its weight
+  along the first output dimension (column-parallel: attention heads, MLP
+  up/gate features, conv output channels, experts), but only when that
+  split output reaches a contraction (the next projection, or attention's
+  `probs @ v` and then the output projection) before any reduction such as
+  a normalization; otherwise the weight stays replicated;
+- one whose input *is* split along a contracted dimension splits its
+  weight the same way (row-parallel: attention output, MLP down); the
+  result is a partial sum and XLA adds one all-reduce;
+- one whose input is split along a batch dimension of the einsum (the
+  expert dimension of a mixture of experts) splits the weight along it;
+- an embedding lookup splits its table over the vocabulary (a masked
+  lookup plus one all-reduce), and a head that reuses the table then
+  computes logits split over the vocabulary;
+- a variable used element-wise (bias, normalization scale, batch-norm
+  statistics) follows the split of the tensor it is applied to, so biases
+  follow a column-parallel kernel and are replicated after a row-parallel
+  one, and normalization weights on the replicated residual stream stay
+  replicated.
+
+Names never enter: a layer is known only by the shapes and the
+contractions its variables take part in. A split the axis does not divide
+falls back to replication with the reason recorded.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+from shardckpt.layout.flow import CONTRACTED, Kept, dot_free_position, follow, is_elementwise
+from shardckpt.layout.trace import Graph, Op, Value
+
+_PARAM_VIEWS = {"broadcast_in_dim", "transpose", "squeeze", "reshape"}
+
+
+@dataclasses.dataclass(frozen=True)
+class Decision:
+    """How one variable is split over the model axis.
+
+    Attributes:
+        dim: The split dimension, or None (replicated).
+        reason: Why, in words, for `LayoutPlan.explain()`.
+        fallback: A split was wanted but the axis does not divide the
+            dimension (or the split could not be kept), so it is replicated.
+    """
+
+    dim: int | None
+    reason: str
+    fallback: bool = False
+
+
+_UNDECIDED = object()
+
+
+class _Planner:
+    def __init__(self, graph: Graph, axis_size: int) -> None:
+        self.graph = graph
+        self.n = axis_size
+        self.decided: dict[int, Decision] = {}
+        self.split: dict[Value, int] = {}
+        # Values computed from variables alone (views, or element-wise math
+        # such as batch norm's `gamma * rsqrt(variance)`): for each variable,
+        # (variable index, value dim -> variable dim or None).
+        self.origin: dict[Value, list[tuple[int, tuple[int | None, ...]]]] = {
+            v: [(v.param, tuple(range(len(v.shape))))] for v in graph.params
+        }
+        self._good: dict[tuple[int, int], bool] = {}
+
+    # -- state -----------------------------------------------------------
+    def effective(self, value: Value):
+        """The split dim of `value`, None, or _UNDECIDED (built from an undecided variable)."""
+        if value not in self.origin:
+            return self.split.get(value)
+        found = None
+        for p, dims in self.origin[value]:
+            if p not in self.decided:
+                return _UNDECIDED
+            d = self.decided[p].dim
+            if found is None and d is not None and d in dims:
+                found = dims.index(d)
+        return found
+
+    def decide(self, p: int, dim: int | None, reason: str, *, fallback: bool = False) -> None:
+        if p not in self.decided:
+            self.decided[p] = Decision(dim, reason, fallback)
+
+    def assign(self, value: Value, vdim: int | None, reason: str) -> None:
+        """Decides every undecided variable behind `value`: split on `vdim` of the value, or not."""
+        for p, dims in self.origin[value]:
+            if p in self.decided:
+                continue
+            if vdim is None:
+                self.decide(p, None, reason)
+                continue
+            pdim = dims[vdim]
+            shape = self.graph.params[p].shape
+            if pdim is None:
+                if value.shape[vdim] != 1 and len(shape) and math.prod(shape) == value.shape[vdim]:
+                    self.decide(p, None, "the split dimension does not survive a reshape: replicated", fallback=True)
+                else:
+                    self.decide(p, None, "broadcast along the split dimension: replicated")
+            elif shape[pdim] % self.n:
+                self.decide(
+                    p,
+                    None,
+                    f"{reason.split(':')[0]} wanted on dim {pdim} ({shape[pdim]}), which "
+                    f"the model axis ({self.n}) does not divide: replicated",
+                    fallback=True,
+                )
+            else:
+                self.decide(p, pdim, reason)
+
+    # -- lookahead ---------------------------------------------------------
+    def reaches_contraction(self, value: Value, dim: int) -> bool:
+        """Whether a split of `value` along `dim` ends in contractions only."""
+        key = (id(value), dim)
+        if key in self._good:
+            return self._good[key]
+        self._good[key] = False  # cycle guard (graphs are acyclic; cheap insurance)
+        ok = True
+        if not value.is_output:
+            for op, pos in value.consumers:
+                where = follow(op, pos, dim)
+                if where is CONTRACTED:
+                    continue
+                if not isinstance(where, Kept) or not where.outputs:
+                    ok = False
+                    break
+                if not all(self.reaches_contraction(out, j) for out, j in where.outputs):
+                    ok = False
+                    break
+        self._good[key] = ok
+        return ok
+
+    # -- decisions -----------------------------------------------------------
+    def column(self, value: Value, vdim: int, op: Op, out_dim: int, what: str) -> None:
+        if value.shape[vdim] % self.n:
+            self.assign(value, vdim, what)
+        elif self.reaches_contraction(op.outputs[0], out_dim):
+            self.assign(value, vdim, what)
+        else:
+            self.assign(
+                value,
+                None,
+                "its output feeds a reduction (e.g. a normalization) before any "
+                "contraction, so a split output would need an all-gather: replicated",
+            )
+
+    def dot(self, op: Op, ppos: int) -> None:
+        value = op.inputs[ppos]
+        a = self.effective(op.inputs[1 - ppos])
+        (lc, rc), (lb, rb) = op.params["dimension_numbers"]
+        pc, pb = (lc, lb) if ppos == 0 else (rc, rb)
+        ac, ab = (lc, lb) if ppos == 1 else (rc, rb)
+        if a is _UNDECIDED:
+            a = None
+        if a is not None and a in ac:
+            self.assign(
+                value,
+                pc[list(ac).index(a)],
+                "row-parallel: contracts the split dimension of its input "
+                "(partial sums, one all-reduce after)",
+            )
+        elif a is not None and a in ab:
+            self.assign(value, pb[list(ab).index(a)], "split along the batch (expert) dimension its input is split on")
+        elif a is not None:
+            self.assign(value, None, "its input is already split along a free dimension: replicated")
+        elif pb:
+            self.column(value, pb[0], op, 0, "batch-dimension split (experts): each device computes its own")
+        else:
+            free = [d for d in range(len(value.shape)) if d not in pc]
+            if not free:
+                self.assign(value, None, "contracted entirely (no output dimension): replicated")
+                return
+            self.column(
+                value,
+                free[0],
+                op,
+                dot_free_position(op, ppos, free[0]),
+                "column-parallel: first output dimension split (heads / features), "
+                "consumed by a later contraction",
+            )
+
+    def conv(self, op: Op) -> None:
+        value = op.inputs[1]
+        numbers = op.params["dimension_numbers"]
+        a = self.effective(op.inputs[0])
+        a = None if a is _UNDECIDED else a
+        grouped = op.params.get("feature_group_count", 1) > 1
+        if a == numbers.lhs_spec[1]:
+            if grouped:
+                self.assign(value, numbers.rhs_spec[0], "grouped conv: output channels follow the input's split channels")
+            else:
+                self.assign(
+                    value,
+                    numbers.rhs_spec[1],
+                    "row-parallel conv: contracts its input's split channels (one all-reduce after)",
+                )
+        elif a is None and not grouped:
+            self.column(value, numbers.rhs_spec[0], op, numbers.out_spec[1], "column-parallel conv: output channels split")
+        else:
+            self.assign(value, None, "conv input split along a non-channel dimension, or grouped on a replicated input: replicated")
+
+    def gather(self, op: Op) -> None:
+        numbers = op.params["dimension_numbers"]
+        if len(numbers.collapsed_slice_dims) != 1:
+            self.assign(op.inputs[0], None, "multi-dimensional lookup: replicated")
+            return
+        self.assign(
+            op.inputs[0],
+            numbers.collapsed_slice_dims[0],
+            "vocabulary split: masked lookup on each device, one all-reduce after",
+        )
+
+    def elementwise(self, op: Op) -> None:
+        splits = [self.effective(v) for v in op.inputs]
+        active = next((s for s in splits if s is not None and s is not _UNDECIDED), None)
+        for value, s in zip(op.inputs, splits):
+            if s is not _UNDECIDED:
+                continue
+            if active is None:
+                self.assign(value, None, "applied to a replicated tensor: replicated")
+            else:
+                self.assign(value, active, "follows the split of the tensor it is applied to")
+
+    # -- walk --------------------------------------------------------------
+    def param_view(self, op: Op) -> bool:
+        """Records `op`'s output as computed from variables alone, when it is."""
+        if len(op.outputs) != 1 or not any(v in self.origin for v in op.inputs):
+            return False
+        if any(v not in self.origin and v.shape != () for v in op.inputs):
+            return False
+        if op.name not in _PARAM_VIEWS and not is_elementwise(op):
+            return False
+        out = op.outputs[0]
+        sources = []
+        for pos, src in enumerate(op.inputs):
+            for p, dims in self.origin.get(src, ()):
+                new: list[int | None] = [None] * len(out.shape)
+                for d, pdim in enumerate(dims):
+                    if pdim is None or src.shape[d] == 1:
+                        continue
+                    where = follow(op, pos, d)
+                    if isinstance(where, Kept):
+                        for value, j in where.outputs:
+                            if value is out:
+                                new[j] = pdim
+                sources.append((p, tuple(new)))
+        self.origin[out] = sources
+        return True
+
+    def run(self) -> dict[int, Decision]:
+        for op in self.graph.ops:
+            if self.param_view(op):
+                continue
+            undecided = [i for i, v in enumerate(op.inputs) if self.effective(v) is _UNDECIDED]
+            if undecided:
+                if op.name == "dot_general":
+                    for i in undecided:
+                        self.dot(op, i)
+                elif op.name == "conv_general_dilated" and undecided == [1]:
+                    self.conv(op)
+                elif op.name == "gather" and undecided == [0]:
+                    self.gather(op)
+                elif is_elementwise(op):
+                    self.elementwise(op)
+                else:
+                    for i in undecided:
+                        self.assign(op.inputs[i], None, f"used by `{op.name}`, which the planner does not split: replicated")
+            for pos, value in enumerate(op.inputs):
+                s = self.effective(value)
+                if s is None or s is _UNDECIDED:
+                    continue
+                where = follow(op, pos, s)
+                if isinstance(where, Kept):
+                    for out, j in where.outputs:
+                        self.split.setdefault(out, j)
+        for value in self.graph.params:
+            self.decide(value.param, None, "not used by the traced forward pass: replicated")
+        return self.decided
+
+
+def plan_splits(graph: Graph, axis_size: int) -> dict[int, Decision]:
+    """Decides the model-axis split of every variable in `graph`.
+
+    Args:
+        graph: The traced forward graph (`trace.trace_model`).
+        axis_size: Devices along the model axis.
+
+    Returns:
+        A `Decision` per variable index (the model's `variables` order).
+    """
+    return _Planner(graph, axis_size).run()

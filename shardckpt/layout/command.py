@@ -1,0 +1,114 @@
+"""`shardckpt plan MODEL --mesh 1x8 [--optimizer adam]`: show a layout plan.
+
+MODEL is `package.module:function` (a function returning a Keras model) or
+a `.keras` file (its config only: no weights are read). The model is built
+under `shardckpt.lazy_init()`, so planning a large model costs no weight
+memory.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import sys
+import zipfile
+from typing import Any
+
+from shardckpt.errors import LayoutError
+from shardckpt.lazy import lazy_init
+
+
+def parse_mesh(text: str) -> tuple[int, ...]:
+    """`"1x8"` -> `(1, 8)`.
+
+    Raises:
+        LayoutError: The text is not positive integers joined by "x".
+    """
+    try:
+        shape = tuple(int(part) for part in text.lower().split("x"))
+    except ValueError:
+        shape = ()
+    if not shape or any(s < 1 for s in shape):
+        raise LayoutError(f"--mesh must look like 1x8 or 2x4 (data x model). Received: mesh={text!r}")
+    return shape
+
+
+def build_lazily(model: str) -> Any:
+    """Builds MODEL (`package.module:function` or a `.keras` file) under `lazy_init()`.
+
+    Raises:
+        LayoutError: MODEL is neither form, or the function is missing.
+        FileNotFoundError: The `.keras` file does not exist.
+    """
+    import keras
+
+    if model.endswith(".keras"):
+        if not os.path.exists(model):
+            raise FileNotFoundError(f"No such .keras file: {model!r}")
+        with zipfile.ZipFile(model) as archive:
+            config = json.loads(archive.read("config.json"))
+        with lazy_init():
+            built = keras.saving.deserialize_keras_object(config)
+            if not built.built and config.get("build_config"):
+                built.build_from_config(config["build_config"])
+        return built
+    module_name, sep, attr = model.partition(":")
+    if not sep or not module_name or not attr:
+        raise LayoutError(
+            "MODEL must be package.module:function (returning a Keras model) or a .keras file. "
+            f"Received: model={model!r}"
+        )
+    module = importlib.import_module(module_name)
+    if not hasattr(module, attr):
+        raise LayoutError(f"Module {module_name!r} has no {attr!r}. Received: model={model!r}")
+    with lazy_init():
+        return getattr(module, attr)()
+
+
+def run_plan(model: str, mesh: str, optimizer: str | None) -> int:
+    """Prints the layout plan of MODEL on a mesh and its per-device memory.
+
+    Example:
+
+    ```
+    shardckpt plan mypkg.models:build --mesh 1x8 --optimizer adam
+    ```
+
+    Args:
+        model: `package.module:function` or a `.keras` file.
+        mesh: Mesh shape such as "1x8" (axes data x model; one number: model only).
+        optimizer: Optimizer name whose slots to count, or None.
+
+    Returns:
+        0 when the plan validates, 1 when `validate()` lists problems.
+    """
+    import jax
+    from rich.console import Console
+
+    from shardckpt.layout.auto import auto_layout
+
+    shape = parse_mesh(mesh)
+    needed = 1
+    for s in shape:
+        needed *= s
+    if needed != jax.device_count():
+        raise LayoutError(
+            f"Mesh {mesh} needs {needed} devices but {jax.device_count()} are visible. Fix: "
+            f"pick a mesh of {jax.device_count()} devices, or simulate CPU devices with "
+            f"XLA_FLAGS=--xla_force_host_platform_device_count={needed}."
+        )
+    built = build_lazily(model)
+    plan = auto_layout(built, shape)
+    # Piped output (logs, CI) gets wide rows instead of paths folded at 80 columns.
+    console = Console(width=None if sys.stdout.isatty() else 200)
+    console.print(plan.explain())
+    params = sum(p.nbytes for p in plan.placements)
+    console.print(f"parameters: {params:,} bytes in total; {plan.sharded_fraction():.1%} split")
+    console.print(f"per device (weights): {plan.bytes_per_device():,} bytes")
+    if optimizer:
+        console.print(f"per device (weights + {optimizer} slots): {plan.bytes_per_device(optimizer):,} bytes")
+    problems = plan.validate(built)
+    for line in problems:
+        console.print(f"[red]problem:[/red] {line}")
+    return 1 if problems else 0

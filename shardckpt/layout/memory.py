@@ -1,0 +1,60 @@
+"""How many full-size slots an optimizer keeps per trainable variable.
+
+Keras optimizers create their slots with `add_variable_from_reference`,
+which copies the variable's shape and layout, so every slot costs the
+variable's bytes per device. The counts below are read from
+`keras/src/optimizers/*.py` (`build()`): e.g. Adam keeps momentum and
+velocity (2), plus a velocity maximum with `amsgrad`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from shardckpt.errors import LayoutError
+
+_BASE_SLOTS = {
+    "adam": 2,
+    "adamw": 2,
+    "nadam": 2,
+    "adamax": 2,
+    "adadelta": 2,
+    "ftrl": 2,
+    "lamb": 2,
+    "adagrad": 1,
+    "lion": 1,
+    "sgd": 0,
+    "rmsprop": 1,
+}
+
+
+def slots_per_variable(optimizer: Any) -> int:
+    """Full-size slots per trainable variable for `optimizer`.
+
+    Args:
+        optimizer: A name ("adam", "sgd", ...) or a `keras.optimizers.Optimizer`.
+
+    Returns:
+        The slot count; options that add slots (SGD momentum, RMSprop
+        momentum / centered, Adam amsgrad) are counted on instances.
+
+    Raises:
+        LayoutError: The optimizer is not one whose slots are known.
+    """
+    name = optimizer.lower() if isinstance(optimizer, str) else type(optimizer).__name__.lower()
+    if name not in _BASE_SLOTS:
+        raise LayoutError(
+            f"Unknown optimizer {optimizer!r}: its slot count is not known. Fix: use one of "
+            f"{sorted(_BASE_SLOTS)}. Received: optimizer={optimizer!r}"
+        )
+    slots = _BASE_SLOTS[name]
+    if not isinstance(optimizer, str):
+        if getattr(optimizer, "amsgrad", False):
+            slots += 1
+        if name in ("sgd", "rmsprop") and getattr(optimizer, "momentum", 0):
+            slots += 1
+        if name == "rmsprop" and getattr(optimizer, "centered", False):
+            slots += 1
+        if getattr(optimizer, "use_ema", False):
+            slots += 1  # the moving average of every variable
+    return slots

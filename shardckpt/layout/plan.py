@@ -1,0 +1,337 @@
+"""`LayoutPlan`: where every variable of a model goes on a device mesh.
+
+A plan is plain data (one `Placement` per variable: path, shape, dtype,
+mesh axes per dimension, why) plus the mesh. Everything Keras and JAX need
+is derived from it: a `keras.distribution.LayoutMap` with one exact key per
+variable, a `ModelParallel` distribution, a `NamedSharding` per variable,
+per-device memory, and JSON to store beside a checkpoint.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import re
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec
+from keras import distribution as kd
+
+from shardckpt.errors import LayoutError
+from shardckpt.layout.memory import slots_per_variable
+
+_FORMAT = "shardckpt.layout_plan/1"
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Placement:
+    """The placement of one variable.
+
+    Attributes:
+        path: `variable.path`.
+        shape: The variable's shape.
+        dtype: Its dtype name.
+        axes: One mesh axis name (or None, replicated) per dimension.
+        reason: Why, in words.
+        source: "auto" (derived from the model), "rule" (a user rule), or
+            "fallback" (a split was wanted but the axis does not divide the
+            dimension; replicated).
+        trainable: Whether an optimizer keeps slots for it.
+    """
+
+    path: str
+    shape: tuple[int, ...]
+    dtype: str
+    axes: tuple[str | None, ...]
+    reason: str
+    source: str = "auto"
+    trainable: bool = True
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the whole variable."""
+        return math.prod(self.shape) * jnp.dtype(self.dtype).itemsize
+
+
+class LayoutPlan:
+    """Where every variable of a model goes on a device mesh.
+
+    Made by `shardckpt.auto_layout(model, mesh)`; read by
+    `shardckpt.load_sharded(..., layout=plan)`, Keras (through
+    `layout_map()` / `distribution()`) and `shardckpt.parallelize`.
+
+    Example:
+
+    ```python
+    plan = shardckpt.auto_layout(model, keras.distribution.DeviceMesh((1, 8), ["data", "model"]))
+    rich.print(plan.explain())
+    keras.distribution.set_distribution(plan.distribution())
+    ```
+
+    Args:
+        mesh: The device mesh.
+        placements: One `Placement` per model variable.
+        model_axis: The mesh axis weights are split over.
+        batch_axis: The mesh axis batches are split over.
+    """
+
+    def __init__(
+        self,
+        mesh: kd.DeviceMesh,
+        placements: Sequence[Placement],
+        *,
+        model_axis: str,
+        batch_axis: str,
+    ) -> None:
+        self.mesh = mesh
+        self.placements = tuple(placements)
+        self.model_axis = model_axis
+        self.batch_axis = batch_axis
+        self._by_path = {p.path: p for p in self.placements}
+        # Optimizer slots are named "<optimizer>/<variable path with / -> _>_<slot>"
+        # by Keras (`BaseOptimizer.add_variable_from_reference`).
+        self._by_slot_stem = {p.path.replace("/", "_"): p for p in self.placements}
+
+    # -- lookup --------------------------------------------------------------
+    def __len__(self) -> int:
+        return len(self.placements)
+
+    def __getitem__(self, path: str) -> Placement:
+        return self._by_path[path]
+
+    def axes_for(self, variable: Any) -> tuple[str | None, ...]:
+        """Mesh axes per dimension of `variable` (a model, optimizer or metric variable).
+
+        Model variables get their planned axes. An optimizer slot gets the
+        axes of the variable it was made from (same shape); anything else
+        (step counters, learning rate, metric totals) is replicated.
+        """
+        placement = self._by_path.get(variable.path)
+        if placement is not None and tuple(variable.shape) == placement.shape:
+            return placement.axes
+        if "/" in variable.path:
+            stem = variable.path.split("/", 1)[1]
+            for key in _slot_stems(stem):
+                placement = self._by_slot_stem.get(key)
+                if placement is not None and placement.shape == tuple(variable.shape):
+                    return placement.axes
+        return (None,) * len(variable.shape)
+
+    def sharding_for(self, variable: Any) -> NamedSharding:
+        """The `jax.sharding.NamedSharding` of `variable` under this plan (see `axes_for`)."""
+        return NamedSharding(self.mesh.backend_mesh, PartitionSpec(*self.axes_for(variable)))
+
+    # -- Keras export ----------------------------------------------------------
+    def layout_map(self) -> kd.LayoutMap:
+        """A `keras.distribution.LayoutMap` with one exact key per variable.
+
+        Keys are `re.escape(path)`, so Keras' `re.fullmatch` lookup matches
+        exactly one variable and never two.
+        """
+        layout_map = kd.LayoutMap(self.mesh)
+        for p in self.placements:
+            layout_map[re.escape(p.path)] = kd.TensorLayout(p.axes, self.mesh)
+        return layout_map
+
+    def distribution(self, *, auto_shard_dataset: bool = True) -> kd.ModelParallel:
+        """A `keras.distribution.ModelParallel` that places variables by this plan.
+
+        Args:
+            auto_shard_dataset: Passed to Keras (False for multi-process
+                input pipelines that shard themselves).
+        """
+        return kd.ModelParallel(
+            layout_map=self.layout_map(),
+            batch_dim_name=self.batch_axis,
+            auto_shard_dataset=auto_shard_dataset,
+        )
+
+    # -- memory --------------------------------------------------------------
+    def _split_factor(self, axes: Sequence[str | None]) -> int:
+        sizes = dict(zip(self.mesh.axis_names, self.mesh.shape))
+        return math.prod(sizes[a] for a in axes if a is not None)
+
+    def bytes_per_device(self, optimizer: Any = None) -> int:
+        """Bytes of variables on the most loaded device.
+
+        Args:
+            optimizer: None, or an optimizer name / instance whose slots are
+                added (e.g. "adam": two slots per trainable variable, each
+                sharded like its variable; step and learning rate ignored).
+
+        Returns:
+            Bytes on one device (all devices hold the same, since every split
+            divides evenly).
+        """
+        slots = 0 if optimizer is None else slots_per_variable(optimizer)
+        total = 0
+        for p in self.placements:
+            piece = p.nbytes // self._split_factor(p.axes)
+            total += piece * (1 + (slots if p.trainable else 0))
+        return total
+
+    def sharded_fraction(self) -> float:
+        """Share of parameter bytes split over at least one mesh axis."""
+        total = sum(p.nbytes for p in self.placements)
+        split = sum(p.nbytes for p in self.placements if any(a is not None for a in p.axes))
+        return split / total if total else 0.0
+
+    # -- reports ---------------------------------------------------------------
+    def explain(self) -> Any:
+        """A `rich.table.Table`: path, shape, dtype, axes, bytes per device, why.
+
+        Print it with `rich.print(plan.explain())`; `str(plan)` renders it.
+        """
+        from rich.table import Table
+
+        table = Table(
+            title=(
+                f"Layout plan: mesh {dict(zip(self.mesh.axis_names, self.mesh.shape))}, "
+                f"model axis {self.model_axis!r}, batch axis {self.batch_axis!r}; "
+                f"{self.sharded_fraction():.1%} of parameter bytes split"
+            )
+        )
+        for column in ("path", "shape", "dtype", "axes", "bytes/device", "why"):
+            table.add_column(column, overflow="fold", justify="right" if column == "bytes/device" else "left")
+        for p in self.placements:
+            why = p.reason if p.source == "auto" else f"[{p.source}] {p.reason}"
+            table.add_row(
+                p.path,
+                str(p.shape),
+                p.dtype,
+                str(p.axes),
+                f"{p.nbytes // self._split_factor(p.axes):,}",
+                why,
+            )
+        return table
+
+    def __str__(self) -> str:
+        from rich.console import Console
+
+        console = Console(width=200, record=True, file=_Null())
+        console.print(self.explain())
+        return console.export_text()
+
+    def validate(self, model: Any = None) -> list[str]:
+        """Problems with this plan, one line each (empty: none).
+
+        Checks every placement (axes are mesh axes, one per dimension, each
+        dividing its dimension, no axis used twice) and, given `model`, that
+        every model variable has a placement of its shape and nothing extra.
+        """
+        problems = []
+        sizes = dict(zip(self.mesh.axis_names, self.mesh.shape))
+        seen: set[str] = set()
+        for p in self.placements:
+            if p.path in seen:
+                problems.append(f"{p.path}: placed twice (two variables share this path)")
+            seen.add(p.path)
+            if len(p.axes) != len(p.shape):
+                problems.append(f"{p.path}: {len(p.axes)} axes for a rank-{len(p.shape)} variable")
+                continue
+            used = [a for a in p.axes if a is not None]
+            if len(used) != len(set(used)):
+                problems.append(f"{p.path}: mesh axis used twice in {p.axes}")
+            for dim, (size, axis) in enumerate(zip(p.shape, p.axes)):
+                if axis is None:
+                    continue
+                if axis not in sizes:
+                    problems.append(f"{p.path}: unknown mesh axis {axis!r} (mesh axes: {tuple(sizes)})")
+                elif size % sizes[axis]:
+                    problems.append(f"{p.path}: dim {dim} ({size}) is not divisible by axis {axis!r} ({sizes[axis]})")
+        if model is not None:
+            paths = {}
+            for v in model.variables:
+                paths[v.path] = tuple(v.shape)
+            for path, shape in paths.items():
+                if path not in self._by_path:
+                    problems.append(f"{path}: model variable has no placement")
+                elif self._by_path[path].shape != shape:
+                    problems.append(f"{path}: model shape {shape}, plan shape {self._by_path[path].shape}")
+            for path in self._by_path.keys() - paths.keys():
+                problems.append(f"{path}: placement matches no model variable")
+        return problems
+
+    # -- JSON ----------------------------------------------------------------
+    def to_json(self) -> str:
+        """The plan as JSON (mesh shape and axis names, not device ids)."""
+        return json.dumps(
+            {
+                "format": _FORMAT,
+                "mesh": {"shape": list(self.mesh.shape), "axis_names": list(self.mesh.axis_names)},
+                "model_axis": self.model_axis,
+                "batch_axis": self.batch_axis,
+                "placements": [
+                    {**dataclasses.asdict(p), "shape": list(p.shape), "axes": list(p.axes)}
+                    for p in self.placements
+                ],
+            },
+            indent=1,
+        )
+
+    @classmethod
+    def from_json(cls, text: str, *, devices: Sequence[Any] | None = None) -> LayoutPlan:
+        """Reads a plan written by `to_json`, on `devices` (default: all devices).
+
+        Raises:
+            LayoutError: The text is not a plan, or the mesh needs a different
+                number of devices than are given.
+        """
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as err:
+            raise LayoutError(f"Not a layout plan: invalid JSON ({err}).") from err
+        if not isinstance(data, dict) or data.get("format") != _FORMAT:
+            found = data.get("format") if isinstance(data, dict) else type(data).__name__
+            raise LayoutError(
+                f"Not a layout plan: expected format {_FORMAT!r}, found {found!r}. "
+                "Fix: pass the text written by LayoutPlan.to_json()."
+            )
+        shape = tuple(data["mesh"]["shape"])
+        pool = list(devices) if devices is not None else jax.devices()
+        if math.prod(shape) != len(pool):
+            raise LayoutError(
+                f"The plan's mesh {shape} needs {math.prod(shape)} devices but {len(pool)} are "
+                "given. Fix: re-plan for these devices with shardckpt.auto_layout."
+            )
+        mesh = kd.DeviceMesh(shape, data["mesh"]["axis_names"], np.asarray(pool).reshape(shape))
+        placements = [
+            Placement(**{**p, "shape": tuple(p["shape"]), "axes": tuple(p["axes"])}) for p in data["placements"]
+        ]
+        return cls(mesh, placements, model_axis=data["model_axis"], batch_axis=data["batch_axis"])
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, LayoutPlan):
+            return NotImplemented
+        return (
+            self.placements == other.placements
+            and tuple(self.mesh.shape) == tuple(other.mesh.shape)
+            and tuple(self.mesh.axis_names) == tuple(other.mesh.axis_names)
+            and (self.model_axis, self.batch_axis) == (other.model_axis, other.batch_axis)
+        )
+
+    def __repr__(self) -> str:
+        return (
+            f"LayoutPlan({len(self.placements)} variables, mesh="
+            f"{dict(zip(self.mesh.axis_names, self.mesh.shape))}, "
+            f"{self.sharded_fraction():.1%} of bytes split)"
+        )
+
+
+class _Null:
+    def write(self, _: str) -> int:
+        return 0
+
+    def flush(self) -> None:
+        pass
+
+
+def _slot_stems(stem: str) -> list[str]:
+    """Candidate variable stems of a slot name `<stem>_<slot name>`, longest first."""
+    parts = stem.split("_")
+    return ["_".join(parts[:k]) for k in range(len(parts) - 1, 0, -1)]

@@ -1,0 +1,62 @@
+"""`shardckpt plan` behind the CLI: run_plan on a function and on a .keras file."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import keras
+import pytest
+
+from shardckpt.errors import LayoutError
+from shardckpt.layout.command import parse_mesh, run_plan
+
+TOOLS = os.path.join(os.path.dirname(__file__), "..", "tools")
+
+
+@pytest.fixture
+def bench_on_path(monkeypatch):
+    monkeypatch.syspath_prepend(TOOLS)
+
+
+def test_plan_from_function_prints_table_and_memory(bench_on_path, capsys):
+    assert run_plan("bench_layout:build_default", "1x8", "adam") == 0
+    out = capsys.readouterr().out
+    assert "multi_head_attention/query/kernel" in out
+    assert "per device (weights):" in out and "adam slots" in out
+    import bench_layout
+
+    from shardckpt import lazy_init
+    from shardckpt.layout import auto_layout
+
+    keras.backend.clear_session()
+    with lazy_init():
+        model = bench_layout.build_default()
+    plan = auto_layout(model, (1, 8))
+    assert f"per device (weights + adam slots): {plan.bytes_per_device('adam'):,} bytes" in out
+
+
+def test_plan_from_keras_file_reads_config_only(tmp_path, bench_on_path, capsys):
+    import bench_layout
+
+    model = bench_layout.build_default()
+    path = str(tmp_path / "m.keras")
+    model.save(path)
+    keras.backend.clear_session()
+    assert run_plan(path, "2x4", None) == 0
+    out = capsys.readouterr().out
+    assert "'data': 2" in out and "'model': 4" in out
+
+
+def test_plan_bad_arguments(bench_on_path):
+    assert parse_mesh("2x4") == (2, 4)
+    with pytest.raises(LayoutError, match="--mesh must look like"):
+        parse_mesh("2by4")
+    with pytest.raises(LayoutError, match="needs 4 devices but 8"):
+        run_plan("bench_layout:build_default", "1x4", None)
+    with pytest.raises(LayoutError, match="package.module:function"):
+        run_plan("bench_layout", "1x8", None)
+    with pytest.raises(LayoutError, match="has no 'nope'"):
+        run_plan("bench_layout:nope", "1x8", None)
+    with pytest.raises(FileNotFoundError):
+        run_plan(os.path.join(sys.prefix, "missing.keras"), "1x8", None)
