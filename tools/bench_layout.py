@@ -1,15 +1,47 @@
-"""Small transformer and CNN stacks built from Keras layers, for layout tests and benches.
+#!/usr/bin/env python3
+"""Layout benchmark: `shardckpt.auto_layout` beside hand-written keras-hub-style maps.
 
-Shapes, not names, make the cases: multi-head, grouped-query (2 key/value
-heads), multi-query (1), mixture-of-experts (dense dispatch over an expert
-dimension), and an encoder with position and token-type embeddings.
-Layer names are Keras defaults on purpose, so that nothing can key on them.
+For transformer stacks of several shapes (multi-head, grouped-query with 2
+key/value heads, multi-query, top-2 mixture of experts, an encoder with
+position and token-type embeddings), it places the variables by each plan,
+compiles the forward pass on the mesh and prints, per plan:
+
+- split: share of parameter bytes split over the model axis;
+- all-reduce / all-gather / reduce-scatter per block, and the rest (embedding
+  and head), read from the compiled HLO of a 1-block and a 2-block model
+  (per block = count(2 blocks) - count(1 block));
+- max bytes of variables on one device;
+- relative error of the output against one device (max |diff| / max |ref|).
+
+The keras-hub-style maps follow keras-hub's `LlamaBackbone.get_layout_map`
+(query/key/value kernels split on the hidden dimension, attention output on
+heads, MLP up/gate column-, down row-parallel, token embedding over the
+vocabulary), applied to these models' variables by their roles; mixture-of-
+experts weights are left out as in keras-hub's QwenMoe map. keras-hub itself
+is optional (it pulls TensorFlow): when importable, its tiny Llama and Gemma
+backbones are planned too.
+
+The model builders below are shared with tests/test_layout*.py.
+
+Usage:
+    python tools/bench_layout.py [--mesh 1x8]
 """
-
 from __future__ import annotations
 
 import dataclasses
+import os
+import re
+import sys
 
+if __name__ == "__main__":
+    # Simulated CPU devices must be set before jax is imported.
+    if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+        _n = os.environ.get("BENCH_DEVICES", "8")
+        os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={_n}").strip()
+    os.environ.setdefault("KERAS_BACKEND", "jax")
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+import jax
 import keras
 from keras import layers, ops
 
@@ -178,3 +210,226 @@ def sample_inputs(model: keras.Model, vocab: int, *, batch: int = 4, seed: int =
 def build_default() -> keras.Model:
     """The multi-head stack (for `shardckpt plan bench_layout:build_default`)."""
     return build_transformer(SHAPES["multi-head"])
+
+
+
+# ---------------------------------------------------------------------------
+# Benchmark
+
+
+COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
+_COLLECTIVE = re.compile(r"\b(" + "|".join(COLLECTIVES) + r")(?:-start)?\(")
+
+
+def count_collectives(hlo: str) -> dict[str, int]:
+    """Collective ops in compiled HLO text, by kind (async `-start` counted once)."""
+    counts = dict.fromkeys(COLLECTIVES, 0)
+    for name in _COLLECTIVE.findall(hlo):
+        counts[name] += 1
+    return counts
+
+
+def keras_hub_style_axes(model: keras.Model, model_axis: str = "model", data_axis: str = "data") -> dict:
+    """Path -> axes as keras-hub's Llama map would place these models' variables."""
+    m, d = model_axis, data_axis
+    axes = {}
+    embeddings = [l for l in _walk(model) if isinstance(l, layers.Embedding)]
+    if embeddings:
+        axes[embeddings[0].embeddings.path] = (m, d)  # token_embedding/embeddings
+    for layer in _walk(model):
+        if isinstance(layer, (layers.MultiHeadAttention, layers.GroupQueryAttention)):
+            subs = [getattr(layer, n) for n in ("_query_dense", "_key_dense", "_value_dense", "_output_dense")]
+            for sub in subs[:3]:
+                axes[sub.kernel.path] = (m, d, None)  # .*attention.*(query|key|value).kernel
+            axes[subs[3].kernel.path] = (m, None, d)  # .*attention_output.kernel
+    dense = [l for l in _walk(model) if isinstance(l, layers.Dense) and not _inside_moe(model, l)]
+    head = dense[-1] if not any(isinstance(l, TiedLogits) for l in _walk(model)) else None
+    mlp = [l for l in dense if l is not head]
+    for layer in mlp:
+        if layer.kernel.shape[0] < layer.kernel.shape[1]:
+            axes[layer.kernel.path] = (d, m)  # feedforward_intermediate / gate
+        else:
+            axes[layer.kernel.path] = (m, d)  # feedforward_output
+    if head is not None:
+        axes[head.kernel.path] = (d, m)  # token_embedding/reverse_embeddings
+    return axes
+
+
+def _walk(model):
+    return [l for l in model._flatten_layers(include_self=False, recursive=True)]
+
+
+def _inside_moe(model, layer) -> bool:
+    return any(isinstance(l, DenseMoE) and l.router is layer for l in _walk(model))
+
+
+def _placed_state(model, sharding_of):
+    tv = [jax.device_put(v.value, sharding_of(v)) for v in model.trainable_variables]
+    ntv = [jax.device_put(v.value, sharding_of(v)) for v in model.non_trainable_variables]
+    return tv, ntv
+
+
+def _max_device_bytes(arrays) -> int:
+    per_device: dict = {}
+    for arr in arrays:
+        for shard in arr.addressable_shards:
+            per_device[shard.device] = per_device.get(shard.device, 0) + shard.data.nbytes
+    return max(per_device.values())
+
+
+def measure(build, sharding_for_model, inputs_for):
+    """Counts, split share, max device bytes and error for one plan on 1- and 2-block models."""
+    import numpy as np
+
+    rows = []
+    for blocks in (1, 2):
+        keras.backend.clear_session()
+        model = build(blocks)
+        sharding_of, split = sharding_for_model(model)
+        xs = inputs_for(model)
+        tv, ntv = _placed_state(model, sharding_of)
+        forward = jax.jit(lambda a, b, x: model.stateless_call(a, b, x)[0])
+        counts = count_collectives(forward.lower(tv, ntv, xs).compile().as_text())
+        got = np.asarray(forward(tv, ntv, xs))
+        want = np.asarray(model(xs))
+        err = float(np.max(np.abs(got - want)) / np.max(np.abs(want)))
+        rows.append((counts, split, _max_device_bytes(tv + ntv), err))
+    (c1, _, _, _), (c2, split, max_bytes, err) = rows
+    per_block = {k: c2[k] - c1[k] for k in COLLECTIVES}
+    rest = {k: c1[k] - per_block[k] for k in COLLECTIVES}
+    return {"split": split, "per_block": per_block, "rest": rest, "max_bytes": max_bytes, "error": max(err, rows[0][3])}
+
+
+def _auto(mesh_shape):
+    from shardckpt.layout import auto_layout
+
+    def sharding_for_model(model):
+        plan = auto_layout(model, mesh_shape)
+        return plan.sharding_for, plan.sharded_fraction()
+
+    return sharding_for_model
+
+
+def _hand(mesh_shape):
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    def sharding_for_model(model):
+        mesh = keras.distribution.DeviceMesh(mesh_shape, ["data", "model"], jax.devices())
+        axes = keras_hub_style_axes(model)
+        total = sum(_nbytes(v) for v in model.variables)
+        split = sum(_nbytes(v) for v in model.variables if any(a == "model" for a in axes.get(v.path, ()))) / total
+
+        def sharding_of(v):
+            return NamedSharding(mesh.backend_mesh, PartitionSpec(*axes.get(v.path, (None,) * len(v.shape))))
+
+        return sharding_of, split
+
+    return sharding_for_model
+
+
+def _nbytes(v) -> int:
+    import math
+
+    import jax.numpy as jnp
+
+    return math.prod(v.shape) * jnp.dtype(v.dtype).itemsize
+
+
+def _keras_hub_rows(mesh_shape):
+    """Tiny keras-hub backbones, when keras-hub is importable (optional)."""
+    try:
+        import keras_hub  # noqa: F401
+    except ImportError:
+        return []
+    from shardckpt.layout import auto_layout
+
+    rows = []
+    cases = {
+        "keras-hub Llama": lambda blocks: keras_hub.models.LlamaBackbone(
+            vocabulary_size=256, num_layers=blocks, num_query_heads=8, num_key_value_heads=2,
+            hidden_dim=64, intermediate_dim=256),
+        "keras-hub Gemma": lambda blocks: keras_hub.models.GemmaBackbone(
+            vocabulary_size=256, num_layers=blocks, num_query_heads=8, num_key_value_heads=1,
+            hidden_dim=64, intermediate_dim=256, head_dim=8),
+    }
+    for name, build in cases.items():
+        cls = type(build(1))
+        for label, sharding in (("shardckpt", _auto(mesh_shape)), ("keras-hub map", _hub_map(cls, mesh_shape))):
+            try:
+                rows.append((name, label, measure(build, sharding, _hub_inputs)))
+            except Exception as err:  # a map that cannot place the model is a result, reported as such
+                rows.append((name, label, f"{type(err).__name__}: {str(err)[:80]}"))
+    return rows
+
+
+def _hub_map(cls, mesh_shape):
+    def sharding_for_model(model):
+        mesh = keras.distribution.DeviceMesh(mesh_shape, ["batch", "model"], jax.devices())
+        layout_map = cls.get_layout_map(mesh)
+        total = sum(_nbytes(v) for v in model.variables)
+        layouts = {v.path: layout_map[v.path] for v in model.variables}
+        split = sum(_nbytes(v) for v in model.variables if layouts[v.path] is not None and "model" in layouts[v.path].axes) / total
+
+        def sharding_of(v):
+            layout = layouts[v.path]
+            return layout.backend_layout if layout is not None else jax.sharding.NamedSharding(
+                mesh.backend_mesh, jax.sharding.PartitionSpec())
+
+        return sharding_of, split
+
+    return sharding_for_model
+
+
+def _hub_inputs(model):
+    import numpy as np
+
+    ids = np.random.default_rng(0).integers(0, 256, size=(4, 16)).astype("int32")
+    return {"token_ids": ids, "padding_mask": np.ones_like(ids)}
+
+
+def main(argv=None) -> int:
+    import argparse
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--mesh", default="1x8", help="data x model, e.g. 1x8 or 2x4")
+    args = parser.parse_args(argv)
+    mesh_shape = tuple(int(s) for s in args.mesh.split("x"))
+    n = mesh_shape[0] * mesh_shape[1]
+    if jax.device_count() != n:
+        print(f"need {n} devices, have {jax.device_count()} (set BENCH_DEVICES={n})", file=sys.stderr)
+        return 2
+
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=f"Forward pass on a {args.mesh} mesh (data x model)")
+    for col in ("shape", "plan", "split", "all-reduce / block", "all-gather / block", "reduce-scatter / block",
+                "embedding+head (AR/AG/RS)", "max bytes on one device", "rel. error"):
+        table.add_column(col, justify="left" if col in ("shape", "plan") else "right")
+    for name, shape in SHAPES.items():
+        def build(blocks, shape=shape):
+            return build_transformer(shape, blocks=blocks)
+
+        def inputs_for(model, shape=shape):
+            return sample_inputs(model, shape.vocab)
+
+        for label, sharding in (("shardckpt.auto_layout", _auto(mesh_shape)), ("keras-hub-style map", _hand(mesh_shape))):
+            r = measure(build, sharding, inputs_for)
+            pb, rest = r["per_block"], r["rest"]
+            table.add_row(name, label, f"{r['split']:.1%}", str(pb["all-reduce"]), str(pb["all-gather"]),
+                          str(pb["reduce-scatter"]), f"{rest['all-reduce']}/{rest['all-gather']}/{rest['reduce-scatter']}",
+                          f"{r['max_bytes']:,}", f"{r['error']:.1e}")
+    for name, label, r in _keras_hub_rows(mesh_shape):
+        if isinstance(r, str):
+            table.add_row(name, label, r, "", "", "", "", "", "")
+        else:
+            pb, rest = r["per_block"], r["rest"]
+            table.add_row(name, label, f"{r['split']:.1%}", str(pb["all-reduce"]), str(pb["all-gather"]),
+                          str(pb["reduce-scatter"]), f"{rest['all-reduce']}/{rest['all-gather']}/{rest['reduce-scatter']}",
+                          f"{r['max_bytes']:,}", f"{r['error']:.1e}")
+    Console(width=200).print(table)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
