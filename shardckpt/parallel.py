@@ -1,0 +1,127 @@
+"""`parallelize(model)`: run an existing Keras model tensor-parallel, in one call.
+
+It plans with `auto_layout`, moves every existing variable (model,
+optimizer slots if built, metrics) into its sharding in place, one variable
+at a time, and sets the Keras distribution so that `fit`, `evaluate` and
+`predict` run sharded with batches split over the batch axis. JAX executes
+the plan: XLA inserts the all-reduces that row-parallel layers need; nothing
+here communicates by hand.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+from keras import distribution as kd
+
+from shardckpt.layout.auto import auto_layout
+from shardckpt.layout.mesh import resolve_mesh
+from shardckpt.layout.plan import LayoutPlan
+from shardckpt.layout.rules import RulesLike
+from shardckpt.lazy import is_unloaded
+
+# Module-level alias so that tests can observe every placement (peak memory).
+_device_put = jax.device_put
+
+
+def parallelize(
+    model: Any,
+    mesh: Any = None,
+    *,
+    devices: Sequence[Any] | None = None,
+    model_axis: str = "model",
+    batch_axis: str | None = None,
+    rules: RulesLike = None,
+) -> LayoutPlan:
+    """Makes `model` run tensor-parallel on `mesh`, in place.
+
+    With no `mesh`, all devices (every process's under `jax.distributed`)
+    form a `(1, n)` mesh with axes `("data", model_axis)`. Variables move one
+    at a time, so device memory peaks at the model plus one variable. Calling
+    it again (another mesh, or a model already under a distribution) re-plans
+    and moves everything again. Variables still unloaded (`lazy_init()`) get
+    their layout only; `load_sharded` later fills them into it.
+
+    Example:
+
+    ```python
+    model = build_model()
+    model.compile(optimizer="adam", loss="mse")
+    plan = shardckpt.parallelize(model)      # all devices, (1, n) mesh
+    model.fit(x, y)                          # runs sharded
+    ```
+
+    Args:
+        model: A built Keras model (compiled or not).
+        mesh: None, a shape such as `(2, 4)`, `(shape, axis_names)`, or a
+            `keras.distribution.DeviceMesh`.
+        devices: Devices for a mesh given by shape (default: `jax.devices()`).
+        model_axis: Mesh axis to split weights over.
+        batch_axis: Mesh axis to split batches over (default: the other one).
+        rules: User rules overriding the automatic plan (see `auto_layout`).
+
+    Returns:
+        The `LayoutPlan` now in force (also the active Keras distribution).
+
+    Raises:
+        LayoutError: The mesh does not fit the devices or lacks the axes.
+    """
+    pool = list(devices) if devices is not None else jax.devices()
+    if mesh is None:
+        mesh = kd.DeviceMesh((1, len(pool)), ["data", model_axis], pool)
+    device_mesh, batch_axis = resolve_mesh(mesh, model_axis=model_axis, batch_axis=batch_axis, devices=pool)
+    previous = kd.distribution()
+    # Plan with no distribution active: the trace must see the bare model,
+    # not an earlier plan's sharding constraints.
+    kd.set_distribution(None)
+    try:
+        plan = auto_layout(model, device_mesh, model_axis=model_axis, batch_axis=batch_axis, rules=rules)
+    except BaseException:
+        kd.set_distribution(previous)
+        raise
+    for variable in _all_variables(model):
+        _place(variable, plan)
+    kd.set_distribution(plan.distribution())
+    # Compiled step functions captured the old shardings; Keras rebuilds
+    # them on the next fit/evaluate/predict under the new distribution.
+    for attr in ("train_function", "test_function", "predict_function"):
+        if getattr(model, attr, None) is not None:
+            setattr(model, attr, None)
+    return plan
+
+
+def _all_variables(model: Any) -> list:
+    seen: set[int] = set()
+    found = []
+    optimizer = getattr(model, "optimizer", None)
+    groups = [model.variables, list(getattr(model, "metrics_variables", []))]
+    if optimizer is not None:
+        # Even an unbuilt optimizer already owns its step counter and
+        # learning rate; left on one device they break the sharded step.
+        groups.append(list(optimizer.variables))
+    for group in groups:
+        for v in group:
+            if id(v) not in seen:
+                seen.add(id(v))
+                found.append(v)
+    return found
+
+
+def _place(variable: Any, plan: LayoutPlan) -> None:
+    """Moves one variable into its planned sharding and records its layout."""
+    layout = kd.TensorLayout(plan.axes_for(variable), plan.mesh)
+    # Keras reads `_layout` when values are assigned later and when an
+    # optimizer makes slots from this variable (`add_variable_from_reference`
+    # copies it), so slots created after this call follow the plan.
+    variable._layout = layout
+    if is_unloaded(variable):
+        return
+    old = variable.value
+    new = _device_put(old, layout.backend_layout)
+    # Replace the buffer directly (Keras' `assign` would keep the old value's
+    # dtype path and re-distribute); dropping `old` frees it before the next
+    # variable moves, so the peak is the model plus one variable.
+    variable._value = new
+    del old
