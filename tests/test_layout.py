@@ -266,3 +266,25 @@ def test_mesh_forms_and_errors():
         auto_layout(model, (2, 3))
     with pytest.raises(LayoutError, match="no variables"):
         auto_layout(keras.Sequential([keras.layers.Dense(3)]), (1, 8))
+
+
+def test_subclassed_model_called_once_is_traced():
+    class Mlp(keras.Model):
+        def __init__(self):
+            super().__init__()
+            self.up = keras.layers.Dense(64, activation="relu")
+            self.down = keras.layers.Dense(16)
+
+        def call(self, x):
+            return x + self.down(self.up(x))
+
+    model = Mlp()
+    model(np.ones((2, 16), "float32"))
+    plan = auto_layout(model, (1, 8))
+    assert [p.axes for p in plan.placements] == [(None, M), (M,), (M, None), (None,)]
+    never_called = Mlp()
+    never_called.up.build((None, 16))
+    never_called.down.build((None, 64))
+    fallback = auto_layout(never_called, (1, 8))
+    assert all(p.axes == (None,) * len(p.shape) for p in fallback.placements)
+    assert "never called" in fallback.placements[0].reason

@@ -128,6 +128,9 @@ def test_twice_replans_and_moves():
     _check_placed(model, second)
     loss = model.train_on_batch(x[1], y[1])
     assert np.isfinite(loss)
+    history = model.fit(x[2:4].reshape(16, SHAPE.seq), y[2:4].reshape(16, SHAPE.seq), batch_size=8, verbose=0)
+    assert np.isfinite(history.history["loss"][0])
+    assert np.isfinite(model.evaluate(x[4], y[4], verbose=0))
     _check_placed(model, second)
     with pytest.raises(LayoutError, match="no model axis"):
         parallelize(model, mesh)

@@ -107,7 +107,9 @@ def trace_model(model: Any) -> Graph | None:
     frozen = [jax.ShapeDtypeStruct(tuple(v.shape), v.dtype) for v in model.non_trainable_variables]
 
     def forward(tv: Sequence, ntv: Sequence, x: Any) -> Any:
-        return model.stateless_call(tv, ntv, x, training=False)[0]
+        # No `training=` argument: not every call() accepts one, and Keras
+        # layers default to inference.
+        return model.stateless_call(tv, ntv, x)[0]
 
     closed = jax.make_jaxpr(forward)(trainable, frozen, inputs)
     return _flatten(closed, model, variables)
