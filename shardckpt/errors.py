@@ -102,3 +102,12 @@ class CheckpointMismatchError(ShardckptError, ValueError):
 class LayoutError(ShardckptError, ValueError):
     """A layout request is invalid: an unknown mesh axis, a rule whose axes do
     not fit the variable, a plan that does not match the model or devices."""
+
+
+class ModelRequiredError(ShardckptError, ValueError):
+    """Converting needs the model's architecture, which the source file lacks.
+
+    `.weights.h5` and safetensors files store arrays under keys that do not say
+    which variable (or whether trainable) each one is; a `.keras` file carries
+    its architecture, other sources need `model=` / `--model`.
+    """

@@ -1,0 +1,454 @@
+"""`convert(src, dst)`: Keras h5 / safetensors -> an Orbax checkpoint, streaming.
+
+Data path: source reader (memory-mapped h5 / safetensors) -> C-order pieces
+of at most a quarter of `max_inflight_bytes` -> cast (optional) and CRC-32 ->
+TensorStore transaction -> one OCDBT commit per batch (`shardckpt.writer`).
+At most two batches are alive (one being filled, one committing), and
+TensorStore may hold an encoded copy of a committing batch, so array data in
+memory stays within `max_inflight_bytes`. No array is ever whole in memory
+unless it fits a piece.
+
+The output is a single Orbax step folder whose `pytree` item is the
+weights-only state tree `{"trainable_variables": {...}, "non_trainable_variables":
+{...}}` nested by `variable.path`: exactly what `model.get_state_tree()` holds
+(minus optimizer and metrics), so Keras' `model.load_weights(dst)` and
+`shardckpt.load_sharded(model, dst)` both read it.
+
+Which source key is which variable (and whether it is trainable) is not in
+a `.weights.h5` or safetensors file; it comes from the model's architecture:
+the `.keras` file's own config, or `model=`. Keys are matched with
+`shardckpt.naming`, the same code `load_sharded` uses.
+
+Chunking: each array is written in outer chunks (Orbax's "write shape") no
+larger than a piece and no larger than its shard under `layout`/`mesh` when
+given, split by Orbax's subchunking into inner chunks of about
+`CHUNK_BYTES`: the inner chunk is what a restore reads, so a device of any
+later mesh reads at most one partial chunk's worth beyond its shard at each
+edge.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import json
+import os
+import shutil
+import sys
+import tempfile
+import time
+import zipfile
+from typing import Any
+
+import numpy as np
+
+from shardckpt import integrity, naming
+from shardckpt.errors import (
+    CheckpointMismatchError,
+    DestinationExistsError,
+    DtypeMismatchError,
+    ModelRequiredError,
+    UnknownFormatError,
+)
+from shardckpt.formats import open_reader
+from shardckpt.formats.base import Box, Reader
+from shardckpt.lazy import lazy_init
+from shardckpt.progress import ByteProgress
+from shardckpt.writer import COMPRESSIONS, OrbaxStepWriter
+
+DEFAULT_MAX_INFLIGHT = 256 * 1024 * 1024
+DEFAULT_COMPRESSION = "none"
+"""No compression: tools/bench_convert.py measured zstd saving ~7-12% of float
+weights while a full restore decoded 3-6x slower on 2 cores (see README)."""
+CHUNK_BYTES = 1024 * 1024
+"""Inner (read) chunk target: Orbax's subchunking warns below 1 MiB; smaller
+shards of a resharded restore are the rest of a read, not a full array."""
+WEIGHT_COLLECTIONS = ("trainable_variables", "non_trainable_variables")
+
+
+@dataclasses.dataclass(kw_only=True)
+class ConvertReport:
+    """What `convert` wrote.
+
+    Attributes:
+        src: The source file.
+        dst: The Orbax step folder written.
+        format: The source format ("h5", "keras", "safetensors").
+        arrays: Arrays written.
+        bytes_read: Bytes of array data read from the source.
+        bytes_on_disk: Size of `dst` on disk.
+        seconds: Wall time of the conversion.
+        compression: "none" or "zstd".
+        skipped: Source keys not converted (optimizer state: the output holds
+            weights only).
+        casts: "key: from -> to" for each array cast by `dtype=`.
+    """
+
+    src: str
+    dst: str
+    format: str
+    arrays: int = 0
+    bytes_read: int = 0
+    bytes_on_disk: int = 0
+    seconds: float = 0.0
+    compression: str = DEFAULT_COMPRESSION
+    skipped: list[str] = dataclasses.field(default_factory=list)
+    casts: list[str] = dataclasses.field(default_factory=list)
+
+    def __str__(self) -> str:
+        rate = self.bytes_read / self.seconds / 2**30 if self.seconds else 0.0
+        lines = [
+            f"Converted {self.arrays} arrays ({self.bytes_read / 2**20:.1f} MiB) from {self.format} "
+            f"{self.src!r} to Orbax {self.dst!r} in {self.seconds:.2f} s ({rate:.2f} GiB/s); "
+            f"{self.bytes_on_disk / 2**20:.1f} MiB on disk, compression {self.compression}, "
+            f"{integrity.ALGORITHM} checksum per array."
+        ]
+        if self.skipped:
+            lines.append(f"  skipped (optimizer state; output holds weights only): {len(self.skipped)} arrays")
+        if self.casts:
+            lines.append(f"  cast: {len(self.casts)} arrays ({self.casts[0]}, ...)")
+        return "\n".join(lines)
+
+
+@dataclasses.dataclass
+class _Item:
+    src_key: str
+    dst_key: str
+    shape: tuple[int, ...]
+    stored: np.dtype
+    target: np.dtype
+    shard: tuple[int, ...]
+
+
+def convert(
+    src: str | os.PathLike,
+    dst: str | os.PathLike,
+    *,
+    model: Any = None,
+    layout: Any = None,
+    mesh: Any = None,
+    dtype: Any = None,
+    compression: str = DEFAULT_COMPRESSION,
+    max_inflight_bytes: int = DEFAULT_MAX_INFLIGHT,
+    force: bool = False,
+    progress: bool | None = None,
+) -> ConvertReport:
+    """Converts Keras weights or safetensors into an Orbax checkpoint.
+
+    The result is one Orbax step folder in the weights-only state-tree layout
+    Keras' `model.load_weights(dst)` reads, also readable by
+    `shardckpt.load_sharded(model, dst)` onto any mesh. Arrays are streamed:
+    no model values are allocated and no device is used. The folder is
+    written under a temporary name beside `dst` and renamed when complete;
+    on any failure nothing is left at `dst`.
+
+    Example:
+
+    ```python
+    shardckpt.convert("model.keras", "model_orbax")
+    with shardckpt.lazy_init():
+        model = build_model()
+    shardckpt.convert("model.weights.h5", "model_orbax", model=model, force=True)
+    ```
+
+    Args:
+        src: A `.keras` file, a `.weights.h5` file, a `.safetensors` file or
+            a `*.safetensors.index.json` set.
+        dst: The Orbax step folder to create.
+        model: The architecture (a Keras model, ideally built under
+            `shardckpt.lazy_init()`); needed for `.weights.h5` and
+            safetensors sources, optional for `.keras` (its config is used).
+        layout: Target layout (a `LayoutPlan`, `LayoutMap` or Distribution);
+            chunks are aligned to its shards. Values are not placed anywhere.
+        mesh: A mesh shape such as `(1, 8)` or a `DeviceMesh`; without
+            `layout`, `shardckpt.auto_layout(model, mesh)` gives the shards.
+        dtype: Cast floating-point arrays to this dtype (e.g. "bfloat16");
+            integer and boolean arrays are kept.
+        compression: "none" or "zstd" (see `DEFAULT_COMPRESSION`).
+        max_inflight_bytes: Most bytes of array data in memory at once.
+        force: Replace an existing `dst` (only once the new one is complete).
+        progress: Show a progress bar. None: when stderr is a terminal.
+
+    Returns:
+        A `ConvertReport`.
+
+    Raises:
+        DestinationExistsError: `dst` exists and `force` is False.
+        ModelRequiredError: the source has no architecture and `model` is None.
+        CheckpointNotFoundError, UnknownFormatError: `src` is missing, an Orbax
+            checkpoint already, or no format shardckpt reads.
+        CorruptCheckpointError: `src` is truncated or damaged.
+        CheckpointMismatchError: source keys and model variables disagree.
+        DtypeMismatchError: `dtype` is not a floating-point dtype.
+    """
+    start = time.perf_counter()
+    src, dst = os.fspath(src), os.path.abspath(os.fspath(dst))
+    if compression not in COMPRESSIONS:
+        raise ValueError(f"compression must be one of {COMPRESSIONS}. Received: compression={compression!r}")
+    if max_inflight_bytes < 4096:
+        raise ValueError(f"max_inflight_bytes must be at least 4096. Received: {max_inflight_bytes}")
+    if os.path.exists(dst) and not force:
+        raise DestinationExistsError(
+            f"{dst!r} already exists. Fix: choose another destination, remove it, or pass "
+            "force=True (--force) to replace it once the new checkpoint is complete."
+        )
+    target_dtype = _float_dtype(dtype)
+    reader = open_reader(src)
+    try:
+        if reader.format == "orbax":
+            raise UnknownFormatError(
+                f"{src!r} is an Orbax checkpoint already. Fix: load it directly; convert reads "
+                ".keras, .weights.h5, .safetensors and *.safetensors.index.json files."
+            )
+        if model is None:
+            model = _model_for(src, reader.format)
+        report = ConvertReport(src=src, dst=dst, format=reader.format, compression=compression)
+        items = _match(reader, model, report, target_dtype, _shard_fn(model, layout, mesh))
+        report.casts = [f"{i.src_key}: {i.stored} -> {i.target}" for i in items if i.stored != i.target]
+        _write_atomically(reader, items, dst, report, max_inflight_bytes, force, progress)
+    finally:
+        reader.close()
+    report.bytes_on_disk = _du(dst)
+    report.seconds = time.perf_counter() - start
+    return report
+
+
+def load_architecture(spec: str) -> Any:
+    """Builds a model under `lazy_init()` from `package.module:function` or a `.keras` file.
+
+    A `.keras` file gives its config only (no weights are read), deserialised
+    with `safe_mode=True` (no lambda code is run).
+
+    Raises:
+        ModelRequiredError: `spec` is neither form, or names nothing.
+        CheckpointNotFoundError: the `.keras` file does not exist.
+    """
+    import keras
+
+    from shardckpt.errors import CheckpointNotFoundError, CorruptCheckpointError
+
+    if spec.endswith(".keras"):
+        if not os.path.isfile(spec):
+            raise CheckpointNotFoundError(f"No .keras file at {spec!r}. Fix: check the --model path.")
+        try:
+            with zipfile.ZipFile(spec) as archive:
+                config = json.loads(archive.read("config.json"))
+        except (zipfile.BadZipFile, KeyError, json.JSONDecodeError) as e:
+            raise CorruptCheckpointError(
+                f"{spec!r} holds no readable config.json ({e}); it is not a Keras 3 .keras file "
+                "or it is damaged. Fix: pass a file written by model.save(...)."
+            ) from e
+        # The compile config would build an optimizer, whose variables cannot
+        # be created lazily; only the weights' architecture is needed.
+        config.pop("compile_config", None)
+        with lazy_init():
+            built = keras.saving.deserialize_keras_object(config, safe_mode=True)
+            if not built.built and config.get("build_config"):
+                built.build_from_config(config["build_config"])
+        return built
+    module_name, sep, attr = spec.partition(":")
+    if not sep or not module_name or not attr:
+        raise ModelRequiredError(
+            "The model must be given as package.module:function (a function returning a "
+            f"Keras model) or as a .keras file. Received: model={spec!r}"
+        )
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as e:
+        raise ModelRequiredError(f"Cannot import {module_name!r}: {e}. Received: model={spec!r}") from e
+    if not callable(getattr(module, attr, None)):
+        raise ModelRequiredError(f"Module {module_name!r} has no function {attr!r}. Received: model={spec!r}")
+    with lazy_init():
+        return getattr(module, attr)()
+
+
+def _model_for(src: str, fmt: str) -> Any:
+    if fmt == "keras":
+        return load_architecture(src)
+    raise ModelRequiredError(
+        f"{src!r} ({fmt}) stores arrays without the model's architecture, so which "
+        "variable each array is (and whether it is trainable) is unknown. Fix: pass "
+        "model=<a Keras model, e.g. built under shardckpt.lazy_init()> or on the command "
+        "line --model package.module:function or --model architecture.keras."
+    )
+
+
+def _float_dtype(dtype: Any) -> np.dtype | None:
+    if dtype is None:
+        return None
+    import ml_dtypes  # noqa: F401  (registers bfloat16 etc. with numpy)
+    from keras import backend
+
+    try:
+        resolved = np.dtype(backend.standardize_dtype(dtype) if isinstance(dtype, str) else dtype)
+    except (TypeError, ValueError) as e:
+        raise DtypeMismatchError(f"Unknown dtype. Fix: use e.g. bfloat16 or float16. Received: dtype={dtype!r}") from e
+    if not _is_float(resolved):
+        raise DtypeMismatchError(
+            "dtype= casts floating-point arrays and must be a floating-point dtype (e.g. "
+            f"bfloat16, float16, float32). Received: dtype={dtype!r}"
+        )
+    return resolved
+
+
+def _is_float(dtype: np.dtype) -> bool:
+    import ml_dtypes
+
+    return np.issubdtype(dtype, np.floating) or dtype in (
+        np.dtype(ml_dtypes.bfloat16), np.dtype(ml_dtypes.float8_e4m3fn), np.dtype(ml_dtypes.float8_e5m2)
+    )
+
+
+def _shard_fn(model: Any, layout: Any, mesh: Any) -> Any:
+    """Returns `variable -> shard shape`, or None when no layout was asked for."""
+    if layout is None and mesh is None:
+        return None
+    if layout is None:
+        from shardckpt.layout.auto import auto_layout
+
+        layout = auto_layout(model, mesh)
+    from shardckpt.layouts import resolve_layout
+
+    target = resolve_layout(layout)
+    return lambda variable: tuple(target(variable).sharding.shard_shape(tuple(variable.shape)))
+
+
+def _match(reader: Reader, model: Any, report: ConvertReport, target: np.dtype | None, shard_of: Any) -> list[_Item]:
+    by_key = naming.keys_for(model, reader.format)
+    state = {}
+    for key, variable in naming.state_keys(model).items():
+        collection = key.split("/", 1)[0]
+        if collection in WEIGHT_COLLECTIONS:
+            state.setdefault(id(variable), key)
+    items: list[_Item] = []
+    unexpected: list[str] = []
+    mismatched: list[str] = []
+    seen: set[int] = set()
+    for key in reader.keys():
+        variable = by_key.get(key)
+        if variable is None or not naming.is_variable(variable) or id(variable) not in state:
+            if naming.is_optional_key(key):
+                report.skipped.append(key)
+            else:
+                unexpected.append(key)
+            continue
+        spec = reader.spec(key)
+        if tuple(spec.shape) != tuple(variable.shape):
+            mismatched.append(
+                f"{variable.path}: checkpoint {key!r} has shape {tuple(spec.shape)}, the model "
+                f"expects {tuple(variable.shape)}"
+            )
+            continue
+        seen.add(id(variable))
+        stored = np.dtype(spec.dtype)
+        out = target if target is not None and _is_float(stored) else stored
+        shard = shard_of(variable) if shard_of is not None else tuple(spec.shape)
+        items.append(_Item(key, state[id(variable)], tuple(spec.shape), stored, out, shard))
+    missing = [v.path for v in model.weights if id(v) in state and id(v) not in seen]
+    if unexpected or mismatched or missing:
+        raise CheckpointMismatchError(reader.path, missing=missing, unexpected=unexpected, mismatched=mismatched)
+    return items
+
+
+def _plan_boxes(item: _Item, piece_bytes: int) -> tuple[tuple[int, ...], list[Box]]:
+    """Returns (outer chunk shape, C-order boxes covering whole outer chunks)."""
+    shape, itemsize = item.shape, item.target.itemsize
+    if not shape or 0 in shape:
+        return shape, integrity.c_order_boxes(shape, itemsize, piece_bytes)
+    k = integrity.split_axis(shape, itemsize, piece_bytes)
+    trailing = int(np.prod(shape[k + 1 :], dtype=np.int64)) * itemsize
+    rows = max(1, piece_bytes // trailing)
+    write_rows = min(rows, item.shard[k], shape[k])
+    rows = write_rows * max(1, rows // write_rows)
+    write_shape = (1,) * k + (write_rows,) + tuple(min(s, n) for s, n in zip(item.shard[k + 1 :], shape[k + 1 :]))
+    return write_shape, integrity.c_order_boxes(shape, itemsize, piece_bytes, rows=rows)
+
+
+def _write_atomically(
+    reader: Reader, items: list[_Item], dst: str, report: ConvertReport, max_inflight: int, force: bool, progress: bool | None
+) -> None:
+    parent = os.path.dirname(dst)
+    os.makedirs(parent, exist_ok=True)
+    tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(dst)}.shardckpt-tmp-", dir=parent)
+    step = os.path.join(tmp, "step")
+    try:
+        writer = OrbaxStepWriter(step, compression=report.compression, chunk_byte_size=CHUNK_BYTES)
+        checksums = _stream(reader, items, writer, report, max_inflight, progress)
+        writer.finish(
+            custom_metadata={
+                integrity.METADATA_KEY: {
+                    "version": 1,
+                    "algorithm": integrity.ALGORITHM,
+                    "arrays": checksums,
+                    "source": {"path": os.path.abspath(reader.path), "format": reader.format},
+                    "compression": report.compression,
+                    "chunk_byte_size": CHUNK_BYTES,
+                }
+            },
+            final_dir=dst,
+        )
+        if os.path.exists(dst):
+            if not force:  # appeared while we were writing
+                raise DestinationExistsError(f"{dst!r} appeared during the conversion. Fix: pass force=True.")
+            old = os.path.join(tmp, "replaced")
+            os.rename(dst, old)
+        os.rename(step, dst)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _stream(
+    reader: Reader, items: list[_Item], writer: OrbaxStepWriter, report: ConvertReport, max_inflight: int, progress: bool | None
+) -> dict[str, dict[str, Any]]:
+    # Two batches alive at most (one filling, one committing), each possibly
+    # held twice by TensorStore while it encodes: a quarter each.
+    batch_bytes = max(1, max_inflight // 4)
+    view = getattr(reader, "view", None)
+    total = sum(int(np.prod(i.shape, dtype=np.int64)) * i.stored.itemsize for i in items)
+    checksums: dict[str, dict[str, Any]] = {}
+    show = sys.stderr.isatty() if progress is None else progress
+    pending: Any = None
+    txn = writer.transaction()
+    staged = 0
+    with ByteProgress(total, f"converting {os.path.basename(reader.path)}", enabled=show) as bar:
+        for item in items:
+            write_shape, boxes = _plan_boxes(item, batch_bytes)
+            store = writer.open_array(item.dst_key, item.shape, item.target, write_shape)
+            crc = 0
+            for box in boxes:
+                piece = view(item.src_key, box) if view is not None else reader.read(item.src_key, box)
+                if item.target != item.stored:
+                    piece = piece.astype(item.target)
+                crc = integrity.crc32(piece, crc)
+                if staged and staged + piece.nbytes > batch_bytes:
+                    pending = _commit(txn, pending)
+                    txn, staged = writer.transaction(), 0
+                writer.write(store, txn, box, piece)
+                staged += piece.nbytes
+                report.bytes_read += piece.nbytes if item.target == item.stored else piece.size * item.stored.itemsize
+                bar.advance(piece.size * item.stored.itemsize)
+                del piece
+            checksums[item.dst_key] = {
+                integrity.ALGORITHM: integrity.hex32(crc),
+                "shape": list(item.shape),
+                "dtype": str(item.target),
+            }
+            report.arrays += 1
+        pending = _commit(txn, pending)
+        pending.result()
+    return checksums
+
+
+def _commit(txn: Any, pending: Any) -> Any:
+    """Waits for the previous commit, then starts committing `txn`."""
+    if pending is not None:
+        pending.result()
+    return txn.commit_async()
+
+
+def _du(path: str) -> int:
+    total = 0
+    for root, _, files in os.walk(path):
+        for name in files:
+            total += os.path.getsize(os.path.join(root, name))
+    return total

@@ -1,0 +1,232 @@
+"""Per-array checksums: computed while converting, checked by `verify`.
+
+A checksum is CRC-32 (zlib) of the array's bytes in C order, as stored (after
+any dtype cast). CRC-32 runs at ~4 GB/s on one core here, against 0.9 GB/s
+for BLAKE2b and 1.7 GB/s for SHA-256; it is for catching damage (flipped or
+lost bytes), not tampering. Because CRC-32 can be continued piece by piece,
+an array is checksummed in `c_order_boxes` pieces, never whole.
+
+The checksums live in the Orbax step's own `custom_metadata` (in
+`_CHECKPOINT_METADATA`) under the key "shardckpt", readable with Orbax's
+public `ocp.metadata(step)`; Keras and Orbax ignore it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import zlib
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from shardckpt.errors import ChecksumMismatchError, CorruptCheckpointError
+from shardckpt.formats import open_reader
+from shardckpt.formats.base import Box
+
+METADATA_KEY = "shardckpt"
+ALGORITHM = "crc32"
+DEFAULT_MAX_INFLIGHT = 256 * 1024 * 1024
+
+
+def c_order_boxes(shape: tuple[int, ...], itemsize: int, max_bytes: int, *, rows: int | None = None) -> list[Box]:
+    """Splits an array into boxes of at most `max_bytes`, in C order.
+
+    The boxes are blocks along one axis `k` (single indices on the axes
+    before it, whole extents after it), listed in lexicographic order, so
+    their bytes concatenated are the array's C-order bytes. `k` is the first
+    axis whose trailing block (`shape[k+1:]`) fits `max_bytes`.
+
+    Args:
+        shape: The array's shape.
+        itemsize: Bytes per element.
+        max_bytes: Most bytes in one box (at least one element is taken).
+        rows: Block length along axis `k`, when the caller needs blocks
+            aligned to its chunks; by default as many as fit.
+
+    Returns:
+        The boxes; `[()]` for a scalar.
+    """
+    if not shape:
+        return [()]
+    if 0 in shape:
+        return [tuple(slice(0, n) for n in shape)]
+    k = split_axis(shape, itemsize, max_bytes)
+    trailing = math.prod(shape[k + 1 :]) * itemsize
+    step = rows or max(1, max_bytes // trailing)
+    boxes: list[Box] = []
+    for lead in np.ndindex(*shape[:k]):
+        head = tuple(slice(i, i + 1) for i in lead)
+        tail = tuple(slice(0, n) for n in shape[k + 1 :])
+        for start in range(0, shape[k], step):
+            boxes.append(head + (slice(start, min(start + step, shape[k])),) + tail)
+    return boxes
+
+
+def split_axis(shape: tuple[int, ...], itemsize: int, max_bytes: int) -> int:
+    """The axis `c_order_boxes` splits along (see there)."""
+    for k in range(len(shape)):
+        if math.prod(shape[k + 1 :]) * itemsize <= max_bytes:
+            return k
+    return len(shape) - 1
+
+
+def crc32(data: np.ndarray, value: int = 0) -> int:
+    """Continues CRC-32 `value` over the C-order bytes of `data`."""
+    return zlib.crc32(np.ascontiguousarray(data).view(np.uint8).reshape(-1), value)
+
+
+def hex32(value: int) -> str:
+    return f"{value:08x}"
+
+
+def read_checksums(step_dir: str) -> dict[str, dict[str, Any]] | None:
+    """Returns `{key: {"crc32", "shape", "dtype"}}` of a converted step, or None.
+
+    Args:
+        step_dir: An Orbax step folder.
+
+    Raises:
+        CorruptCheckpointError: `_CHECKPOINT_METADATA` is not valid JSON.
+    """
+    import orbax.checkpoint.experimental.v1 as ocp
+
+    try:
+        meta = ocp.metadata(step_dir).custom_metadata or {}
+    except FileNotFoundError:
+        return None
+    except ValueError as e:
+        raise CorruptCheckpointError(
+            f"The step metadata of {step_dir!r} cannot be read: {e}. Fix: restore another step or re-convert."
+        ) from e
+    ours = meta.get(METADATA_KEY) if isinstance(meta, dict) else None
+    if not isinstance(ours, dict) or ours.get("algorithm") != ALGORITHM:
+        return None
+    return ours.get("arrays") or {}
+
+
+@dataclasses.dataclass(kw_only=True)
+class VerifyReport:
+    """What `verify` found.
+
+    Attributes:
+        path: The checkpoint checked (for Orbax: the step folder).
+        format: "h5", "keras", "orbax" or "safetensors".
+        arrays: Arrays read back.
+        bytes_read: Bytes of array data read.
+        checksummed: Arrays whose checksum was compared (0: none stored).
+        damaged: One line per damaged array: key, what was expected, found.
+    """
+
+    path: str
+    format: str
+    arrays: int = 0
+    bytes_read: int = 0
+    checksummed: int = 0
+    damaged: list[str] = dataclasses.field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return not self.damaged
+
+    def raise_if_damaged(self) -> None:
+        """Raises `ChecksumMismatchError` listing every damaged array."""
+        if self.damaged:
+            raise ChecksumMismatchError(
+                f"{len(self.damaged)} damaged array(s) in {self.path!r}: " + "; ".join(self.damaged)
+                + ". Fix: re-create the checkpoint from its source (re-convert or restore another step)."
+            )
+
+    def __str__(self) -> str:
+        how = f"checksums of {self.checksummed}" if self.checksummed else "no checksums stored; read back"
+        head = (
+            f"{'OK' if self.ok else 'DAMAGED'}: {self.arrays} arrays, {self.bytes_read / 2**20:.1f} MiB "
+            f"of {self.format} {self.path!r} ({how})"
+        )
+        return "\n".join([head] + [f"  damaged: {d}" for d in self.damaged])
+
+
+def verify(
+    path: str | os.PathLike,
+    *,
+    max_inflight_bytes: int = DEFAULT_MAX_INFLIGHT,
+    advance: Callable[[int], None] | None = None,
+) -> VerifyReport:
+    """Re-reads every array of a checkpoint and checks it.
+
+    Arrays of a checkpoint written by `shardckpt.convert` are checked against
+    the shapes, dtypes and CRC-32 checksums stored at conversion. Other
+    checkpoints (Keras-written Orbax steps, h5, safetensors) carry no
+    checksums: each array is read back in full, which catches truncation and
+    undecodable chunks. Every array is checked; all damage is reported at once.
+
+    Example:
+
+    ```python
+    report = shardckpt.verify("model_orbax/")
+    report.raise_if_damaged()
+    ```
+
+    Args:
+        path: Anything `shardckpt.inspect` reads.
+        max_inflight_bytes: Most bytes read into memory at once.
+        advance: Called with the bytes of each piece read (progress bars).
+
+    Returns:
+        A `VerifyReport`; `report.damaged` names each damaged array.
+
+    Raises:
+        CheckpointNotFoundError, UnknownFormatError: nothing readable at `path`.
+        CorruptCheckpointError: the checkpoint's index or metadata is damaged
+            (no array can be located).
+    """
+    reader = open_reader(os.fspath(path), cache_bytes=max_inflight_bytes)
+    try:
+        report = VerifyReport(path=reader.path, format=reader.format)
+        expected = read_checksums(reader.path) if reader.format == "orbax" else None
+        keys = reader.keys()
+        if expected is not None:
+            for key in sorted(set(expected) - set(keys)):
+                report.damaged.append(f"{key}: listed in the checksums but missing from the checkpoint")
+        for key in keys:
+            problem = _check_array(reader, key, (expected or {}).get(key), max_inflight_bytes, report, advance)
+            if problem:
+                report.damaged.append(f"{key}: {problem}")
+            report.arrays += 1
+    finally:
+        reader.close()
+    return report
+
+
+def _check_array(
+    reader: Any,
+    key: str,
+    expected: dict[str, Any] | None,
+    max_bytes: int,
+    report: VerifyReport,
+    advance: Callable[[int], None] | None,
+) -> str | None:
+    spec = reader.spec(key)
+    if expected is not None:
+        if tuple(expected["shape"]) != tuple(spec.shape) or expected["dtype"] != str(spec.dtype):
+            return (
+                f"expected {expected['dtype']}{list(expected['shape'])}, found "
+                f"{spec.dtype}{list(spec.shape)}"
+            )
+    value = 0
+    try:
+        for box in c_order_boxes(tuple(spec.shape), spec.dtype.itemsize, max_bytes):
+            piece = reader.read(key, box)
+            value = crc32(piece, value)
+            report.bytes_read += piece.nbytes
+            if advance is not None:
+                advance(piece.nbytes)
+    except CorruptCheckpointError as e:
+        return f"cannot be read back ({e})"
+    if expected is not None:
+        report.checksummed += 1
+        if hex32(value) != expected["crc32"]:
+            return f"checksum {ALGORITHM} expected {expected['crc32']}, found {hex32(value)}"
+    return None
