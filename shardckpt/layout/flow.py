@@ -76,10 +76,6 @@ def is_elementwise(op: Op) -> bool:
     return True
 
 
-def _size_one_operand(op: Op, pos: int, dim: int) -> bool:
-    return op.inputs[pos].shape[dim] == 1 and op.outputs[0].shape[dim] != 1
-
-
 def _broadcast(op: Op, pos: int, dim: int) -> Kept | _Marker:
     out = op.outputs[0]
     target = op.params["broadcast_dimensions"][dim]
