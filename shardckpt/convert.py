@@ -241,10 +241,16 @@ def load_architecture(spec: str) -> Any:
         # The compile config would build an optimizer, whose variables cannot
         # be created lazily; only the weights' architecture is needed.
         config.pop("compile_config", None)
-        with lazy_init():
-            built = keras.saving.deserialize_keras_object(config, safe_mode=True)
-            if not built.built and config.get("build_config"):
-                built.build_from_config(config["build_config"])
+        try:
+            with lazy_init():
+                built = keras.saving.deserialize_keras_object(config, safe_mode=True)
+                if not built.built and config.get("build_config"):
+                    built.build_from_config(config["build_config"])
+        except (TypeError, ValueError) as e:
+            raise ModelRequiredError(
+                f"Cannot build the architecture stored in {spec!r}: {e}. Fix: import the module "
+                "that registers its custom layers first, or pass --model package.module:function."
+            ) from e
         return built
     module_name, sep, attr = spec.partition(":")
     if not sep or not module_name or not attr:
