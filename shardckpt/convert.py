@@ -82,6 +82,9 @@ class ConvertReport:
         skipped: Source keys not converted (optimizer state: the output holds
             weights only).
         casts: "key: from -> to" for each array cast by `dtype=`.
+        initialized: Variables the source format cannot hold (seed-generator
+            states in Keras h5), written with their initial value as Keras'
+            own build + load_weights + save would.
     """
 
     src: str
@@ -94,6 +97,7 @@ class ConvertReport:
     compression: str = DEFAULT_COMPRESSION
     skipped: list[str] = dataclasses.field(default_factory=list)
     casts: list[str] = dataclasses.field(default_factory=list)
+    initialized: list[str] = dataclasses.field(default_factory=list)
 
     def __str__(self) -> str:
         rate = self.bytes_read / self.seconds / 2**30 if self.seconds else 0.0
@@ -107,6 +111,8 @@ class ConvertReport:
             lines.append(f"  skipped (optimizer state; output holds weights only): {len(self.skipped)} arrays")
         if self.casts:
             lines.append(f"  cast: {len(self.casts)} arrays ({self.casts[0]}, ...)")
+        if self.initialized:
+            lines.append(f"  initial values (not in the source format): {', '.join(self.initialized)}")
         return "\n".join(lines)
 
 
@@ -118,6 +124,7 @@ class _Item:
     stored: np.dtype
     target: np.dtype
     shard: tuple[int, ...]
+    value: np.ndarray | None = None  # set for variables the source format cannot hold
 
 
 def convert(
@@ -350,10 +357,36 @@ def _match(reader: Reader, model: Any, report: ConvertReport, target: np.dtype |
         out = target if target is not None and _is_float(stored) else stored
         shard = shard_of(variable) if shard_of is not None else tuple(spec.shape)
         items.append(_Item(key, state[id(variable)], tuple(spec.shape), stored, out, shard))
-    missing = [v.path for v in model.weights if id(v) in state and id(v) not in seen]
+    in_format = {id(v) for v in by_key.values()}
+    missing = []
+    for variable in [*model.trainable_variables, *model.non_trainable_variables]:
+        if id(variable) in seen or id(variable) not in state:
+            continue
+        if id(variable) in in_format:
+            missing.append(variable.path)
+            continue
+        # The source format has no key for this variable at all (Keras' h5
+        # never saves seed-generator states): write the value Keras' own path
+        # (build, load_weights, save) would save, the variable's initial one.
+        value = _initial_value(variable)
+        seen.add(id(variable))
+        report.initialized.append(variable.path)
+        shape = tuple(value.shape)
+        items.append(_Item(variable.path, state[id(variable)], shape, value.dtype, value.dtype, shape, value))
     if unexpected or mismatched or missing:
         raise CheckpointMismatchError(reader.path, missing=missing, unexpected=unexpected, mismatched=mismatched)
     return items
+
+
+def _initial_value(variable: Any) -> np.ndarray:
+    from shardckpt.lazy import is_unloaded, original_initializer
+
+    if is_unloaded(variable):
+        value = original_initializer(variable)(tuple(variable.shape), variable.dtype)
+    else:
+        value = variable.value
+    # Initializers may return another integer width (int32 for a uint32 seed state).
+    return np.asarray(value).astype(np.dtype(variable.dtype), copy=False)
 
 
 def _plan_boxes(item: _Item, piece_bytes: int) -> tuple[tuple[int, ...], list[Box]]:
@@ -410,7 +443,7 @@ def _stream(
     # held twice by TensorStore while it encodes: a quarter each.
     batch_bytes = max(1, max_inflight // 4)
     view = getattr(reader, "view", None)
-    total = sum(int(np.prod(i.shape, dtype=np.int64)) * i.stored.itemsize for i in items)
+    total = sum(int(np.prod(i.shape, dtype=np.int64)) * i.stored.itemsize for i in items if i.value is None)
     checksums: dict[str, dict[str, Any]] = {}
     show = sys.stderr.isatty() if progress is None else progress
     pending: Any = None
@@ -422,7 +455,12 @@ def _stream(
             store = writer.open_array(item.dst_key, item.shape, item.target, write_shape)
             crc = 0
             for box in boxes:
-                piece = view(item.src_key, box) if view is not None else reader.read(item.src_key, box)
+                if item.value is not None:
+                    piece = item.value[box] if box else item.value
+                elif view is not None:
+                    piece = view(item.src_key, box)
+                else:
+                    piece = reader.read(item.src_key, box)
                 if item.target != item.stored:
                     piece = piece.astype(item.target)
                 crc = integrity.crc32(piece, crc)
@@ -431,8 +469,9 @@ def _stream(
                     txn, staged = writer.transaction(), 0
                 writer.write(store, txn, box, piece)
                 staged += piece.nbytes
-                report.bytes_read += piece.nbytes if item.target == item.stored else piece.size * item.stored.itemsize
-                bar.advance(piece.size * item.stored.itemsize)
+                if item.value is None:
+                    report.bytes_read += piece.size * item.stored.itemsize
+                    bar.advance(piece.size * item.stored.itemsize)
                 del piece
             checksums[item.dst_key] = {
                 integrity.ALGORITHM: integrity.hex32(crc),
