@@ -1,0 +1,105 @@
+"""verify(): checksums catch a flipped byte; checkpoints without checksums are read back."""
+
+from __future__ import annotations
+
+import os
+
+import jax
+import keras
+import numpy as np
+import orbax.checkpoint.experimental.v1 as ocp
+import pytest
+
+import shardckpt
+from shardckpt import errors
+from shardckpt.cli import main
+from shardckpt.convert import convert
+from shardckpt.integrity import read_checksums, verify
+from tests.zoo import build_zoo, randomize
+
+
+def _converted(tmp_path):
+    keras.backend.clear_session()
+    model = build_zoo()
+    randomize(model, 0)
+    src = str(tmp_path / "m.weights.h5")
+    model.save_weights(src)
+    keras.backend.clear_session()
+    with shardckpt.lazy_init():
+        arch = build_zoo()
+    dst = str(tmp_path / "orbax")
+    convert(src, dst, model=arch, progress=False)
+    return dst, {v.path: np.asarray(v.value) for v in model.weights}
+
+
+def _flip_byte_of(dst: str, data: np.ndarray) -> None:
+    """Flips one byte in the middle of `data`'s bytes inside the OCDBT data files."""
+    raw = data.tobytes()
+    folder = os.path.join(dst, "pytree", "d")
+    for name in os.listdir(folder):
+        path = os.path.join(folder, name)
+        blob = open(path, "rb").read()
+        at = blob.find(raw)
+        if at >= 0:
+            with open(path, "r+b") as f:
+                f.seek(at + len(raw) // 2)
+                f.write(bytes([blob[at + len(raw) // 2] ^ 0x10]))
+            return
+    raise AssertionError("array bytes not found in the data files")
+
+
+def test_intact_checkpoint_verifies_with_every_checksum(tmp_path):
+    dst, expected = _converted(tmp_path)
+    report = verify(dst)
+    sums = read_checksums(dst)
+    assert report.ok and report.checksummed == report.arrays == len(sums) == len(expected) + 1  # + seed state
+    assert report.bytes_read == sum(v.nbytes for v in expected.values()) + 8
+
+
+def test_flipped_byte_is_named(tmp_path, capsys):
+    dst, expected = _converted(tmp_path)
+    _flip_byte_of(dst, expected["head/kernel"])
+    report = verify(dst)
+    assert len(report.damaged) == 1
+    assert report.damaged[0].startswith("trainable_variables/head/kernel: checksum crc32 expected")
+    with pytest.raises(errors.ChecksumMismatchError, match="trainable_variables/head/kernel"):
+        report.raise_if_damaged()
+    assert main(["verify", dst, "--quiet"]) == 1
+    out = capsys.readouterr().out
+    assert "DAMAGED" in out and "trainable_variables/head/kernel" in out and "Fix:" in out
+
+
+def test_keras_written_orbax_and_h5_are_read_back_without_checksums(tmp_path):
+    keras.backend.clear_session()
+    model = build_zoo()
+    randomize(model, 1)
+    model.compile(optimizer="adam", loss="mse")
+    step = str(tmp_path / "keras_orbax" / "0")
+    ocp.save_checkpointables(step, {"pytree": model.get_state_tree()})
+    report = verify(step)
+    leaves = jax.tree.leaves(model.get_state_tree())
+    assert report.ok and report.checksummed == 0 and report.arrays == len(leaves)
+    assert report.bytes_read == sum(np.asarray(x).nbytes for x in leaves)
+    h5 = str(tmp_path / "m.weights.h5")
+    model.save_weights(h5)
+    report = verify(h5)
+    assert report.ok and report.checksummed == 0 and report.format == "h5"
+    assert report.bytes_read == sum(np.asarray(v.value).nbytes for v in model.weights) + sum(
+        np.asarray(v.value).nbytes for v in model.optimizer.variables
+    )
+
+
+def test_missing_array_is_reported(tmp_path):
+    dst, _ = _converted(tmp_path)
+    # Drop one array from Orbax's tree metadata: Orbax no longer lists it.
+    import json
+
+    meta_path = os.path.join(dst, "pytree", "_METADATA")
+    meta = json.load(open(meta_path))
+    key = "('trainable_variables', 'conv', 'bias')"
+    del meta["tree_metadata"][key]
+    json.dump(meta, open(meta_path, "w"))
+    report = verify(dst)
+    assert report.damaged == [
+        "trainable_variables/conv/bias: listed in the checksums but missing from the checkpoint"
+    ]
