@@ -1,0 +1,179 @@
+#!/usr/bin/env python3
+"""Convert benchmark: `shardckpt.convert` vs Keras' own path, same machine, same run.
+
+The model is `tools/bench_restore.py`'s MLP stack (default 12 blocks x 2048:
+~400M parameters, a 1.6 GB float32 `.weights.h5`). Each cell runs in a fresh
+process:
+
+- shardckpt: build the architecture under `lazy_init()`, `convert(h5, dst)`
+  (once per compression: none, zstd);
+- keras: build the model (random init), `model.load_weights(h5)`, save the
+  weights-only state tree with Orbax as Keras' OrbaxCheckpoint does
+  (`ocp.save_checkpointables(dst, {"pytree": state})`);
+- restore: `load_sharded` of each converted checkpoint into a lazily built
+  model on 8 simulated CPU devices under ModelParallel (up kernels column-,
+  down kernels row-sharded), and a concurrent TensorStore read of every array.
+
+Printed: seconds, peak anonymous memory over a bare `import shardckpt`
+(sampled RssAnon), ratios to Keras' path, size on disk and restore seconds per
+compression.
+
+Usage:
+    python tools/bench_convert.py [--blocks 12] [--dim 2048] [--workdir DIR] [--reuse]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+H5 = "model.weights.h5"
+
+
+def _setup_jax(devices: int) -> None:
+    os.environ.setdefault("KERAS_BACKEND", "jax")
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    if "--xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+        os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
+
+
+def _du(path: str) -> int:
+    return sum(os.path.getsize(os.path.join(r, f)) for r, _, fs in os.walk(path) for f in fs)
+
+
+def prepare(args: argparse.Namespace) -> dict:
+    _setup_jax(1)
+    sys.path.insert(0, HERE)
+    import numpy as np
+    from bench_restore import build
+
+    model = build(args.blocks, args.dim)
+    rng = np.random.default_rng(0)
+    for v in model.weights:
+        v.assign(rng.standard_normal(v.shape, dtype=np.float32) * 0.02)
+    model.save_weights(os.path.join(args.workdir, H5))
+    return {"params": int(model.count_params())}
+
+
+def cell(args: argparse.Namespace, mode: str, option: str) -> dict:
+    sys.path.insert(0, HERE)
+    sys.path.insert(0, os.path.dirname(HERE))
+    _setup_jax(8 if mode == "restore" else 1)
+    from _memory import PeakSampler, rss_anon
+    from bench_restore import build, distribution
+
+    import shardckpt
+
+    src = os.path.join(args.workdir, H5)
+    base = rss_anon()  # a bare `import shardckpt` (Keras, JAX, Orbax loaded)
+    out: dict = {}
+    if mode == "convert":
+        dst = os.path.join(args.workdir, f"orbax-{option}")
+        shutil.rmtree(dst, ignore_errors=True)
+        from shardckpt.convert import convert
+
+        with PeakSampler() as sampler:
+            start = time.perf_counter()
+            with shardckpt.lazy_init():
+                model = build(args.blocks, args.dim)
+            report = convert(src, dst, model=model, compression=option, progress=False)
+            out["seconds"] = time.perf_counter() - start
+        out["disk_bytes"] = report.bytes_on_disk
+    elif mode == "keras":
+        import jax
+        import keras
+        import orbax.checkpoint.experimental.v1 as ocp
+
+        dst = os.path.join(args.workdir, "orbax-keras")
+        shutil.rmtree(dst, ignore_errors=True)
+        with PeakSampler() as sampler:
+            start = time.perf_counter()
+            model = build(args.blocks, args.dim)
+            model.load_weights(src)
+            model.compile(optimizer=keras.optimizers.SGD(0.0), loss="mse")
+            state = model.get_state_tree()
+            weights = {k: state[k] for k in ("trainable_variables", "non_trainable_variables")}
+            ocp.save_checkpointables(dst, {"pytree": weights})
+            jax.effects_barrier()
+            out["seconds"] = time.perf_counter() - start
+        out["disk_bytes"] = _du(dst)
+    else:  # restore
+        import jax
+        import keras
+        from bench_restore import tensorstore_read
+
+        path = os.path.join(args.workdir, f"orbax-{option}")
+        out["ts_read_s"] = tensorstore_read(path)
+        keras.distribution.set_distribution(distribution())
+        with PeakSampler() as sampler:
+            start = time.perf_counter()
+            with shardckpt.lazy_init():
+                model = build(args.blocks, args.dim)
+            shardckpt.load_sharded(model, path, progress=False)
+            jax.block_until_ready([v.value for v in model.weights])
+            out["seconds"] = time.perf_counter() - start
+    out["peak_over_import_gb"] = (sampler.peak - base) / 1e9
+    return out
+
+
+def _child(args: argparse.Namespace, *extra: str) -> dict:
+    cmd = [sys.executable, os.path.abspath(__file__), "--workdir", args.workdir,
+           "--blocks", str(args.blocks), "--dim", str(args.dim), *extra]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise SystemExit(f"child {extra} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+    return json.loads([line for line in proc.stdout.splitlines() if line.startswith("RESULT ")][-1][7:])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--blocks", type=int, default=12)
+    parser.add_argument("--dim", type=int, default=2048)
+    parser.add_argument("--workdir", default=None)
+    parser.add_argument("--reuse", action="store_true", help="reuse the .weights.h5 already in --workdir")
+    parser.add_argument("--_prepare", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--_cell", nargs=2, metavar=("MODE", "OPTION"), help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args._prepare:
+        print("RESULT " + json.dumps(prepare(args)))
+        return
+    if args._cell:
+        print("RESULT " + json.dumps(cell(args, *args._cell)))
+        return
+    own = args.workdir is None
+    args.workdir = args.workdir or tempfile.mkdtemp(prefix="bench-convert-")
+    os.makedirs(args.workdir, exist_ok=True)
+    try:
+        if not (args.reuse and os.path.exists(os.path.join(args.workdir, H5))):
+            info = _child(args, "--_prepare")
+            print(f"model: {info['params']:,} parameters")
+        size = os.path.getsize(os.path.join(args.workdir, H5))
+        print(f".weights.h5: {size / 1e9:.2f} GB  ({os.cpu_count()} CPUs)")
+        keras_row = _child(args, "--_cell", "keras", "-")
+        rows = {c: _child(args, "--_cell", "convert", c) for c in ("none", "zstd")}
+        restores = {c: _child(args, "--_cell", "restore", c) for c in ("none", "zstd")}
+        print(f"\n{'path':<28}{'seconds':>9}{'x keras':>9}{'peak anon GB':>14}{'on disk GB':>12}")
+        print(f"{'keras build+load+save':<28}{keras_row['seconds']:>9.2f}{1.0:>9.2f}"
+              f"{keras_row['peak_over_import_gb']:>14.2f}{keras_row['disk_bytes'] / 1e9:>12.2f}")
+        for c, row in rows.items():
+            print(f"{'shardckpt convert ' + c:<28}{row['seconds']:>9.2f}{row['seconds'] / keras_row['seconds']:>9.2f}"
+                  f"{row['peak_over_import_gb']:>14.2f}{row['disk_bytes'] / 1e9:>12.2f}")
+        print(f"\n{'restore (load_sharded, 1x8)':<28}{'seconds':>9}{'ts read s':>11}{'peak anon GB':>14}{'on disk GB':>12}")
+        for c, row in restores.items():
+            print(f"{'compression ' + c:<28}{row['seconds']:>9.2f}{row['ts_read_s']:>11.2f}"
+                  f"{row['peak_over_import_gb']:>14.2f}{rows[c]['disk_bytes'] / 1e9:>12.2f}")
+        print("RESULT " + json.dumps({"keras": keras_row, "convert": rows, "restore": restores, "h5_bytes": size}))
+    finally:
+        if own:
+            shutil.rmtree(args.workdir, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
