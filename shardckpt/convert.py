@@ -38,6 +38,7 @@ import sys
 import tempfile
 import time
 import zipfile
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
@@ -444,16 +445,24 @@ def _stream(
     batch_bytes = max(1, max_inflight // 4)
     view = getattr(reader, "view", None)
     total = sum(int(np.prod(i.shape, dtype=np.int64)) * i.stored.itemsize for i in items if i.value is None)
-    checksums: dict[str, dict[str, Any]] = {}
+    crcs: dict[str, int] = {}
     show = sys.stderr.isatty() if progress is None else progress
     pending: Any = None
     txn = writer.transaction()
     staged = 0
-    with ByteProgress(total, f"converting {os.path.basename(reader.path)}", enabled=show) as bar:
+    in_batch: list[Any] = []  # checksum and copy futures of the batch being filled
+
+    def checksum(key: str, piece: np.ndarray) -> None:
+        crcs[key] = integrity.crc32(piece, crcs.get(key, 0))
+
+    # CRC-32 runs on its own thread (zlib releases the GIL) while TensorStore
+    # copies the same piece; one thread keeps each array's pieces in order.
+    with ThreadPoolExecutor(1, thread_name_prefix="shardckpt-crc") as crc_thread, ByteProgress(
+        total, f"converting {os.path.basename(reader.path)}", enabled=show
+    ) as bar:
         for item in items:
             write_shape, boxes = _plan_boxes(item, batch_bytes)
             store = writer.open_array(item.dst_key, item.shape, item.target, write_shape)
-            crc = 0
             for box in boxes:
                 if item.value is not None:
                     piece = item.value[box] if box else item.value
@@ -463,25 +472,35 @@ def _stream(
                     piece = reader.read(item.src_key, box)
                 if item.target != item.stored:
                     piece = piece.astype(item.target)
-                crc = integrity.crc32(piece, crc)
                 if staged and staged + piece.nbytes > batch_bytes:
+                    _drain(in_batch)  # the batch's pieces are copied and checksummed
                     pending = _commit(txn, pending)
                     txn, staged = writer.transaction(), 0
-                writer.write(store, txn, box, piece)
+                in_batch.append(crc_thread.submit(checksum, item.dst_key, piece))
+                in_batch.append(writer.write(store, txn, box, piece).copy)
                 staged += piece.nbytes
                 if item.value is None:
                     report.bytes_read += piece.size * item.stored.itemsize
                     bar.advance(piece.size * item.stored.itemsize)
                 del piece
-            checksums[item.dst_key] = {
-                integrity.ALGORITHM: integrity.hex32(crc),
-                "shape": list(item.shape),
-                "dtype": str(item.target),
-            }
             report.arrays += 1
+        _drain(in_batch)
         pending = _commit(txn, pending)
         pending.result()
-    return checksums
+    return {
+        item.dst_key: {
+            integrity.ALGORITHM: integrity.hex32(crcs.get(item.dst_key, 0)),
+            "shape": list(item.shape),
+            "dtype": str(item.target),
+        }
+        for item in items
+    }
+
+
+def _drain(futures: list[Any]) -> None:
+    for future in futures:
+        future.result()
+    futures.clear()
 
 
 def _commit(txn: Any, pending: Any) -> Any:

@@ -115,11 +115,13 @@ class OrbaxStepWriter:
 
     @staticmethod
     def write(store: ts.TensorStore, txn: ts.Transaction, box: Box, data: np.ndarray) -> ts.WriteFutures:
-        """Stages `data` at `box` of `store` in `txn` (copied before it returns)."""
+        """Stages `data` at `box` of `store` in `txn`.
+
+        TensorStore keeps `data` referenced until `futures.copy` is done; the
+        caller waits for it before counting the bytes as released.
+        """
         target = store.with_transaction(txn)
-        futures = target[box].write(data) if box else target.write(data)
-        futures.copy.result()  # TensorStore holds its own copy now; `data` may go
-        return futures
+        return target[box].write(data) if box else target.write(data)
 
     def finish(self, *, custom_metadata: dict[str, Any], final_dir: str | None = None) -> None:
         """Writes the metadata files that make the step a committed Orbax step.
