@@ -1,4 +1,14 @@
-"""shardckpt: load, save and convert sharded checkpoints of Keras 3 models on JAX."""
+"""shardckpt: load, save and convert sharded checkpoints of Keras 3 models on JAX.
+
+The public API, re-exported here (internals live in one module per concept):
+
+- restore: `lazy_init`, `load_sharded` -> `LoadReport`;
+- layouts: `auto_layout` -> `LayoutPlan`, `parallelize`;
+- training: `OrbaxCheckpoint`, `restore_latest` -> `ResumeInfo`;
+- files: `convert` -> `ConvertReport`, `inspect` -> `CheckpointInfo`,
+  `verify` -> `VerifyReport`;
+- `errors`: every typed error shardckpt raises.
+"""
 
 import os
 
@@ -7,9 +17,33 @@ import os
 os.environ.setdefault("KERAS_BACKEND", "jax")
 
 from shardckpt import errors  # noqa: E402
+from shardckpt.converter import ConvertReport, convert  # noqa: E402
+from shardckpt.info import CheckpointInfo, inspect  # noqa: E402
+from shardckpt.integrity import VerifyReport, verify  # noqa: E402
+from shardckpt.layout import LayoutPlan, auto_layout  # noqa: E402
 from shardckpt.lazy import lazy_init  # noqa: E402
+from shardckpt.parallel import parallelize  # noqa: E402
 from shardckpt.restore import LoadReport, load_sharded  # noqa: E402
+from shardckpt.training import OrbaxCheckpoint, ResumeInfo, restore_latest  # noqa: E402
 
 __version__ = "0.1.0"
 
-__all__ = ["LoadReport", "errors", "lazy_init", "load_sharded", "__version__"]
+__all__ = [
+    "CheckpointInfo",
+    "ConvertReport",
+    "LayoutPlan",
+    "LoadReport",
+    "OrbaxCheckpoint",
+    "ResumeInfo",
+    "VerifyReport",
+    "__version__",
+    "auto_layout",
+    "convert",
+    "errors",
+    "inspect",
+    "lazy_init",
+    "load_sharded",
+    "parallelize",
+    "restore_latest",
+    "verify",
+]

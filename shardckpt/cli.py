@@ -114,7 +114,7 @@ def _one_line(error: BaseException) -> str:
 
 
 def _convert(args: argparse.Namespace) -> int:
-    from shardckpt.convert import DEFAULT_COMPRESSION, convert, load_architecture
+    from shardckpt.converter import DEFAULT_COMPRESSION, convert, load_architecture
 
     model = load_architecture(args.model) if args.model else None
     mesh = tuple(int(p) for p in args.mesh.lower().split("x")) if args.mesh else None
@@ -134,7 +134,7 @@ def _convert(args: argparse.Namespace) -> int:
 
 
 def _inspect(args: argparse.Namespace) -> int:
-    from shardckpt.inspect import inspect
+    from shardckpt.info import inspect
     from shardckpt.integrity import read_checksums
 
     info = inspect(args.path)

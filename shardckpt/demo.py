@@ -109,7 +109,7 @@ def _tour(work: str, echo: Callable[[Any], None]) -> int:
     import numpy as np
 
     import shardckpt
-    from shardckpt.convert import convert
+    from shardckpt.converter import convert
     from shardckpt.integrity import verify
 
     t_all = time.perf_counter()

@@ -17,7 +17,7 @@ import tensorstore as ts
 
 import shardckpt
 from shardckpt import errors
-from shardckpt.convert import _Item, _plan_boxes, convert
+from shardckpt.converter import _Item, _plan_boxes, convert
 from shardckpt.integrity import read_checksums
 from tests.zoo import build_zoo, randomize, zoo_layout_map
 

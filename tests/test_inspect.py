@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from shardckpt import errors
-from shardckpt.inspect import inspect
+from shardckpt.info import inspect
 from shardckpt.training import OrbaxCheckpoint
 
 

@@ -13,7 +13,7 @@ import pytest
 import shardckpt
 from shardckpt import errors
 from shardckpt.cli import main
-from shardckpt.convert import convert
+from shardckpt.converter import convert
 from shardckpt.integrity import read_checksums, verify
 from tests.zoo import build_zoo, randomize
 

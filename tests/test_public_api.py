@@ -1,0 +1,103 @@
+"""The public surface is a contract (DESIGN.md): pin its names and signatures."""
+
+from __future__ import annotations
+
+import inspect as pyinspect
+
+import keras
+
+import shardckpt
+from shardckpt import errors
+
+PUBLIC = {
+    "CheckpointInfo",
+    "ConvertReport",
+    "LayoutPlan",
+    "LoadReport",
+    "OrbaxCheckpoint",
+    "ResumeInfo",
+    "VerifyReport",
+    "__version__",
+    "auto_layout",
+    "convert",
+    "errors",
+    "inspect",
+    "lazy_init",
+    "load_sharded",
+    "parallelize",
+    "restore_latest",
+    "verify",
+}
+
+
+def test_all_lists_exactly_the_public_names():
+    assert set(shardckpt.__all__) == PUBLIC
+    for name in PUBLIC:
+        assert hasattr(shardckpt, name), name
+
+
+def test_functions_not_shadowed_by_submodules():
+    # `shardckpt.convert` / `shardckpt.inspect` are the functions, not modules.
+    for name in ("convert", "inspect", "verify", "auto_layout", "parallelize", "load_sharded"):
+        assert callable(getattr(shardckpt, name)) and pyinspect.isfunction(getattr(shardckpt, name)), name
+
+
+def _params(fn) -> dict[str, pyinspect.Parameter]:
+    return dict(pyinspect.signature(fn).parameters)
+
+
+def test_signatures_match_the_design():
+    p = _params(shardckpt.load_sharded)
+    assert list(p)[:2] == ["model", "path"]
+    for kw, default in (("layout", None), ("strict", True), ("max_inflight_bytes", 256 * 2**20), ("progress", None)):
+        assert p[kw].kind is pyinspect.Parameter.KEYWORD_ONLY and p[kw].default == default, kw
+
+    p = _params(shardckpt.auto_layout)
+    assert list(p)[:2] == ["model", "mesh"]
+    assert {"model_axis", "batch_axis", "rules"} <= set(p)
+    assert p["model_axis"].default == "model"
+
+    p = _params(shardckpt.parallelize)
+    assert list(p)[:2] == ["model", "mesh"] and p["mesh"].default is None
+    assert {"devices", "model_axis", "batch_axis", "rules"} <= set(p)
+
+    p = _params(shardckpt.convert)
+    assert list(p)[:2] == ["src", "dst"]
+    for kw in ("layout", "mesh", "dtype", "max_inflight_bytes", "progress", "force", "compression"):
+        assert p[kw].kind is pyinspect.Parameter.KEYWORD_ONLY, kw
+
+    assert list(_params(shardckpt.restore_latest))[:2] == ["model", "directory"]
+    assert list(_params(shardckpt.inspect))[:1] == ["path"]
+    for name in ("explain", "layout_map", "distribution", "bytes_per_device", "validate", "to_json", "from_json"):
+        assert callable(getattr(shardckpt.LayoutPlan, name)), name
+
+
+def test_callback_is_a_drop_in_for_keras():
+    assert issubclass(shardckpt.OrbaxCheckpoint, keras.callbacks.Callback)
+    ours = _params(shardckpt.OrbaxCheckpoint.__init__)
+    theirs = _params(keras.callbacks.OrbaxCheckpoint.__init__)
+    for name, param in theirs.items():
+        if name in ("self", "kwargs"):
+            continue
+        assert name in ours, f"keras.callbacks.OrbaxCheckpoint takes {name!r}; ours must too"
+        assert ours[name].kind is param.kind, name  # same position: positional calls work
+        if name == "max_to_keep":
+            # The one documented difference (README): Keras keeps the latest 1
+            # by default; shardckpt keeps every step unless told (None), as the
+            # design asks, so a best checkpoint is never lost by default.
+            assert (ours[name].default, param.default) == (None, 1)
+            continue
+        assert ours[name].default == param.default, name
+    own = ("keep_best", "keep_period", "metadata", "data_iterator", "resume")
+    assert set(own) <= set(ours)
+    assert callable(shardckpt.OrbaxCheckpoint.wait_until_finished)
+
+
+def test_every_error_subclasses_a_builtin():
+    found = [c for c in vars(errors).values() if isinstance(c, type) and issubclass(c, errors.ShardckptError)]
+    assert len(found) >= 10
+    for cls in found:
+        if cls is errors.ShardckptError:
+            continue
+        builtin = [b for b in cls.__mro__ if b.__module__ == "builtins" and b not in (object, BaseException, Exception)]
+        assert builtin, f"{cls.__name__} subclasses no built-in error"
