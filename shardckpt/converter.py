@@ -463,9 +463,11 @@ def _stream(
     with ThreadPoolExecutor(1, thread_name_prefix="shardckpt-crc") as crc_thread, ByteProgress(
         total, f"converting {os.path.basename(reader.path)}", enabled=show
     ) as bar:
-        for item in items:
-            write_shape, boxes = _plan_boxes(item, batch_bytes)
-            store = writer.open_array(item.dst_key, item.shape, item.target, write_shape)
+        plans = [_plan_boxes(item, batch_bytes) for item in items]
+        stores = writer.open_arrays(
+            [(item.dst_key, item.shape, item.target, write_shape) for item, (write_shape, _) in zip(items, plans)]
+        )
+        for item, (_, boxes), store in zip(items, plans, stores):
             for box in boxes:
                 if item.value is not None:
                     piece = item.value[box] if box else item.value

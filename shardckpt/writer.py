@@ -89,6 +89,24 @@ class OrbaxStepWriter:
             write_shape: Outer chunk (one stored shard file region); every
                 write should cover whole outer chunks so none is rewritten.
         """
+        return self.open_arrays([(key, shape, dtype, write_shape)])[0]
+
+    def open_arrays(
+        self, arrays: list[tuple[str, tuple[int, ...], np.dtype, tuple[int, ...]]]
+    ) -> list[ts.TensorStore]:
+        """Creates many arrays at once: `(key, shape, dtype, write_shape)` each.
+
+        Creating an array writes its zarr metadata into the OCDBT store, and
+        each such write waits for the store's pending commit: created one by
+        one between data commits they took 40 ms each (2 s of a 2.5 s
+        conversion of 48 arrays). Opened together, TensorStore batches them.
+        """
+        futures = [self._open(*array) for array in arrays]
+        return [future.result() for future in futures]
+
+    def _open(
+        self, key: str, shape: tuple[int, ...], dtype: np.dtype, write_shape: tuple[int, ...]
+    ) -> ts.Future:
         parts = tuple(key.split("/"))
         self._keys.append(parts)
         info = type_handlers.ParamInfo(
@@ -107,7 +125,7 @@ class OrbaxStepWriter:
             dtype=np.dtype(dtype),
             arg=type_handlers.SaveArgs(chunk_byte_size=self.chunk_byte_size),
         )
-        return ts.open(spec, create=True, open=True, context=self._context).result()
+        return ts.open(spec, create=True, open=True, context=self._context)
 
     def transaction(self) -> ts.Transaction:
         """A TensorStore transaction: its writes become one OCDBT commit."""
