@@ -114,7 +114,8 @@ def _one_line(error: BaseException) -> str:
 
 
 def _convert(args: argparse.Namespace) -> int:
-    from shardckpt.converter import DEFAULT_COMPRESSION, convert, load_architecture
+    from shardckpt.architecture import load_architecture
+    from shardckpt.converter import DEFAULT_COMPRESSION, convert
 
     model = load_architecture(args.model) if args.model else None
     mesh = tuple(int(p) for p in args.mesh.lower().split("x")) if args.mesh else None

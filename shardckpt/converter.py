@@ -30,20 +30,18 @@ edge.
 from __future__ import annotations
 
 import dataclasses
-import importlib
-import json
 import os
 import shutil
 import sys
 import tempfile
 import time
-import zipfile
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
 
 from shardckpt import integrity, naming
+from shardckpt.architecture import load_architecture
 from shardckpt.errors import (
     CheckpointMismatchError,
     DestinationExistsError,
@@ -53,17 +51,15 @@ from shardckpt.errors import (
 )
 from shardckpt.formats import open_reader
 from shardckpt.formats.base import Box, Reader
-from shardckpt.lazy import lazy_init
 from shardckpt.progress import ByteProgress
 from shardckpt.writer import COMPRESSIONS, OrbaxStepWriter
 
 DEFAULT_MAX_INFLIGHT = 256 * 1024 * 1024
 DEFAULT_COMPRESSION = "none"
-"""No compression, from tools/bench_convert.py (1.6 GB float32, 2 cores): zstd
-saved 7.6% on disk (1.49 vs 1.61 GB) but made converting 2.3x slower (5.4 vs
-2.4 s, over the 25%-of-Keras target) while `load_sharded` took about the same
-time either way (2.1-2.3 s); Keras' own Orbax saves measured 15-30x slower
-full reads with zstd than a plain file read (NOTES.md)."""
+"""No compression, from tools/bench_convert.py --repeat 3 (1.6 GB float32, 2
+cores): zstd saved 7.6% on disk (1.49 vs 1.61 GB) but made converting 1.6x
+slower (3.72 vs 2.27 s) and the sharded restore of the result 1.4x slower
+(1.75 vs 1.22 s)."""
 CHUNK_BYTES = 1024 * 1024
 """Inner (read) chunk target: Orbax's subchunking warns below 1 MiB; smaller
 shards of a resharded restore are the rest of a read, not a full array."""
@@ -222,61 +218,6 @@ def convert(
     report.bytes_on_disk = _du(dst)
     report.seconds = time.perf_counter() - start
     return report
-
-
-def load_architecture(spec: str) -> Any:
-    """Builds a model under `lazy_init()` from `package.module:function` or a `.keras` file.
-
-    A `.keras` file gives its config only (no weights are read), deserialised
-    with `safe_mode=True` (no lambda code is run).
-
-    Raises:
-        ModelRequiredError: `spec` is neither form, or names nothing.
-        CheckpointNotFoundError: the `.keras` file does not exist.
-    """
-    import keras
-
-    from shardckpt.errors import CheckpointNotFoundError, CorruptCheckpointError
-
-    if spec.endswith(".keras"):
-        if not os.path.isfile(spec):
-            raise CheckpointNotFoundError(f"No .keras file at {spec!r}. Fix: check the --model path.")
-        try:
-            with zipfile.ZipFile(spec) as archive:
-                config = json.loads(archive.read("config.json"))
-        except (zipfile.BadZipFile, KeyError, json.JSONDecodeError) as e:
-            raise CorruptCheckpointError(
-                f"{spec!r} holds no readable config.json ({e}); it is not a Keras 3 .keras file "
-                "or it is damaged. Fix: pass a file written by model.save(...)."
-            ) from e
-        # The compile config would build an optimizer, whose variables cannot
-        # be created lazily; only the weights' architecture is needed.
-        config.pop("compile_config", None)
-        try:
-            with lazy_init():
-                built = keras.saving.deserialize_keras_object(config, safe_mode=True)
-                if not built.built and config.get("build_config"):
-                    built.build_from_config(config["build_config"])
-        except (TypeError, ValueError) as e:
-            raise ModelRequiredError(
-                f"Cannot build the architecture stored in {spec!r}: {e}. Fix: import the module "
-                "that registers its custom layers first, or pass --model package.module:function."
-            ) from e
-        return built
-    module_name, sep, attr = spec.partition(":")
-    if not sep or not module_name or not attr:
-        raise ModelRequiredError(
-            "The model must be given as package.module:function (a function returning a "
-            f"Keras model) or as a .keras file. Received: model={spec!r}"
-        )
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as e:
-        raise ModelRequiredError(f"Cannot import {module_name!r}: {e}. Received: model={spec!r}") from e
-    if not callable(getattr(module, attr, None)):
-        raise ModelRequiredError(f"Module {module_name!r} has no function {attr!r}. Received: model={spec!r}")
-    with lazy_init():
-        return getattr(module, attr)()
 
 
 def _model_for(src: str, fmt: str) -> Any:

@@ -8,7 +8,7 @@ import sys
 import keras
 import pytest
 
-from shardckpt.errors import LayoutError
+from shardckpt.errors import CheckpointNotFoundError, LayoutError, ModelRequiredError
 from shardckpt.layout.command import parse_mesh, run_plan
 
 TOOLS = os.path.join(os.path.dirname(__file__), "..", "tools")
@@ -54,9 +54,10 @@ def test_plan_bad_arguments(bench_on_path):
         parse_mesh("2by4")
     with pytest.raises(LayoutError, match="needs 4 devices but 8"):
         run_plan("bench_layout:build_default", "1x4", None)
-    with pytest.raises(LayoutError, match="package.module:function"):
+    # MODEL is read by the same loader as `convert --model`, with its errors.
+    with pytest.raises(ModelRequiredError, match="package.module:function"):
         run_plan("bench_layout", "1x8", None)
-    with pytest.raises(LayoutError, match="has no 'nope'"):
+    with pytest.raises(ModelRequiredError, match="has no function 'nope'"):
         run_plan("bench_layout:nope", "1x8", None)
-    with pytest.raises(FileNotFoundError):
+    with pytest.raises(CheckpointNotFoundError, match="missing.keras"):
         run_plan(os.path.join(sys.prefix, "missing.keras"), "1x8", None)

@@ -8,15 +8,10 @@ memory.
 
 from __future__ import annotations
 
-import importlib
-import json
-import os
 import sys
-import zipfile
-from typing import Any
 
+from shardckpt.architecture import load_architecture
 from shardckpt.errors import LayoutError
-from shardckpt.lazy import lazy_init
 
 
 def parse_mesh(text: str) -> tuple[int, ...]:
@@ -32,38 +27,6 @@ def parse_mesh(text: str) -> tuple[int, ...]:
     if not shape or any(s < 1 for s in shape):
         raise LayoutError(f"--mesh must look like 1x8 or 2x4 (data x model). Received: mesh={text!r}")
     return shape
-
-
-def build_lazily(model: str) -> Any:
-    """Builds MODEL (`package.module:function` or a `.keras` file) under `lazy_init()`.
-
-    Raises:
-        LayoutError: MODEL is neither form, or the function is missing.
-        FileNotFoundError: The `.keras` file does not exist.
-    """
-    import keras
-
-    if model.endswith(".keras"):
-        if not os.path.exists(model):
-            raise FileNotFoundError(f"No such .keras file: {model!r}")
-        with zipfile.ZipFile(model) as archive:
-            config = json.loads(archive.read("config.json"))
-        with lazy_init():
-            built = keras.saving.deserialize_keras_object(config)
-            if not built.built and config.get("build_config"):
-                built.build_from_config(config["build_config"])
-        return built
-    module_name, sep, attr = model.partition(":")
-    if not sep or not module_name or not attr:
-        raise LayoutError(
-            "MODEL must be package.module:function (returning a Keras model) or a .keras file. "
-            f"Received: model={model!r}"
-        )
-    module = importlib.import_module(module_name)
-    if not hasattr(module, attr):
-        raise LayoutError(f"Module {module_name!r} has no {attr!r}. Received: model={model!r}")
-    with lazy_init():
-        return getattr(module, attr)()
 
 
 def run_plan(model: str, mesh: str, optimizer: str | None) -> int:
@@ -98,7 +61,7 @@ def run_plan(model: str, mesh: str, optimizer: str | None) -> int:
             f"pick a mesh of {jax.device_count()} devices, or simulate CPU devices with "
             f"XLA_FLAGS=--xla_force_host_platform_device_count={needed}."
         )
-    built = build_lazily(model)
+    built = load_architecture(model)
     plan = auto_layout(built, shape)
     # Piped output (logs, CI) gets wide rows instead of paths folded at 80 columns.
     console = Console(width=None if sys.stdout.isatty() else 200)
