@@ -52,7 +52,7 @@ class OrbaxStepWriter:
 
     ```python
     writer = OrbaxStepWriter("out/0", compression="none", chunk_byte_size=1 << 20)
-    store = writer.open_array("trainable_variables/dense/kernel", (4, 3), np.float32, (4, 3))
+    [store] = writer.open_arrays([("trainable_variables/dense/kernel", (4, 3), np.float32, (4, 3))])
     with writer.transaction() as txn:
         writer.write(store, txn, (slice(0, 4), slice(0, 3)), values)
     writer.finish(custom_metadata={"note": "converted"})
@@ -77,24 +77,14 @@ class OrbaxStepWriter:
         self._keys: list[tuple[str, ...]] = []
         self._init_ns = time.time_ns()
 
-    def open_array(
-        self, key: str, shape: tuple[int, ...], dtype: np.dtype, write_shape: tuple[int, ...]
-    ) -> ts.TensorStore:
-        """Creates array `key` ('/'-separated state-tree path) and returns its store.
-
-        Args:
-            key: State-tree path, e.g. "trainable_variables/dense/kernel".
-            shape: Global shape.
-            dtype: Stored dtype.
-            write_shape: Outer chunk (one stored shard file region); every
-                write should cover whole outer chunks so none is rewritten.
-        """
-        return self.open_arrays([(key, shape, dtype, write_shape)])[0]
-
     def open_arrays(
         self, arrays: list[tuple[str, tuple[int, ...], np.dtype, tuple[int, ...]]]
     ) -> list[ts.TensorStore]:
-        """Creates many arrays at once: `(key, shape, dtype, write_shape)` each.
+        """Creates arrays and returns their stores, one per `(key, shape, dtype, write_shape)`.
+
+        `key` is the '/'-separated state-tree path ("trainable_variables/dense/kernel");
+        `write_shape` is the outer chunk (one stored shard file region): every
+        write should cover whole outer chunks so none is rewritten.
 
         Creating an array writes its zarr metadata into the OCDBT store, and
         each such write waits for the store's pending commit: created one by
