@@ -152,13 +152,28 @@ def test_half_written_orbax_step(tmp_path):
     _untouched(lazy)
 
 
-def test_corrupt_orbax_chunk(tmp_path):
+def _keras_orbax(path):
     keras.backend.clear_session()
     model = build_zoo(rnn=False)
     model.compile(optimizer="sgd", loss="mse")
-    callback = keras.callbacks.OrbaxCheckpoint(str(tmp_path / "ck"), save_freq="epoch")
+    callback = keras.callbacks.OrbaxCheckpoint(str(path), save_freq="epoch")
     model.fit(np.zeros((8, 8), "int32"), np.zeros((8, 8, 32)), epochs=1, verbose=0, callbacks=[callback])
     callback.wait_until_finished()
+
+
+def test_truncated_orbax_data_file(tmp_path):
+    # The reader maps data files into memory; reading past the end of a
+    # truncated one must be an error, not SIGBUS.
+    _keras_orbax(tmp_path / "ck")
+    data_dir = tmp_path / "ck" / "0" / "pytree" / "ocdbt.process_0" / "d"
+    for name in os.listdir(data_dir):  # array chunks; the OCDBT index stays intact
+        os.truncate(data_dir / name, os.path.getsize(data_dir / name) // 2)
+    with pytest.raises(errors.CorruptCheckpointError, match=r"Reading array '[\w/]+' .*restore from another step"):
+        shardckpt.load_sharded(_lazy(), tmp_path / "ck")
+
+
+def test_corrupt_orbax_chunk(tmp_path):
+    _keras_orbax(tmp_path / "ck")
     data_dir = tmp_path / "ck" / "0" / "pytree" / "d"
     for name in os.listdir(data_dir):
         blob = bytearray((data_dir / name).read_bytes())

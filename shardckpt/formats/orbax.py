@@ -13,8 +13,9 @@ device needs are fetched and decoded.
 
 `read_pieces` lets tensorstore copy decoded chunks straight into the caller's
 per-device buffers. A chunk shared by several pieces (one chunk per array is
-what a single-device save writes) is decoded once: the reader's context has a
-chunk cache of `cache_bytes`, and concurrent reads of one chunk share it.
+what a single-device save writes) is decoded once: the pieces are read in one
+`ts.Batch`, so their reads of it join; the reader's context also has a chunk
+cache of `cache_bytes`.
 """
 
 from __future__ import annotations
@@ -117,6 +118,9 @@ class OrbaxReader:
 
     Args:
         path: An Orbax root (the latest committed step is used) or a step folder.
+        cache_bytes: Size of tensorstore's decoded-chunk cache.
+        memmap: Map data files into memory rather than read() them (tensorstore's
+            `file_io_mode`); False reads them as Orbax itself does.
 
     Raises:
         CheckpointNotFoundError, IncompleteCheckpointError: see `resolve_step`.
@@ -125,7 +129,9 @@ class OrbaxReader:
 
     format = "orbax"
 
-    def __init__(self, path: str, *, cache_bytes: int = 256 * 1024 * 1024) -> None:
+    def __init__(
+        self, path: str, *, cache_bytes: int = 256 * 1024 * 1024, memmap: bool = True
+    ) -> None:
         self.root = os.fspath(path)
         self.cache_bytes = cache_bytes
         self.path = resolve_step(self.root)
@@ -151,6 +157,14 @@ class OrbaxReader:
         self._check_all_listed()
         context = type_handlers.get_ts_context(use_ocdbt=True).spec.to_json()
         context["cache_pool"] = {"total_bytes_limit": cache_bytes}
+        if memmap:
+            # Read chunks straight out of the page cache instead of read()ing
+            # them into fresh buffers: a restore is bound by page faults and
+            # copies, and this drops one pass over the compressed bytes. On 2
+            # cores a load of a 1.6 GB zstd checkpoint took 2.36-2.41 s against
+            # 2.65-3.19 s (interleaved runs). A setting of this reader's context
+            # only.
+            context["file_io_mode"] = {"mode": "memmap"}
         self._context = ts.Context(ts.Context.Spec(context))
         self._stores: dict[str, ts.TensorStore] = {}
         self._lock = threading.Lock()
@@ -236,10 +250,15 @@ class OrbaxReader:
     def read_pieces(self, key: str, boxes: list[Box], outs: list[np.ndarray]) -> None:
         """Fills `outs[i]` with `boxes[i]` of `key`, all pieces read concurrently."""
         store = self._store(key)
-        futures = [
-            ts.array(out, copy=False).write(store[box] if box else store)
-            for box, out in zip(boxes, outs)
-        ]
+        # One batch: the pieces' reads of a shared chunk join one decode. Issued
+        # one by one, late pieces often found the chunk already evicted from
+        # the small cache and decoded it again (53-58 chunk reads instead of 48
+        # on the 1.6 GB benchmark model, +0.4 s of CPU).
+        with ts.Batch() as batch:
+            futures = [
+                ts.array(out, copy=False).write(store[box] if box else store, batch=batch)
+                for box, out in zip(boxes, outs)
+            ]
         try:
             for future in futures:
                 future.result()
