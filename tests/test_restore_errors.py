@@ -130,14 +130,17 @@ def test_indivisible_layout(files):
     _untouched(model)
 
 
-def test_half_written_orbax_step(tmp_path):
+def _keras_orbax(path):
     keras.backend.clear_session()
     model = build_zoo(rnn=False)
     model.compile(optimizer="sgd", loss="mse")
-    callback = keras.callbacks.OrbaxCheckpoint(str(tmp_path / "ck"), save_freq="epoch")
-    x = np.zeros((8, 8), "int32")
-    model.fit(x, np.zeros((8, 8, 32)), epochs=1, verbose=0, callbacks=[callback])
+    callback = keras.callbacks.OrbaxCheckpoint(str(path), save_freq="epoch")
+    model.fit(np.zeros((8, 8), "int32"), np.zeros((8, 8, 32)), epochs=1, verbose=0, callbacks=[callback])
     callback.wait_until_finished()
+
+
+def test_half_written_orbax_step(tmp_path):
+    _keras_orbax(tmp_path / "ck")
     # A save killed mid-way leaves only Orbax's temporary folder behind.
     shutil.move(tmp_path / "ck" / "0", tmp_path / "ck" / "1.orbax-checkpoint-tmp-1234")
     lazy = _lazy()
@@ -150,15 +153,6 @@ def test_half_written_orbax_step(tmp_path):
     with pytest.raises(errors.IncompleteCheckpointError, match="_METADATA"):
         shardckpt.load_sharded(lazy, tmp_path / "ck")
     _untouched(lazy)
-
-
-def _keras_orbax(path):
-    keras.backend.clear_session()
-    model = build_zoo(rnn=False)
-    model.compile(optimizer="sgd", loss="mse")
-    callback = keras.callbacks.OrbaxCheckpoint(str(path), save_freq="epoch")
-    model.fit(np.zeros((8, 8), "int32"), np.zeros((8, 8, 32)), epochs=1, verbose=0, callbacks=[callback])
-    callback.wait_until_finished()
 
 
 def test_truncated_orbax_data_file(tmp_path):
