@@ -136,9 +136,12 @@ def load_sharded(
         strict: Raise on missing or unexpected keys. With False, load what
             matches; lazily built variables the checkpoint lacks are
             initialised with their own initializer, in their sharding.
-        max_inflight_bytes: Most bytes of array data read into host memory at
-            once, beyond the pieces being assembled (at least one row of a
-            variable is read at a time).
+        max_inflight_bytes: Most bytes of host memory the load holds at once
+            beyond the final state: chunks being decoded, fresh reads and,
+            off host, pieces on their way to their devices. A variable needing
+            more is loaded alone. On compressed checkpoints (Orbax) it also
+            sets how many chunks are decoded in parallel: a bigger budget
+            uses more cores.
         progress: Show a progress bar. None: when stderr is a terminal.
 
     Returns:
@@ -173,27 +176,24 @@ def load_sharded(
     return report
 
 
-# Decoded-chunk cache on CPU devices; see `_chunk_cache_bytes`.
-_CPU_CHUNK_CACHE = 32 * 1024 * 1024
+# Decoded-chunk cache of compressed formats; see `_chunk_cache_bytes`.
+_CHUNK_CACHE = 32 * 1024 * 1024
 
 
 def _chunk_cache_bytes(max_inflight_bytes: int) -> int:
     """Size of the decoded-chunk cache of compressed formats (Orbax).
 
-    On CPU devices every piece of a variable is requested in one tensorstore
-    batch, which decodes a chunk shared by the pieces once for all of them, so
-    the cache need not hold big chunks until every piece is read. It
-    must hold the small things every read goes through (zarr shard indexes,
-    OCDBT nodes): without any cache, restoring 1 MiB chunks took 1.8-2.2 s
-    instead of 1.45 s. Measured on the 1.6 GB model of tools/bench_restore.py:
-    with 32 MiB, peak memory over the final state was 0.10-0.12 GB; with a
-    256 MiB cache, 0.31 GB, as consumed 64 MiB chunks stayed cached.
-    Accelerators take one piece at a time off the host; there the cache saves
-    decoding a chunk again for every piece it holds.
+    Every piece of a variable is requested in one tensorstore batch, which
+    decodes a chunk shared by the pieces once for all of them, so the cache
+    need not hold big chunks until every piece is read. It must hold the small
+    things every read goes through (zarr shard indexes, OCDBT nodes): without
+    any cache, restoring 1 MiB chunks took 1.8-2.2 s instead of 1.45 s.
+    Measured on the 1.6 GB model of tools/bench_restore.py: with 32 MiB, peak
+    memory over the final state was 0.10-0.12 GB; with a 256 MiB cache, 0.31
+    GB, as consumed 64 MiB chunks stayed cached (on an H100, where the cache
+    was 256 MiB until then, 0.86-0.90 GB).
     """
-    if all(d.platform == "cpu" for d in jax.local_devices()):
-        return min(max_inflight_bytes, _CPU_CHUNK_CACHE)
-    return max_inflight_bytes
+    return min(max_inflight_bytes, _CHUNK_CACHE)
 
 
 def _match(
@@ -372,9 +372,22 @@ def _load_one(job: _Job, reader: Reader, budget: _Budget, advance: Callable[[int
     parts = readplan.pieces(sharding.addressable_devices_indices_map(shape), shape)
     on_host = all(d.platform == "cpu" for p in parts for d in p.devices)
     if hasattr(reader, "read_pieces") and reader.chunk_bytes(job.key) <= budget.limit:
-        buffers = _read_pieces(job, reader, parts, dtype, spec, budget, on_host)
-        _place(job, shape, sharding, parts, buffers)
-        done = sum(readplan.volume(p.box) for p in parts) * spec.dtype.itemsize
+        count = sum(readplan.volume(p.box) for p in parts)
+        # Held while reading: the chunk being decoded, and the pieces unless
+        # they are final memory (see `_pieces_are_extra`).
+        need = reader.chunk_bytes(job.key)
+        if _pieces_are_extra(job, on_host):
+            need += count * (spec.dtype.itemsize + (dtype.itemsize if spec.dtype != dtype else 0))
+        held = budget.acquire(need)
+        try:
+            buffers = _read_pieces(job, reader, parts, dtype, spec)
+            value = _place(job, shape, sharding, parts, buffers)
+            if not on_host:
+                del buffers
+                value.block_until_ready()  # the host copies are free after this
+        finally:
+            budget.release(held)
+        done = count * spec.dtype.itemsize
         advance(done)
         return done
     chunk_rows = reader.chunk_rows(job.key) if hasattr(reader, "chunk_rows") else None
@@ -384,17 +397,23 @@ def _load_one(job: _Job, reader: Reader, budget: _Budget, advance: Callable[[int
         parts,
         budget=budget.limit,
         chunk_rows=chunk_rows,
-        # Off-host, finish one piece at a time so it can leave host memory.
+        # Off host, each piece is its own read: a fresh read then holds one
+        # piece's data, not a slab spanning several.
         per_piece=not on_host and len(parts) > 1,
     )
     fetch = getattr(reader, "view", reader.read)  # zero-copy where the format allows
     fresh = not hasattr(reader, "view")  # data we own, not a view of a memory map
-    buffers: list[np.ndarray | None] = [None] * len(parts)
-    done = 0
-    for read in reads:
-        nbytes = readplan.volume(read.box) * spec.dtype.itemsize
-        held = budget.acquire(nbytes)
-        try:
+    # Held for the whole variable, taken at once (a second wait while holding
+    # part of the budget could deadlock): a fresh read's data, and the pieces
+    # unless they are final memory. A view of a memory map holds no memory.
+    need = max(readplan.volume(r.box) for r in reads) * spec.dtype.itemsize if fresh and reads else 0
+    if _pieces_are_extra(job, on_host):
+        need += sum(readplan.volume(p.box) for p in parts) * dtype.itemsize
+    held = budget.acquire(need)
+    try:
+        buffers: list[np.ndarray | None] = [None] * len(parts)
+        done = 0
+        for read in reads:
             data = fetch(job.key, read.box)
             for copy in read.copies:
                 if fresh and _covers(copy.dst, parts[copy.piece].shape):
@@ -409,12 +428,26 @@ def _load_one(job: _Job, reader: Reader, budget: _Budget, advance: Callable[[int
                     buffers[copy.piece] = aligned_empty(parts[copy.piece].shape, dtype)
                 buffers[copy.piece][copy.dst] = data[copy.src]
             del data
-        finally:
-            budget.release(held)
-        done += nbytes
-        advance(nbytes)
-    _place(job, shape, sharding, parts, buffers)
+            nbytes = readplan.volume(read.box) * spec.dtype.itemsize
+            done += nbytes
+            advance(nbytes)
+        value = _place(job, shape, sharding, parts, buffers)
+        if not on_host:
+            del buffers
+            value.block_until_ready()  # the host copies are free after this
+    finally:
+        budget.release(held)
     return done
+
+
+def _pieces_are_extra(job: _Job, on_host: bool) -> bool:
+    """Whether a variable's new pieces are memory beyond the final state.
+
+    Off host they are copies on their way to the devices. On host they become
+    the devices' buffers, final memory, unless the variable still holds its
+    old value (a model built normally), alive until the new one replaces it.
+    """
+    return not on_host or not is_unloaded(job.variable)
 
 
 def _read_pieces(
@@ -423,20 +456,13 @@ def _read_pieces(
     parts: list[readplan.Piece],
     dtype: np.dtype,
     spec: Any,
-    budget: _Budget,
-    on_host: bool,
 ) -> list[np.ndarray]:
-    """Lets the reader decode straight into per-piece buffers (Orbax)."""
+    """Lets the reader decode straight into per-piece buffers (Orbax).
+
+    All pieces in one call: the reader decodes a chunk they share once.
+    """
     buffers = [aligned_empty(p.shape, spec.dtype) for p in parts]
-    # On host every piece is final memory anyway; off host, one piece at a
-    # time keeps the host copy of a variable to one piece.
-    groups = [list(range(len(parts)))] if on_host else [[i] for i in range(len(parts))]
-    for group in groups:
-        held = budget.acquire(reader.chunk_bytes(job.key))  # the shared chunk cache
-        try:
-            reader.read_pieces(job.key, [parts[i].box for i in group], [buffers[i] for i in group])
-        finally:
-            budget.release(held)
+    reader.read_pieces(job.key, [p.box for p in parts], buffers)
     if spec.dtype != dtype:
         buffers = [_cast(b, dtype) for b in buffers]
     return buffers
@@ -454,7 +480,7 @@ def _place(
     sharding: jax.sharding.Sharding,
     parts: list[readplan.Piece],
     buffers: list[np.ndarray],
-) -> None:
+) -> jax.Array:
     singles = [
         jax.device_put(buffers[i] if j == 0 else _replica(buffers[i]), device)
         for i, part in enumerate(parts)
@@ -462,6 +488,7 @@ def _place(
     ]
     value = jax.make_array_from_single_device_arrays(shape, sharding, singles)
     _assign(job.variable, value, job.target)
+    return value
 
 
 def _replica(buffer: np.ndarray) -> np.ndarray:
