@@ -44,3 +44,20 @@ class PeakSampler:
         self._stop.set()
         self._thread.join()
         self.peak = max(self.peak, rss_anon())
+
+
+def warm_memory(nbytes: int) -> None:
+    """Touches and frees `nbytes` of anonymous memory.
+
+    Some VMs (this project's Firecracker sandboxes) back guest memory lazily
+    and take freed pages back within seconds; a page touched for the first
+    time since then costs a host fault. Touching 1.6 GB took 0.2-0.3 s
+    right after another process freed memory and 2.8 s a few seconds later,
+    so a timed load's result depended on how long the process had been idle.
+    Calling this just before each timed section gives every loader the same
+    (warm) memory, as on a machine whose memory is backed for good.
+    """
+    import numpy as np
+
+    block = np.ones(nbytes, np.uint8)  # np.ones writes every page
+    del block

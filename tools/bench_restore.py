@@ -4,22 +4,29 @@
 Builds an MLP stack (default ~400M parameters, 1.6 GB float32), writes it as
 `.weights.h5` (Keras), a Keras-written Orbax checkpoint (Keras' OrbaxCheckpoint
 callback, weights only) and `.safetensors`, then, each in a fresh process on 8
-simulated CPU devices under `ModelParallel` (up kernels column-, down kernels
-row-sharded):
+simulated CPU devices (with JAX_PLATFORMS unset on a GPU machine: its GPUs)
+under `ModelParallel` (up kernels column-, down kernels row-sharded):
 
 - read: a plain sequential read of the file(s) (page cache warm), and for
   Orbax a concurrent tensorstore read of every array (its decode floor), once
   with data files mapped as shardckpt reads them and once with read() as
-  Orbax reads them (shown as "ts mapped / read()"), fastest of --repeat runs
-  in processes of their own;
+  Orbax reads them (shown as "ts mapped / read()"), fastest of --repeat runs,
+  each read in a process of its own;
 - keras: build the sharded model normally (random init), `model.load_weights`;
 - shardckpt: build under `lazy_init()`, `load_sharded`;
 - shardckpt-built (h5 only): build normally like Keras, then `load_sharded`
   replaces the random values variable by variable (peak: model + in flight).
 
 It prints build and load seconds, both as multiples of the plain read, and the
-peak anonymous memory over the final state (sampled RssAnon). On a GPU it also
-prints peak device memory from `jax` memory stats.
+peak anonymous memory of the load over the final state (sampled RssAnon
+during the load alone; a normal build's own transient memory is Keras'). On a
+GPU it also prints peak device memory from `jax` memory stats.
+
+With --warm, each process touches and frees 2.5x the state's bytes just
+before its timed section (`_memory.warm_memory`): on VMs that hand free
+memory back to their host, pages touched for the first time since then cost
+host faults, and --warm shows what loads cost on memory backed for good, as
+on bare metal.
 
 Usage:
     python tools/bench_restore.py [--blocks 12] [--dim 2048] [--workdir DIR]
@@ -93,6 +100,10 @@ def prepare(args) -> None:
     print(json.dumps({"params": int(model.count_params())}))
 
 
+def _state_bytes(args) -> int:
+    return (args.dim * 4 * args.dim * 2 + 5 * args.dim) * args.blocks * 4
+
+
 def _file_bytes(path: str) -> list[str]:
     if os.path.isdir(path):
         return [os.path.join(r, f) for r, _, fs in os.walk(path) for f in fs]
@@ -114,18 +125,21 @@ def plain_read(path: str) -> float:
     return time.perf_counter() - start
 
 
-def tensorstore_read(path: str, memmap: bool) -> float:
+def tensorstore_read(path: str, memmap: bool, warm: int) -> float:
     """Concurrent tensorstore read of every array of the Orbax step: the decode floor.
 
     memmap=True reads data files as shardckpt does (mapped), False as Orbax does
-    (read() into buffers). The chunk cache is the one `load_sharded` uses on CPU.
+    (read() into buffers). The chunk cache is the one `load_sharded` uses.
     """
     _setup_jax(8)
+    from _memory import warm_memory
     from shardckpt.formats import OrbaxReader
     from shardckpt.restore import DEFAULT_MAX_INFLIGHT, _chunk_cache_bytes
 
     reader = OrbaxReader(path, cache_bytes=_chunk_cache_bytes(DEFAULT_MAX_INFLIGHT), memmap=memmap)
     stores = [reader._store(k) for k in reader.keys()]
+    if warm:
+        warm_memory(warm)
     start = time.perf_counter()
     futures = [s.read() for s in stores]
     for f in futures:
@@ -136,7 +150,7 @@ def tensorstore_read(path: str, memmap: bool) -> float:
 def run(args) -> None:
     _setup_jax(8)
     sys.path.insert(0, os.path.dirname(HERE))
-    from _memory import PeakSampler, rss_anon
+    from _memory import PeakSampler, rss_anon, warm_memory
 
     import jax
     import keras
@@ -146,16 +160,19 @@ def run(args) -> None:
 
     path = os.path.join(args.workdir, FORMATS[args.format])
     out = {"read_s": plain_read(path)}
-    if args.mode == "floor":
-        # Its own process: 3.2 GB allocated and freed here would change what
-        # the load that follows pays for fresh memory.
-        out["ts_pread_s"] = tensorstore_read(path, memmap=False)
-        out["ts_read_s"] = tensorstore_read(path, memmap=True)
+    # Memory every timed section may touch: the state, what a loader holds
+    # besides it (Keras: about as much again), and slack.
+    warm = int(2.5 * _state_bytes(args)) if args.warm else 0
+    if args.mode in ("floor-mapped", "floor-read"):
+        # One read per process: memory the first read freed would be warm for
+        # the second one (it made the mapped read 20% faster).
+        key = "ts_read_s" if args.mode == "floor-mapped" else "ts_pread_s"
+        out[key] = tensorstore_read(path, memmap=args.mode == "floor-mapped", warm=warm)
         print("RESULT " + json.dumps(out))
         return
     keras.distribution.set_distribution(distribution())
     base = rss_anon()
-    with PeakSampler() as sampler:
+    with PeakSampler() as build_sampler:
         start = time.perf_counter()
         if args.mode in ("keras", "shardckpt-built"):
             model = build(args.blocks, args.dim)
@@ -164,8 +181,18 @@ def run(args) -> None:
         else:
             with shardckpt.lazy_init():
                 model = build(args.blocks, args.dim)
+            # The accelerator's first use (its runtime's setup) goes to build
+            # for every loader: Keras' build allocates on it. On an H100 it
+            # had made the lazy load 1-2 s slower than the built one.
+            jax.block_until_ready(jax.device_put(np.zeros(1, np.float32), jax.devices()[0]))
         jax.block_until_ready([v.value for v in model.weights if v._value is not None])
         out["build_s"] = time.perf_counter() - start
+    built = rss_anon()
+    if warm:
+        warm_memory(warm)
+    # The load's own sampler: a normal build's transient memory (random init)
+    # is Keras', not the loader's.
+    with PeakSampler() as sampler:
         start = time.perf_counter()
         if args.mode == "keras":
             if args.format == "safetensors":
@@ -181,19 +208,21 @@ def run(args) -> None:
     out["state_gb"] = sum(int(np.prod(v.shape)) * 4 for v in model.weights) / 1e9
     out["final_over_base_gb"] = (final - base) / 1e9
     out["peak_over_final_gb"] = (sampler.peak - final) / 1e9
+    out["build_peak_over_built_gb"] = (build_sampler.peak - built) / 1e9
     if jax.devices()[0].platform != "cpu":
         stats = jax.devices()[0].memory_stats() or {}
         out["device_peak_gb"] = stats.get("peak_bytes_in_use", 0) / 1e9
     # Correctness spot check: one sharded kernel against the file.
     kernel = next(v for v in model.weights if v.path.endswith("_down/kernel"))
-    out["sharding"] = str(kernel.value.sharding.spec)
+    out["sharding"] = str(getattr(kernel.value.sharding, "spec", kernel.value.sharding))
+    out["devices"] = f"{len(jax.devices())} x {jax.devices()[0].device_kind}"
     print("RESULT " + json.dumps(out))
 
 
 def _child(args, *extra) -> dict:
     os.sync()  # no cell pays for an earlier one's writeback (prepare writes 4.8 GB)
     cmd = [sys.executable, os.path.abspath(__file__), "--workdir", args.workdir,
-           "--blocks", str(args.blocks), "--dim", str(args.dim), *extra]
+           "--blocks", str(args.blocks), "--dim", str(args.dim), *(["--warm"] if args.warm else []), *extra]
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode != 0:
         raise SystemExit(f"child {extra} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
@@ -208,6 +237,8 @@ def main() -> None:
     parser.add_argument("--workdir", default=None)
     parser.add_argument("--repeat", type=int, default=1, help="runs per cell; the best is shown")
     parser.add_argument("--formats", default="h5,orbax,safetensors")
+    parser.add_argument("--warm", action="store_true",
+                        help="touch and free memory before each timed section (see _memory.warm_memory)")
     parser.add_argument("--reuse", action="store_true", help="reuse the files already in --workdir")
     parser.add_argument("--_prepare", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--_run", nargs=2, metavar=("MODE", "FORMAT"), help=argparse.SUPPRESS)
@@ -225,11 +256,11 @@ def main() -> None:
         args.workdir = cleanup.name
     os.makedirs(args.workdir, exist_ok=True)
     if args.reuse and all(os.path.exists(os.path.join(args.workdir, f)) for f in FORMATS.values()):
-        info = {"params": (args.dim * 4 * args.dim * 2 + 5 * args.dim) * args.blocks}
+        info = {"params": _state_bytes(args) // 4}
     else:
         info = _child(args, "--_prepare")
     print(f"model: {info['params'] / 1e6:.0f}M parameters, {info['params'] * 4 / 1e9:.2f} GB float32; "
-          f"8 simulated CPU devices, ModelParallel (1, 8); workdir {args.workdir}")
+          f"ModelParallel (1, all devices); workdir {args.workdir}")
     rows = []
     for fmt in args.formats.split(","):
         for mode in ("keras", "shardckpt", "shardckpt-built"):
@@ -242,12 +273,14 @@ def main() -> None:
                     best = r
             rows.append((fmt, mode, best))
         if fmt == "orbax":
-            floors = [_child(args, "--_run", "floor", fmt) for _ in range(args.repeat)]
-            floor = {k: min(f[k] for f in floors) for k in ("ts_read_s", "ts_pread_s")}
+            floor = {}
+            for mode, key in (("floor-mapped", "ts_read_s"), ("floor-read", "ts_pread_s")):
+                floor[key] = min(_child(args, "--_run", mode, fmt)[key] for _ in range(args.repeat))
             for f, mode, r in rows:
                 if f == fmt:
                     r.update(floor)
     _print_table(rows)
+    print("devices: " + ", ".join(sorted({r["devices"] for _, _, r in rows if "devices" in r})))
     if cleanup:
         cleanup.cleanup()
 
