@@ -141,7 +141,9 @@ def load_sharded(
             off host, pieces on their way to their devices. A variable needing
             more is loaded alone. On compressed checkpoints (Orbax) it also
             sets how many chunks are decoded in parallel: a bigger budget
-            uses more cores.
+            uses more cores. An accelerator runtime's own host staging of
+            transfers comes on top (an H100 load peaked 0.79 GB over its
+            final state with the default).
         progress: Show a progress bar. None: when stderr is a terminal.
 
     Returns:
@@ -371,6 +373,12 @@ def _load_one(job: _Job, reader: Reader, budget: _Budget, advance: Callable[[int
     sharding = job.target.sharding
     parts = readplan.pieces(sharding.addressable_devices_indices_map(shape), shape)
     on_host = all(d.platform == "cpu" for p in parts for d in p.devices)
+    if (
+        not on_host
+        and hasattr(reader, "is_chunk")
+        and all(reader.is_chunk(job.key, p.box) for p in parts)
+    ):
+        return _load_by_chunk(job, reader, parts, budget, advance)
     if hasattr(reader, "read_pieces") and reader.chunk_bytes(job.key) <= budget.limit:
         count = sum(readplan.volume(p.box) for p in parts)
         # Held while reading: the chunk being decoded, and the pieces unless
@@ -440,6 +448,44 @@ def _load_one(job: _Job, reader: Reader, budget: _Budget, advance: Callable[[int
     return done
 
 
+def _load_by_chunk(
+    job: _Job, reader: Any, parts: list[readplan.Piece], budget: _Budget, advance: Callable[[int], None]
+) -> int:
+    """Sends each piece that is exactly one stored chunk to its devices as decoded.
+
+    For accelerators: the host holds one decoded chunk per variable in flight
+    instead of a chunk and a copy of it (on an H100 the default budget then
+    decodes twice as many chunks in parallel). Each piece leaves the host
+    before the next is read. On CPU devices the copy is what makes a buffer
+    the devices can adopt, so this path is not used there.
+    """
+    spec = reader.spec(job.key)
+    shape = tuple(job.variable.shape)
+    dtype = np.dtype(job.variable.dtype)
+    cast = dtype.itemsize / spec.dtype.itemsize if spec.dtype != dtype else 0.0
+    need = int(reader.chunk_bytes(job.key) * (1 + cast))
+    held = budget.acquire(need)
+    done = 0
+    try:
+        singles = []
+        for part in parts:
+            data = reader.read(job.key, part.box)
+            if data.dtype != dtype:
+                data = data.astype(dtype)
+            placed = [jax.device_put(data, device) for device in part.devices]
+            del data
+            jax.block_until_ready(placed)  # the decoded chunk is free after this
+            singles.extend(placed)
+            nbytes = readplan.volume(part.box) * spec.dtype.itemsize
+            done += nbytes
+            advance(nbytes)
+        value = jax.make_array_from_single_device_arrays(shape, job.target.sharding, singles)
+        _assign(job.variable, value, job.target)
+    finally:
+        budget.release(held)
+    return done
+
+
 def _pieces_are_extra(job: _Job, on_host: bool) -> bool:
     """Whether a variable's new pieces are memory beyond the final state.
 
@@ -482,7 +528,8 @@ def _place(
     buffers: list[np.ndarray],
 ) -> jax.Array:
     singles = [
-        jax.device_put(buffers[i] if j == 0 else _replica(buffers[i]), device)
+        # Only CPU devices adopt host buffers; an accelerator copies anyway.
+        jax.device_put(buffers[i] if j == 0 or device.platform != "cpu" else _replica(buffers[i]), device)
         for i, part in enumerate(parts)
         for j, device in enumerate(part.devices)
     ]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 
+import jax
 import keras
 import numpy as np
 import pytest
@@ -114,3 +115,53 @@ def test_training_after_orbax_load_matches_keras(keras_orbax):
 
     for a, b in zip(trained(True), trained(False)):
         np.testing.assert_array_equal(a, b)
+
+
+def test_accelerator_path_sends_whole_chunks_as_decoded(tmp_path):
+    """`restore._load_by_chunk` is what accelerators use when every piece is one
+    stored chunk (a one-device save restored onto one device: the H100 case of
+    tools/bench_restore.py). CI has no accelerator, so it runs here on a CPU
+    device: same values, same placement."""
+    from shardckpt import readplan, restore
+    from shardckpt.formats import open_reader
+    from shardckpt.layouts import resolve_layout
+
+    _session(None)
+    src = build_zoo(rnn=False)
+    randomize(src, seed=29)
+    src.compile(optimizer=keras.optimizers.SGD(0.0), loss="mse")
+    callback = keras.callbacks.OrbaxCheckpoint(str(tmp_path / "ck"), save_freq="epoch", save_weights_only=True)
+    src.fit(np.zeros((8, 8), "int32"), np.zeros((8, 8, 32)), epochs=1, verbose=0, callbacks=[callback])
+    callback.wait_until_finished()
+    state = {v.path: np.asarray(v.value) for v in src.weights}
+
+    def plan(model):
+        reader = open_reader(str(tmp_path / "ck"), cache_bytes=32 << 20)
+        report = restore.LoadReport(path=reader.path, format=reader.format)
+        jobs, _ = restore._match(model, reader, report, True, resolve_layout(None))
+        return reader, [
+            (job, readplan.pieces(job.target.sharding.addressable_devices_indices_map(job.variable.shape), tuple(job.variable.shape)))
+            for job in jobs
+        ]
+
+    _session(None)
+    with shardckpt.lazy_init():
+        model = build_zoo(rnn=False)
+    reader, jobs = plan(model)
+    budget = restore._Budget(restore.DEFAULT_MAX_INFLIGHT)
+    for job, parts in jobs:
+        assert all(reader.is_chunk(job.key, p.box) for p in parts), job.key
+        restore._load_by_chunk(job, reader, parts, budget, lambda n: None)
+    reader.close()
+    assert budget.used == 0 and len(jobs) == len(model.weights)
+    for v in model.weights:
+        np.testing.assert_array_equal(np.asarray(v.value), state[v.path], err_msg=v.path)
+        assert v.value.sharding.device_set == {jax.devices()[0]}, v.path
+    # Sharded over 8 devices, a kernel's pieces cut across its one stored chunk.
+    _session((1, 8))
+    with shardckpt.lazy_init():
+        other = build_zoo(rnn=False)
+    reader, jobs = plan(other)
+    cut = [job.key for job, parts in jobs if not all(reader.is_chunk(job.key, p.box) for p in parts)]
+    reader.close()
+    assert "trainable_variables/block/up/kernel" in cut

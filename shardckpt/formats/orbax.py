@@ -247,6 +247,22 @@ class OrbaxReader:
         chunk = self._store(key).chunk_layout.read_chunk.shape
         return int(np.prod([c or n for c, n in zip(chunk, spec.shape)])) * spec.dtype.itemsize
 
+    def is_chunk(self, key: str, box: Box) -> bool:
+        """True when `box` is exactly one stored chunk of `key`.
+
+        `read` of such a box hands back tensorstore's decoded chunk itself,
+        with no copy into a second buffer.
+        """
+        spec = self._specs[key]
+        if not spec.shape:
+            return True
+        chunk = self._store(key).chunk_layout.read_chunk.shape
+        for s, c, n in zip(box, chunk, spec.shape):
+            c = c or n
+            if s.start % c or s.stop != min(s.start + c, n):
+                return False
+        return True
+
     def read_pieces(self, key: str, boxes: list[Box], outs: list[np.ndarray]) -> None:
         """Fills `outs[i]` with `boxes[i]` of `key`, all pieces read concurrently."""
         store = self._store(key)
