@@ -388,11 +388,7 @@ def _load_one(job: _Job, reader: Reader, budget: _Budget, advance: Callable[[int
             need += count * (spec.dtype.itemsize + (dtype.itemsize if spec.dtype != dtype else 0))
         held = budget.acquire(need)
         try:
-            buffers = _read_pieces(job, reader, parts, dtype, spec)
-            value = _place(job, shape, sharding, parts, buffers)
-            if not on_host:
-                del buffers
-                value.block_until_ready()  # the host copies are free after this
+            _place(job, shape, sharding, parts, _read_pieces(job, reader, parts, dtype, spec))
         finally:
             budget.release(held)
         done = count * spec.dtype.itemsize
@@ -439,10 +435,7 @@ def _load_one(job: _Job, reader: Reader, budget: _Budget, advance: Callable[[int
             nbytes = readplan.volume(read.box) * spec.dtype.itemsize
             done += nbytes
             advance(nbytes)
-        value = _place(job, shape, sharding, parts, buffers)
-        if not on_host:
-            del buffers
-            value.block_until_ready()  # the host copies are free after this
+        _place(job, shape, sharding, parts, buffers)
     finally:
         budget.release(held)
     return done
@@ -526,7 +519,13 @@ def _place(
     sharding: jax.sharding.Sharding,
     parts: list[readplan.Piece],
     buffers: list[np.ndarray],
-) -> jax.Array:
+) -> None:
+    """Puts the pieces on their devices and makes them the variable's value.
+
+    Off host, waits until the transfers are done and drops the caller's host
+    copies (`buffers` is emptied), so a budget released after this call
+    covered them.
+    """
     singles = [
         # Only CPU devices adopt host buffers; an accelerator copies anyway.
         jax.device_put(buffers[i] if j == 0 or device.platform != "cpu" else _replica(buffers[i]), device)
@@ -535,7 +534,9 @@ def _place(
     ]
     value = jax.make_array_from_single_device_arrays(shape, sharding, singles)
     _assign(job.variable, value, job.target)
-    return value
+    if any(d.platform != "cpu" for p in parts for d in p.devices):
+        buffers.clear()
+        value.block_until_ready()  # the host copies are free after this
 
 
 def _replica(buffer: np.ndarray) -> np.ndarray:
