@@ -17,8 +17,11 @@ under `ModelParallel` (up kernels column-, down kernels row-sharded):
 - shardckpt-built (h5 only): build normally like Keras, then `load_sharded`
   replaces the random values variable by variable (peak: model + in flight).
 
-It prints build and load seconds, both as multiples of the plain read, and the
-peak anonymous memory of the load over the final state (sampled RssAnon
+It prints build and load seconds, both as multiples of the plain read, the
+CPU seconds the load took (user + system, all threads: on a machine with
+few cores, where loads are CPU-bound, this is the work each loader does; the
+system part is mostly page faults on fresh memory), and the peak anonymous
+memory of the load over the final state (sampled RssAnon
 during the load alone; a normal build's own transient memory is Keras'). On a
 GPU it also prints peak device memory from `jax` memory stats.
 
@@ -37,6 +40,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import subprocess
 import sys
 import tempfile
@@ -110,6 +114,12 @@ def _file_bytes(path: str) -> list[str]:
     return [path]
 
 
+def cpu_seconds() -> float:
+    """User + system CPU seconds of this process so far, all threads."""
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
 def plain_read(path: str) -> float:
     buf = bytearray(64 << 20)
     files = _file_bytes(path)
@@ -125,11 +135,12 @@ def plain_read(path: str) -> float:
     return time.perf_counter() - start
 
 
-def tensorstore_read(path: str, memmap: bool, warm: int) -> float:
+def tensorstore_read(path: str, memmap: bool, warm: int) -> tuple[float, float]:
     """Concurrent tensorstore read of every array of the Orbax step: the decode floor.
 
     memmap=True reads data files as shardckpt does (mapped), False as Orbax does
     (read() into buffers). The chunk cache is the one `load_sharded` uses.
+    Returns wall and CPU seconds.
     """
     _setup_jax(8)
     from _memory import warm_memory
@@ -140,11 +151,11 @@ def tensorstore_read(path: str, memmap: bool, warm: int) -> float:
     stores = [reader._store(k) for k in reader.keys()]
     if warm:
         warm_memory(warm)
-    start = time.perf_counter()
+    start, cpu = time.perf_counter(), cpu_seconds()
     futures = [s.read() for s in stores]
     for f in futures:
         f.result()
-    return time.perf_counter() - start
+    return time.perf_counter() - start, cpu_seconds() - cpu
 
 
 def run(args) -> None:
@@ -167,7 +178,8 @@ def run(args) -> None:
         # One read per process: memory the first read freed would be warm for
         # the second one (it made the mapped read 20% faster).
         key = "ts_read_s" if args.mode == "floor-mapped" else "ts_pread_s"
-        out[key] = tensorstore_read(path, memmap=args.mode == "floor-mapped", warm=warm)
+        out[key], out[key.replace("_s", "_cpu_s")] = tensorstore_read(
+            path, memmap=args.mode == "floor-mapped", warm=warm)
         print("RESULT " + json.dumps(out))
         return
     keras.distribution.set_distribution(distribution())
@@ -193,7 +205,7 @@ def run(args) -> None:
     # The load's own sampler: a normal build's transient memory (random init)
     # is Keras', not the loader's.
     with PeakSampler() as sampler:
-        start = time.perf_counter()
+        start, cpu = time.perf_counter(), cpu_seconds()
         if args.mode == "keras":
             if args.format == "safetensors":
                 out["load_s"] = None  # Keras has no safetensors loader
@@ -204,6 +216,7 @@ def run(args) -> None:
         jax.block_until_ready([v.value for v in model.weights])
         if out.get("load_s", 0) is not None:
             out["load_s"] = time.perf_counter() - start
+            out["load_cpu_s"] = cpu_seconds() - cpu
     final = rss_anon()
     out["state_gb"] = sum(int(np.prod(v.shape)) * 4 for v in model.weights) / 1e9
     out["final_over_base_gb"] = (final - base) / 1e9
@@ -275,7 +288,9 @@ def main() -> None:
         if fmt == "orbax":
             floor = {}
             for mode, key in (("floor-mapped", "ts_read_s"), ("floor-read", "ts_pread_s")):
-                floor[key] = min(_child(args, "--_run", mode, fmt)[key] for _ in range(args.repeat))
+                best = min((_child(args, "--_run", mode, fmt) for _ in range(args.repeat)), key=lambda r: r[key])
+                floor[key] = best[key]
+                floor[key.replace("_s", "_cpu_s")] = best[key.replace("_s", "_cpu_s")]
             for f, mode, r in rows:
                 if f == fmt:
                     r.update(floor)
@@ -290,8 +305,8 @@ def _print_table(rows) -> None:
     from rich.table import Table
 
     table = Table(title="restore: shardckpt vs Keras (same run)")
-    for col in ("format", "loader", "read s", "build s", "load s", "load/read", "(build+load)/read",
-                "peak over final GB", "vs Keras load"):
+    for col in ("format", "loader", "read s", "build s", "load s", "load CPU s", "load/read",
+                "(build+load)/read", "peak over final GB", "vs Keras load"):
         table.add_column(col, justify="right")
     keras_load = {fmt: r["load_s"] for fmt, mode, r in rows if mode == "keras"}
     for fmt, mode, r in rows:
@@ -304,6 +319,7 @@ def _print_table(rows) -> None:
         vs = f"{load / keras_load[fmt]:.2f}x" if fmt in keras_load and mode != "keras" else ""
         table.add_row(
             fmt, mode, f"{floor:.2f}{extra}", f"{r['build_s']:.2f}", f"{load:.2f}",
+            f"{r['load_cpu_s']:.2f}" if load else "",
             f"{ratio_floor:.1f}x", f"{(r['build_s'] + load) / floor:.1f}x",
             f"{r['peak_over_final_gb']:.2f}", vs,
         )
@@ -312,7 +328,8 @@ def _print_table(rows) -> None:
         if fmt == "orbax" and mode == "shardckpt":
             print(f"orbax: shardckpt load / concurrent tensorstore read = {r['load_s'] / r['ts_read_s']:.2f}x "
                   f"with mapped files ({r['ts_read_s']:.2f} s), {r['load_s'] / r['ts_pread_s']:.2f}x "
-                  f"with read() as Orbax reads ({r['ts_pread_s']:.2f} s)")
+                  f"with read() as Orbax reads ({r['ts_pread_s']:.2f} s); CPU seconds: "
+                  f"{r['load_cpu_s']:.2f} against {r['ts_read_cpu_s']:.2f} / {r['ts_pread_cpu_s']:.2f}")
         if "device_peak_gb" in r:
             print(f"{fmt} {mode}: peak device memory {r['device_peak_gb']:.2f} GB (state {r['state_gb']:.2f} GB)")
 
