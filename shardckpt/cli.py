@@ -158,16 +158,8 @@ def _print_info(info: Any, checksums: dict[str, dict[str, Any]]) -> None:
 
     console = Console(width=None if sys.stdout.isatty() else 200)
     console.print(f"[bold]{info.format}[/bold] checkpoint {info.path}")
-    if info.steps:
-        console.print(f"steps: {info.steps} (showing {info.step})")
-    if info.incomplete:
-        console.print(f"half-written (ignored): {info.incomplete}")
-    if info.items:
-        console.print(f"items: {', '.join(info.items)}")
-    if info.metadata:
-        console.print(f"metadata: {json.dumps(info.metadata, default=str)}")
-    if info.iterator_state is not None:
-        console.print(f"data iterator: {json.dumps(info.iterator_state, default=str)}")
+    for line in info.summary():
+        console.print(line, markup=False, highlight=False)
     table = Table(show_footer=False)
     for name, justify in (("key", "left"), ("shape", "left"), ("dtype", "left"), ("bytes", "right")):
         table.add_column(name, justify=justify)

@@ -66,24 +66,33 @@ class CheckpointInfo:
         """Bytes of all arrays, uncompressed."""
         return sum(a.nbytes for a in self.arrays)
 
-    def __str__(self) -> str:
-        lines = [f"{self.format} checkpoint {self.path!r}"]
+    def summary(self) -> list[str]:
+        """The lines above the array table: steps, items, metadata, iterator state.
+
+        Shared by `__str__` and `shardckpt inspect`, which prints the arrays
+        as a rich table instead.
+        """
+        lines = []
         if self.steps:
-            lines.append(f"  steps: {self.steps} (showing {self.step})")
+            lines.append(f"steps: {self.steps} (showing {self.step})")
         if self.incomplete:
-            lines.append(f"  half-written (ignored): {self.incomplete}")
+            lines.append(f"half-written (ignored): {self.incomplete}")
         if self.items:
-            lines.append(f"  items: {self.items}")
+            lines.append(f"items: {', '.join(self.items)}")
         if self.metadata:
             meta = self.metadata
             lines.append(
-                f"  epoch {meta.get('epoch')} batch {meta.get('batch')} "
+                f"epoch {meta.get('epoch')} batch {meta.get('batch')} "
                 f"(epoch complete: {meta.get('epoch_complete')}), logs {meta.get('logs')}"
             )
             if meta.get("user") is not None:
-                lines.append(f"  user metadata: {meta['user']}")
+                lines.append(f"user metadata: {meta['user']}")
         if self.iterator_state is not None:
-            lines.append(f"  data iterator: {self.iterator_state}")
+            lines.append(f"data iterator: {self.iterator_state}")
+        return lines
+
+    def __str__(self) -> str:
+        lines = [f"{self.format} checkpoint {self.path!r}"] + [f"  {line}" for line in self.summary()]
         width = max([len(a.key) for a in self.arrays] + [3])
         lines.append(f"  {'key':<{width}}  {'shape':<18} {'dtype':<9} {'bytes':>12}")
         for a in self.arrays:

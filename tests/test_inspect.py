@@ -9,7 +9,7 @@ import keras
 import numpy as np
 import pytest
 
-from shardckpt import errors
+from shardckpt import cli, errors
 from shardckpt.info import inspect
 from shardckpt.training import OrbaxCheckpoint
 
@@ -24,7 +24,7 @@ def _model(compile: bool = True) -> keras.Model:
     return model
 
 
-def test_inspect_orbax_root_step_and_half_written_steps(tmp_path):
+def test_inspect_orbax_root_step_and_half_written_steps(tmp_path, capsys):
     model = _model()
     ckpt = OrbaxCheckpoint(str(tmp_path), metadata={"note": "hello"})
     model.fit(np.ones((8, 5), "float32"), np.ones((8, 2), "float32"), epochs=2, verbose=0, callbacks=[ckpt])
@@ -44,6 +44,19 @@ def test_inspect_orbax_root_step_and_half_written_steps(tmp_path):
     assert (b.shape, b.nbytes) == ((7, 2), 7 * 2 * np.dtype(b.dtype).itemsize)
     assert "optimizer_variables/sgd/iteration" in arrays
     assert inspect(str(tmp_path / "0")).step == 0
+    summary = info.summary()
+    assert summary[:3] == [
+        "steps: [0, 1] (showing 1)",
+        "half-written (ignored): ['2.orbax-checkpoint-tmp-123']",
+        f"items: {', '.join(info.items)}",
+    ]
+    assert summary[3].startswith("epoch 1 batch ") and "(epoch complete: True)" in summary[3]
+    assert summary[4:] == ["user metadata: {'note': 'hello'}"]
+    assert str(info).splitlines()[1 : 1 + len(summary)] == [f"  {line}" for line in summary]
+    # The CLI prints the same lines above its table.
+    assert cli.main(["inspect", str(tmp_path)]) == 0
+    printed = capsys.readouterr().out.splitlines()
+    assert printed[1 : 1 + len(summary)] == summary
 
     with pytest.raises(errors.IncompleteCheckpointError):
         inspect(str(tmp_path / "2.orbax-checkpoint-tmp-123"))
