@@ -159,7 +159,7 @@ def _print_info(info: Any, checksums: dict[str, dict[str, Any]]) -> None:
     console = Console(width=None if sys.stdout.isatty() else 200)
     console.print(f"[bold]{info.format}[/bold] checkpoint {info.path}")
     for line in info.summary():
-        console.print(line, markup=False, highlight=False)
+        console.print(line, markup=False, highlight=False, soft_wrap=True)
     table = Table(show_footer=False)
     for name, justify in (("key", "left"), ("shape", "left"), ("dtype", "left"), ("bytes", "right")):
         table.add_column(name, justify=justify)

@@ -9,6 +9,7 @@ item and data-iterator state are read too (small JSON files).
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 from typing import Any
 
@@ -87,6 +88,10 @@ class CheckpointInfo:
             )
             if meta.get("user") is not None:
                 lines.append(f"user metadata: {meta['user']}")
+            shown = {"epoch", "batch", "epoch_complete", "logs", "user"}
+            rest = {k: v for k, v in meta.items() if k not in shown}
+            if rest:  # versions, layout, save settings: for whoever debugs a resume
+                lines.append(f"metadata: {json.dumps(rest, default=str)}")
         if self.iterator_state is not None:
             lines.append(f"data iterator: {self.iterator_state}")
         return lines

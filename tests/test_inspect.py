@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 
@@ -51,7 +52,9 @@ def test_inspect_orbax_root_step_and_half_written_steps(tmp_path, capsys):
         f"items: {', '.join(info.items)}",
     ]
     assert summary[3].startswith("epoch 1 batch ") and "(epoch complete: True)" in summary[3]
-    assert summary[4:] == ["user metadata: {'note': 'hello'}"]
+    assert summary[4] == "user metadata: {'note': 'hello'}"
+    rest = json.loads(summary[5].removeprefix("metadata: "))
+    assert rest["step"] == 1 and "keras" in rest["versions"] and len(summary) == 6
     assert str(info).splitlines()[1 : 1 + len(summary)] == [f"  {line}" for line in summary]
     # The CLI prints the same lines above its table.
     assert cli.main(["inspect", str(tmp_path)]) == 0
