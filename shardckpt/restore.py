@@ -25,7 +25,7 @@ import jax
 import ml_dtypes
 import numpy as np
 
-from shardckpt import naming, readplan
+from shardckpt import hostmem, naming, readplan
 from shardckpt.errors import (
     CheckpointMismatchError,
     DtypeMismatchError,
@@ -352,21 +352,35 @@ def _run(
     advance: Callable[[int], None],
 ) -> None:
     budget = _Budget(max_inflight)
+    # Replaced host values go back to the OS every quarter budget, so what the
+    # heap keeps of them stays within the budget's scale (see `hostmem`).
+    freed = hostmem.FreedMemory(every=max_inflight // 4)
     # Largest first so the long reads overlap the many small ones.
     order = sorted(jobs, key=lambda j: -reader.spec(j.key).nbytes)
     with concurrent.futures.ThreadPoolExecutor(_WORKERS) as pool:
         futures = [pool.submit(_load_one, job, reader, budget, advance) for job in order]
         try:
             for future in concurrent.futures.as_completed(futures):
-                report.bytes_read += future.result()
+                done, released = future.result()
+                report.bytes_read += done
                 report.arrays += 1
+                freed.add(released)  # trims here, while the workers go on
         except BaseException:
             for f in futures:
                 f.cancel()
             raise
+        finally:
+            freed.flush()
 
 
-def _load_one(job: _Job, reader: Reader, budget: _Budget, advance: Callable[[int], None]) -> int:
+def _load_one(
+    job: _Job, reader: Reader, budget: _Budget, advance: Callable[[int], None]
+) -> tuple[int, int]:
+    """Loads one variable.
+
+    Returns:
+        Bytes read, and host bytes of the value it replaced (now free).
+    """
     spec = reader.spec(job.key)
     shape = tuple(job.variable.shape)
     dtype = np.dtype(job.variable.dtype)
@@ -388,12 +402,12 @@ def _load_one(job: _Job, reader: Reader, budget: _Budget, advance: Callable[[int
             need += count * (spec.dtype.itemsize + (dtype.itemsize if spec.dtype != dtype else 0))
         held = budget.acquire(need)
         try:
-            _place(job, shape, sharding, parts, _read_pieces(job, reader, parts, dtype, spec))
+            released = _place(job, shape, sharding, parts, _read_pieces(job, reader, parts, dtype, spec))
         finally:
             budget.release(held)
         done = count * spec.dtype.itemsize
         advance(done)
-        return done
+        return done, released
     chunk_rows = reader.chunk_rows(job.key) if hasattr(reader, "chunk_rows") else None
     reads = readplan.plan(
         shape,
@@ -435,15 +449,15 @@ def _load_one(job: _Job, reader: Reader, budget: _Budget, advance: Callable[[int
             nbytes = readplan.volume(read.box) * spec.dtype.itemsize
             done += nbytes
             advance(nbytes)
-        _place(job, shape, sharding, parts, buffers)
+        released = _place(job, shape, sharding, parts, buffers)
     finally:
         budget.release(held)
-    return done
+    return done, released
 
 
 def _load_by_chunk(
     job: _Job, reader: Any, parts: list[readplan.Piece], budget: _Budget, advance: Callable[[int], None]
-) -> int:
+) -> tuple[int, int]:
     """Sends each piece that is exactly one stored chunk to its devices as decoded.
 
     For accelerators: the host holds one decoded chunk per variable in flight
@@ -473,10 +487,10 @@ def _load_by_chunk(
             done += nbytes
             advance(nbytes)
         value = jax.make_array_from_single_device_arrays(shape, job.target.sharding, singles)
-        _assign(job.variable, value, job.target)
+        released = hostmem.host_bytes(_assign(job.variable, value, job.target))
     finally:
         budget.release(held)
-    return done
+    return done, released
 
 
 def _pieces_are_extra(job: _Job, on_host: bool) -> bool:
@@ -519,12 +533,15 @@ def _place(
     sharding: jax.sharding.Sharding,
     parts: list[readplan.Piece],
     buffers: list[np.ndarray],
-) -> None:
+) -> int:
     """Puts the pieces on their devices and makes them the variable's value.
 
     Off host, waits until the transfers are done and drops the caller's host
     copies (`buffers` is emptied), so a budget released after this call
     covered them.
+
+    Returns:
+        Host bytes of the value replaced, for `hostmem.FreedMemory`.
     """
     singles = [
         # Only CPU devices adopt host buffers; an accelerator copies anyway.
@@ -533,10 +550,12 @@ def _place(
         for j, device in enumerate(part.devices)
     ]
     value = jax.make_array_from_single_device_arrays(shape, sharding, singles)
-    _assign(job.variable, value, job.target)
+    old = _assign(job.variable, value, job.target)
     if any(d.platform != "cpu" for p in parts for d in p.devices):
         buffers.clear()
         value.block_until_ready()  # the host copies are free after this
+    # `old` is freed as this returns, unless the user still holds the array.
+    return hostmem.host_bytes(old)
 
 
 def _replica(buffer: np.ndarray) -> np.ndarray:
@@ -560,13 +579,15 @@ def _adoptable(data: np.ndarray, dtype: np.dtype) -> bool:
     )
 
 
-def _assign(variable: Any, value: jax.Array, target: TargetLayout) -> None:
+def _assign(variable: Any, value: jax.Array, target: TargetLayout) -> Any:
+    """Makes `value` the variable's value; returns the value it replaced (None if lazy)."""
     # Bypass `Variable.assign`, which would re-place the value on the variable's
     # previous layout; the target layout becomes the variable's layout so that
     # later assigns (optimizer updates) keep it.
     variable._layout = target.keras_layout if target.keras_layout is not None else target.sharding
-    variable._value = value
+    old, variable._value = variable._value, value
     variable._initializer = None  # drops lazy_init's sentinel
+    return old
 
 
 def _initialize(variable: Any, target: TargetLayout) -> None:

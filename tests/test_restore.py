@@ -12,6 +12,7 @@ import pytest
 import safetensors.numpy as stnp
 
 import shardckpt
+from shardckpt import hostmem
 from tests.zoo import build_zoo, randomize, zoo_layout_map
 
 MESHES = {"1x8": (1, 8), "2x4": (2, 4), "8x1": (8, 1)}
@@ -134,6 +135,49 @@ def test_normally_built_model_is_replaced_in_its_sharding(tmp_path):
     shardckpt.load_sharded(model, path)
     _assert_same(model, want, dist)
     assert any(not np.array_equal(before[v.path], np.asarray(v.value)) for v in model.weights)
+
+
+def _rss_anon() -> int:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("RssAnon:"))
+
+
+@pytest.mark.skipif(hostmem._MALLOC_TRIM is None, reason="glibc's malloc_trim is not available")
+def test_normally_built_model_gives_its_old_values_back(tmp_path):
+    """The replaced values' memory goes back to the OS (shardckpt.hostmem): glibc
+    kept freed XLA buffers in its heaps, so the process held the old model too."""
+
+    def build():
+        inputs = keras.Input((1024,))
+        x = inputs
+        for i in range(8):
+            x = keras.layers.Dense(1024 * 4, name=f"up{i}")(x)  # 16 MiB kernels
+            x = keras.layers.Dense(1024, name=f"down{i}")(x)
+        return keras.Model(inputs, x)
+
+    src, _ = _fresh(build)
+    randomize(src, seed=31)
+    path = _write(src, tmp_path, "h5")
+    want = [np.asarray(v.value) for v in src.weights]
+    model_bytes = sum(w.nbytes for w in want)  # 256 MiB, split over the devices
+    del src
+    keras.backend.clear_session()
+    mesh = keras.distribution.DeviceMesh((1, 8), ["data", "model"])
+    layout_map = keras.distribution.LayoutMap(mesh)
+    layout_map["up.*/kernel"] = (None, "model")
+    layout_map["down.*/kernel"] = ("model", None)
+    dist = keras.distribution.ModelParallel(layout_map=layout_map)
+    keras.distribution.set_distribution(dist)
+    model = build()
+    jax.block_until_ready([v.value for v in model.weights])
+    hostmem.trim()  # what the build freed is not the load's
+    before = _rss_anon()
+    shardckpt.load_sharded(model, path)
+    grown = _rss_anon() - before
+    _assert_same(model, want, dist)
+    assert model.weights[0].value.sharding.spec == jax.sharding.PartitionSpec(None, "model")
+    # Without trimming, the process grew by about the whole old model (214 MiB).
+    assert grown < model_bytes // 4, f"anonymous memory grew by {grown / 2**20:.0f} MiB"
 
 
 def test_explicit_layout_map_without_distribution(tmp_path):
