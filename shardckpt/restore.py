@@ -139,7 +139,11 @@ def load_sharded(
         max_inflight_bytes: Most bytes of host memory the load holds at once
             beyond the final state: chunks being decoded, fresh reads and,
             off host, pieces on their way to their devices. A variable needing
-            more is loaded alone. On compressed checkpoints (Orbax) it also
+            more is loaded alone. On a normally built model on CPU devices,
+            the host memory of replaced values is given back to the OS after
+            every quarter of this many bytes (glibc would keep it in its
+            heaps, so the process would end holding the old model too; see
+            `shardckpt.hostmem`). On compressed checkpoints (Orbax) it also
             sets how many chunks are decoded in parallel: a bigger budget
             uses more cores. An accelerator runtime's own host staging of
             transfers comes on top (an H100 load peaked 0.79 GB over its
