@@ -19,7 +19,7 @@ import shardckpt
 from shardckpt import errors
 from shardckpt.converter import _Item, _plan_boxes, convert
 from shardckpt.integrity import read_checksums
-from tests.zoo import build_zoo, randomize, zoo_layout_map
+from tests.zoo import build_zoo, model_parallel, randomize, zoo_layout_map
 
 
 def _source(tmp_path, dtype="float32", seed=0):
@@ -109,13 +109,7 @@ def test_keras_archive_converts_without_a_model_and_keras_reads_it_under_a_distr
     # Keras deserialises the nested subclassed model with other variable paths
     # ("up/kernel") than building it in code ("block/up/kernel"); the output
     # follows the architecture stored in the file, as Keras' load_model does.
-    keras.backend.clear_session()
-    mesh = keras.distribution.DeviceMesh((1, 8), ["data", "model"])
-    layout_map = keras.distribution.LayoutMap(mesh)
-    layout_map["up/kernel"] = (None, "model")
-    layout_map["embed/embeddings"] = ("model", None)
-    dist = keras.distribution.ModelParallel(layout_map=layout_map)
-    keras.distribution.set_distribution(dist)
+    dist = model_parallel({"up/kernel": (None, "model"), "embed/embeddings": ("model", None)})
     model = keras.saving.load_model(src)
     randomize(model, 4)
     model.load_weights(dst)  # Keras reshards with Orbax onto the layout

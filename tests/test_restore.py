@@ -13,7 +13,7 @@ import safetensors.numpy as stnp
 
 import shardckpt
 from shardckpt import hostmem
-from tests.zoo import build_zoo, randomize, zoo_layout_map
+from tests.zoo import build_zoo, model_parallel, randomize, zoo_layout_map
 
 MESHES = {"1x8": (1, 8), "2x4": (2, 4), "8x1": (8, 1)}
 
@@ -161,13 +161,7 @@ def test_normally_built_model_gives_its_old_values_back(tmp_path):
     want = [np.asarray(v.value) for v in src.weights]
     model_bytes = sum(w.nbytes for w in want)  # 256 MiB, split over the devices
     del src
-    keras.backend.clear_session()
-    mesh = keras.distribution.DeviceMesh((1, 8), ["data", "model"])
-    layout_map = keras.distribution.LayoutMap(mesh)
-    layout_map["up.*/kernel"] = (None, "model")
-    layout_map["down.*/kernel"] = ("model", None)
-    dist = keras.distribution.ModelParallel(layout_map=layout_map)
-    keras.distribution.set_distribution(dist)
+    dist = model_parallel({"up.*/kernel": (None, "model"), "down.*/kernel": ("model", None)})
     model = build()
     jax.block_until_ready([v.value for v in model.weights])
     hostmem.trim()  # what the build freed is not the load's
@@ -264,11 +258,8 @@ def test_large_pieces_are_page_aligned_maps_each_device_owns(tmp_path, fmt):
         return keras.Sequential([keras.Input((1024,)), keras.layers.Dense(2048, name="wide")])
 
     def session():
-        keras.backend.clear_session()
-        mesh = keras.distribution.DeviceMesh((4, 2), ["data", "model"])
-        layout_map = keras.distribution.LayoutMap(mesh)
-        layout_map[".*wide/kernel"] = (None, "model")  # two 4 MiB pieces, four replicas each
-        keras.distribution.set_distribution(keras.distribution.ModelParallel(layout_map=layout_map))
+        # Two 4 MiB pieces, four replicas each.
+        model_parallel({".*wide/kernel": (None, "model")}, (4, 2))
 
     keras.backend.clear_session()
     src = build()

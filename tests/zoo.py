@@ -85,3 +85,18 @@ def zoo_layout_map(mesh: keras.distribution.DeviceMesh) -> keras.distribution.La
     lm["int8_table/table"] = ("model", None)
     lm["head/kernel"] = ("data", "model")
     return lm
+
+
+def model_parallel(
+    rules: dict[str, tuple], mesh_shape: tuple[int, int] = (1, 8)
+) -> keras.distribution.ModelParallel:
+    """Clears the Keras session and sets `ModelParallel` with `rules` (LayoutMap
+    key -> axes) on a ("data", "model") mesh; returns the distribution."""
+    keras.backend.clear_session()
+    mesh = keras.distribution.DeviceMesh(mesh_shape, ["data", "model"])
+    layout_map = keras.distribution.LayoutMap(mesh)
+    for key, axes in rules.items():
+        layout_map[key] = axes
+    dist = keras.distribution.ModelParallel(layout_map=layout_map)
+    keras.distribution.set_distribution(dist)
+    return dist
