@@ -10,16 +10,16 @@ memory stayed at 3.1-3.2 GB over the process's start, as after Keras' own
 pieces do not reuse those blocks (buffers of 4 MiB and more are maps of their
 own, see `formats.base.aligned_empty`), so nothing ever would.
 
-`FreedMemory` calls glibc's `malloc_trim` every `every` bytes of replaced
-values: the same load then peaked at 1.94 GB and ended at 1.74-1.76 GB, for
-0.11 s of trimming spread over the worker threads. `malloc_trim` only hands
-back memory that is free; where it does not exist (macOS, musl) nothing is done.
+`load_sharded` counts the host bytes of the values it replaced (`host_bytes`)
+and calls `trim` (glibc's `malloc_trim`) every quarter of its budget: the
+same load then peaked at 1.94 GB and ended at 1.74-1.76 GB, for about 0.1 s
+of trimming while the worker threads went on. `malloc_trim` only hands back
+memory that is free; where it does not exist (macOS, musl) nothing is done.
 """
 
 from __future__ import annotations
 
 import ctypes
-import threading
 from collections.abc import Callable
 
 import jax
@@ -55,45 +55,3 @@ def host_bytes(value: object) -> int:
     if not isinstance(value, jax.Array):
         return 0
     return sum(s.data.nbytes for s in value.addressable_shards if s.device.platform == "cpu")
-
-
-class FreedMemory:
-    """Counts host bytes of replaced values; trims the heap every `every` bytes.
-
-    Thread-safe: the load's worker threads report to one instance.
-
-    Args:
-        every: Bytes of freed values between two trims. Each trim walks the
-            heaps (up to 9 ms with a 1.6 GB model), so it is not run per variable
-            of a model with thousands of small ones.
-    """
-
-    def __init__(self, every: int) -> None:
-        self.every = max(1, every)
-        self.trims = 0
-        self._pending = 0
-        self._lock = threading.Lock()
-
-    def add(self, nbytes: int) -> None:
-        """Reports `nbytes` of values just dropped; trims when enough are pending."""
-        if not nbytes:
-            return
-        with self._lock:
-            self._pending += nbytes
-            due = self._pending >= self.every
-            if due:
-                self._pending = 0
-        if due:
-            self._trim()
-
-    def flush(self) -> None:
-        """Trims once more if any freed bytes were not trimmed yet."""
-        with self._lock:
-            due, self._pending = self._pending > 0, 0
-        if due:
-            self._trim()
-
-    def _trim(self) -> None:
-        if trim():
-            with self._lock:
-                self.trims += 1

@@ -356,9 +356,10 @@ def _run(
     advance: Callable[[int], None],
 ) -> None:
     budget = _Budget(max_inflight)
-    # Replaced host values go back to the OS every quarter budget, so what the
-    # heap keeps of them stays within the budget's scale (see `hostmem`).
-    freed = hostmem.FreedMemory(every=max_inflight // 4)
+    # Host bytes of replaced values not yet given back to the OS; trimmed every
+    # quarter budget, so what the heap keeps of them stays within the budget's
+    # scale (see `hostmem`).
+    freed = 0
     # Largest first so the long reads overlap the many small ones.
     order = sorted(jobs, key=lambda j: -reader.spec(j.key).nbytes)
     with concurrent.futures.ThreadPoolExecutor(_WORKERS) as pool:
@@ -368,13 +369,17 @@ def _run(
                 done, released = future.result()
                 report.bytes_read += done
                 report.arrays += 1
-                freed.add(released)  # trims here, while the workers go on
+                freed += released
+                if freed >= max(1, max_inflight // 4):
+                    hostmem.trim()  # here, while the workers go on
+                    freed = 0
         except BaseException:
             for f in futures:
                 f.cancel()
             raise
         finally:
-            freed.flush()
+            if freed:
+                hostmem.trim()
 
 
 def _load_one(
@@ -545,7 +550,7 @@ def _place(
     covered them.
 
     Returns:
-        Host bytes of the value replaced, for `hostmem.FreedMemory`.
+        Host bytes of the value replaced (`hostmem.host_bytes`), free once this returns.
     """
     singles = [
         # Only CPU devices adopt host buffers; an accelerator copies anyway.

@@ -52,6 +52,8 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 FORMATS = {"h5": "model.weights.h5", "orbax": "orbax", "safetensors": "model.safetensors"}
+# Orbax floor reads: child mode -> result name ("<name>_s" wall, "<name>_cpu_s" CPU seconds).
+FLOORS = {"floor-mapped": "ts_read", "floor-read": "ts_pread"}
 
 
 def _setup_jax(devices: int) -> None:
@@ -179,11 +181,11 @@ def run(args) -> None:
     # Memory every timed section may touch: the state, what a loader holds
     # besides it (Keras: about as much again), and slack.
     warm = int(2.5 * _state_bytes(args)) if args.warm else 0
-    if args.mode in ("floor-mapped", "floor-read"):
+    if args.mode in FLOORS:
         # One read per process: memory the first read freed would be warm for
         # the second one (it made the mapped read 20% faster).
-        key = "ts_read_s" if args.mode == "floor-mapped" else "ts_pread_s"
-        out[key], out[key.replace("_s", "_cpu_s")] = tensorstore_read(
+        name = FLOORS[args.mode]
+        out[f"{name}_s"], out[f"{name}_cpu_s"] = tensorstore_read(
             path, memmap=args.mode == "floor-mapped", warm=warm)
         print("RESULT " + json.dumps(out))
         return
@@ -295,10 +297,10 @@ def main() -> None:
             rows.append((fmt, mode, best))
         if fmt == "orbax":
             floor = {}
-            for mode, key in (("floor-mapped", "ts_read_s"), ("floor-read", "ts_pread_s")):
-                best = min((_child(args, "--_run", mode, fmt) for _ in range(args.repeat)), key=lambda r: r[key])
-                floor[key] = best[key]
-                floor[key.replace("_s", "_cpu_s")] = best[key.replace("_s", "_cpu_s")]
+            for mode, name in FLOORS.items():
+                best = min((_child(args, "--_run", mode, fmt) for _ in range(args.repeat)),
+                           key=lambda r: r[f"{name}_s"])
+                floor.update({k: best[k] for k in (f"{name}_s", f"{name}_cpu_s")})
             for f, mode, r in rows:
                 if f == fmt:
                     r.update(floor)
