@@ -6,7 +6,9 @@ Usage:
     python3 tools/run.py test [pytest args]
 
 Needs only a Python >= 3.11 with the standard `venv` module; everything else is
-installed into `.venv` beside the repository root from `pyproject.toml`.
+installed into `.venv` beside the repository root from `pyproject.toml`: the
+`test` and `hub` extras, and keras-hub itself without its pip requirements
+(they pull TensorFlow, which keras-hub's JAX path does not use).
 """
 
 from __future__ import annotations
@@ -21,8 +23,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 VENV = ROOT / ".venv"
 BIN = VENV / ("Scripts" if os.name == "nt" else "bin")
-# Re-install when pyproject.toml changes; the stamp holds its hash.
+# Re-install when pyproject.toml or this file changes; the stamp holds their hash.
 STAMP = VENV / ".shardckpt-installed"
+# keras-hub is a test dependency and optional for users; see the `hub` extra.
+KERAS_HUB = "keras-hub==0.32.0"
 
 
 def _ensure_venv() -> Path:
@@ -30,14 +34,19 @@ def _ensure_venv() -> Path:
     if not python.exists():
         print(f"[run] creating {VENV}", flush=True)
         venv.EnvBuilder(with_pip=True).create(VENV)
-    want = hashlib.sha256((ROOT / "pyproject.toml").read_bytes()).hexdigest()
+    want = hashlib.sha256(
+        (ROOT / "pyproject.toml").read_bytes() + Path(__file__).read_bytes()
+    ).hexdigest()
     if not STAMP.exists() or STAMP.read_text() != want:
-        print("[run] installing shardckpt[test] into .venv", flush=True)
+        print("[run] installing shardckpt[test,hub] and keras-hub into .venv", flush=True)
         subprocess.check_call(
             [str(python), "-m", "pip", "install", "-q", "--upgrade", "pip"]
         )
         subprocess.check_call(
-            [str(python), "-m", "pip", "install", "-q", "-e", f"{ROOT}[test]"]
+            [str(python), "-m", "pip", "install", "-q", "-e", f"{ROOT}[test,hub]"]
+        )
+        subprocess.check_call(
+            [str(python), "-m", "pip", "install", "-q", "--no-deps", KERAS_HUB]
         )
         STAMP.write_text(want)
     return python
