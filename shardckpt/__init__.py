@@ -17,13 +17,16 @@ import os
 os.environ.setdefault("KERAS_BACKEND", "jax")
 
 from shardckpt import errors  # noqa: E402
-from shardckpt.converter import ConvertReport, convert  # noqa: E402
-from shardckpt.info import CheckpointInfo, inspect  # noqa: E402
-from shardckpt.integrity import VerifyReport, verify  # noqa: E402
-from shardckpt.layout import LayoutPlan, auto_layout  # noqa: E402
-from shardckpt.lazy import lazy_init  # noqa: E402
-from shardckpt.parallel import parallelize  # noqa: E402
-from shardckpt.restore import LoadReport, load_sharded  # noqa: E402
+from shardckpt.convert import (  # noqa: E402
+    CheckpointInfo,
+    ConvertReport,
+    VerifyReport,
+    convert,
+    inspect,
+    verify,
+)
+from shardckpt.layout import LayoutPlan, auto_layout, parallelize  # noqa: E402
+from shardckpt.restore import LoadReport, lazy_init, load_sharded  # noqa: E402
 from shardckpt.training import OrbaxCheckpoint, ResumeInfo, restore_latest  # noqa: E402
 
 __version__ = "0.1.0"

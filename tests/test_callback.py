@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from shardckpt import errors, load_sharded
-from shardckpt.info import inspect
+from shardckpt.convert.info import inspect
 from shardckpt.training import OrbaxCheckpoint, restore_latest
 
 STEPS = 4

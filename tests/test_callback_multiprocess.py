@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from shardckpt import load_sharded
-from shardckpt.info import inspect
+from shardckpt.convert.info import inspect
 from tests._train_worker import build_model
 
 pytestmark = pytest.mark.multiprocess

@@ -17,8 +17,8 @@ import tensorstore as ts
 
 import shardckpt
 from shardckpt import errors
-from shardckpt.converter import _Item, _plan_boxes, convert
-from shardckpt.integrity import read_checksums
+from shardckpt.convert.converter import _Item, _plan_boxes, convert
+from shardckpt.convert.integrity import read_checksums
 from tests.zoo import build_zoo, model_parallel, randomize, zoo_layout_map
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 
-from shardckpt.demo import run_demo
+from shardckpt.cli.demo import run_demo
 
 
 def test_demo_runs_every_step(tmp_path):

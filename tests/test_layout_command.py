@@ -9,7 +9,7 @@ import keras
 import pytest
 
 from shardckpt.errors import CheckpointNotFoundError, LayoutError, ModelRequiredError
-from shardckpt.layout.command import parse_mesh, run_plan
+from shardckpt.cli.plan import parse_mesh, run_plan
 
 TOOLS = os.path.join(os.path.dirname(__file__), "..", "tools")
 

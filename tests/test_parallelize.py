@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 
 import shardckpt
-from shardckpt import parallel
+from shardckpt.layout import parallel
 from shardckpt.errors import LayoutError
-from shardckpt.parallel import parallelize
+from shardckpt.layout.parallel import parallelize
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tools"))
 import bench_layout as models  # noqa: E402

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from shardckpt import readplan
+from shardckpt.restore import readplan
 
 
 def _execute(shape, parts, reads):

@@ -12,7 +12,7 @@ import pytest
 import safetensors.numpy as stnp
 
 import shardckpt
-from shardckpt import hostmem
+from shardckpt.restore import hostmem
 from tests.zoo import build_zoo, model_parallel, randomize, zoo_layout_map
 
 MESHES = {"1x8": (1, 8), "2x4": (2, 4), "8x1": (8, 1)}
@@ -144,7 +144,7 @@ def _rss_anon() -> int:
 
 @pytest.mark.skipif(hostmem._MALLOC_TRIM is None, reason="glibc's malloc_trim is not available")
 def test_normally_built_model_gives_its_old_values_back(tmp_path):
-    """The replaced values' memory goes back to the OS (shardckpt.hostmem): glibc
+    """The replaced values' memory goes back to the OS (shardckpt.restore.hostmem): glibc
     kept freed XLA buffers in its heaps, so the process held the old model too."""
 
     def build():

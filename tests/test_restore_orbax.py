@@ -122,9 +122,9 @@ def test_accelerator_path_sends_whole_chunks_as_decoded(tmp_path):
     stored chunk (a one-device save restored onto one device: the H100 case of
     tools/bench_restore.py). CI has no accelerator, so it runs here on a CPU
     device: same values, same placement."""
-    from shardckpt import readplan, restore
+    from shardckpt.restore import engine as restore, readplan
     from shardckpt.formats import open_reader
-    from shardckpt.layouts import resolve_layout
+    from shardckpt.restore.targets import resolve_layout
 
     _session(None)
     src = build_zoo(rnn=False)

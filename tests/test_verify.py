@@ -13,8 +13,8 @@ import pytest
 import shardckpt
 from shardckpt import errors
 from shardckpt.cli import main
-from shardckpt.converter import convert
-from shardckpt.integrity import read_checksums, verify
+from shardckpt.convert.converter import convert
+from shardckpt.convert.integrity import read_checksums, verify
 from tests.zoo import build_zoo, randomize
 
 

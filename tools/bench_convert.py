@@ -77,7 +77,7 @@ def cell(args: argparse.Namespace, mode: str, option: str) -> dict:
     if mode == "convert":
         dst = os.path.join(args.workdir, f"orbax-{option}")
         shutil.rmtree(dst, ignore_errors=True)
-        from shardckpt.converter import convert
+        from shardckpt.convert.converter import convert
 
         with PeakSampler() as sampler:
             start = time.perf_counter()

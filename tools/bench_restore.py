@@ -151,7 +151,7 @@ def tensorstore_read(path: str, memmap: bool, warm: int) -> tuple[float, float]:
     _setup_jax(8)
     from _memory import warm_memory
     from shardckpt.formats import OrbaxReader
-    from shardckpt.restore import DEFAULT_MAX_INFLIGHT, _chunk_cache_bytes
+    from shardckpt.restore.engine import DEFAULT_MAX_INFLIGHT, _chunk_cache_bytes
 
     reader = OrbaxReader(path, cache_bytes=_chunk_cache_bytes(DEFAULT_MAX_INFLIGHT), memmap=memmap)
     stores = [reader._store(k) for k in reader.keys()]
@@ -174,7 +174,7 @@ def run(args) -> None:
     import numpy as np
 
     import shardckpt
-    from shardckpt import hostmem
+    from shardckpt.restore import hostmem
 
     path = os.path.join(args.workdir, FORMATS[args.format])
     out = {"read_s": plain_read(path)}

@@ -3,7 +3,7 @@
 A reader knows a checkpoint's keys, the shape and dtype of each array, and can
 read any rectangular box of an array into a fresh host buffer. It knows
 nothing about models, devices or shardings: deciding *which* boxes to read is
-the job of `shardckpt.readplan`; reading them is the reader's only job.
+the job of `shardckpt.restore.readplan`; reading them is the reader's only job.
 """
 
 from __future__ import annotations

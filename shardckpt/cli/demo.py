@@ -13,7 +13,7 @@ Steps (each prints what it did, with figures):
    weights and optimizer state equal to the trained model's.
 
 Run it with `shardckpt demo` (the CLI sets the 8 simulated devices before
-JAX starts) or `python -m shardckpt.demo`.
+JAX starts) or `python -m shardckpt.cli.demo`.
 """
 
 from __future__ import annotations
@@ -109,8 +109,8 @@ def _tour(work: str, echo: Callable[[Any], None]) -> int:
     import numpy as np
 
     import shardckpt
-    from shardckpt.converter import convert
-    from shardckpt.integrity import verify
+    from shardckpt.convert.converter import convert
+    from shardckpt.convert.integrity import verify
 
     t_all = time.perf_counter()
     summary: list[tuple[str, float, str]] = []

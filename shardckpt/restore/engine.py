@@ -25,7 +25,8 @@ import jax
 import ml_dtypes
 import numpy as np
 
-from shardckpt import hostmem, naming, readplan
+from shardckpt.restore import hostmem, readplan
+from shardckpt.restore import keys as naming
 from shardckpt.errors import (
     CheckpointMismatchError,
     DtypeMismatchError,
@@ -33,8 +34,8 @@ from shardckpt.errors import (
 )
 from shardckpt.formats import Reader, open_reader
 from shardckpt.formats.base import ALIGNMENT, aligned_empty
-from shardckpt.layouts import TargetLayout, resolve_layout
-from shardckpt.lazy import is_unloaded, original_initializer
+from shardckpt.restore.targets import TargetLayout, resolve_layout
+from shardckpt.restore.lazy import is_unloaded, original_initializer
 from shardckpt.progress import ByteProgress
 
 DEFAULT_MAX_INFLIGHT = 256 * 1024 * 1024
@@ -143,7 +144,7 @@ def load_sharded(
             the host memory of replaced values is given back to the OS after
             every quarter of this many bytes (glibc would keep it in its
             heaps, so the process would end holding the old model too; see
-            `shardckpt.hostmem`). On compressed checkpoints (Orbax) it also
+            `shardckpt.restore.hostmem`). On compressed checkpoints (Orbax) it also
             sets how many chunks are decoded in parallel: a bigger budget
             uses more cores. An accelerator runtime's own host staging of
             transfers comes on top (an H100 load peaked 0.79 GB over its

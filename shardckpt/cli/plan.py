@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import sys
 
-from shardckpt.architecture import load_architecture
+from shardckpt.convert.architecture import load_architecture
 from shardckpt.errors import LayoutError
 
 

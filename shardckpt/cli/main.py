@@ -114,8 +114,8 @@ def _one_line(error: BaseException) -> str:
 
 
 def _convert(args: argparse.Namespace) -> int:
-    from shardckpt.architecture import load_architecture
-    from shardckpt.converter import DEFAULT_COMPRESSION, convert
+    from shardckpt.convert.architecture import load_architecture
+    from shardckpt.convert.converter import DEFAULT_COMPRESSION, convert
 
     model = load_architecture(args.model) if args.model else None
     mesh = tuple(int(p) for p in args.mesh.lower().split("x")) if args.mesh else None
@@ -135,8 +135,8 @@ def _convert(args: argparse.Namespace) -> int:
 
 
 def _inspect(args: argparse.Namespace) -> int:
-    from shardckpt.info import inspect
-    from shardckpt.integrity import read_checksums
+    from shardckpt.convert.info import inspect
+    from shardckpt.convert.integrity import read_checksums
 
     info = inspect(args.path)
     checksums = (read_checksums(info.path) if info.format == "orbax" else None) or {}
@@ -176,7 +176,7 @@ def _print_info(info: Any, checksums: dict[str, dict[str, Any]]) -> None:
 
 def _verify(args: argparse.Namespace) -> int:
     from shardckpt.formats import open_reader
-    from shardckpt.integrity import verify
+    from shardckpt.convert.integrity import verify
     from shardckpt.progress import ByteProgress
 
     reader = open_reader(args.path)  # errors here are whole-checkpoint damage: one line, exit 1
@@ -195,13 +195,13 @@ def _verify(args: argparse.Namespace) -> int:
 
 
 def _plan(args: argparse.Namespace) -> int:
-    from shardckpt.layout.command import run_plan
+    from shardckpt.cli.plan import run_plan
 
     return run_plan(args.model, args.mesh, args.optimizer)
 
 
 def _demo(args: argparse.Namespace) -> int:
-    from shardckpt.demo import run_demo
+    from shardckpt.cli.demo import run_demo
 
     return run_demo(workdir=args.workdir)
 

@@ -2,7 +2,7 @@
 
 Data path: source reader (memory-mapped h5 / safetensors) -> C-order pieces
 of at most a quarter of `max_inflight_bytes` -> cast (optional) and CRC-32 ->
-TensorStore transaction -> one OCDBT commit per batch (`shardckpt.writer`).
+TensorStore transaction -> one OCDBT commit per batch (`shardckpt.formats.orbax.writer`).
 At most two batches are alive (one being filled, one committing), and
 TensorStore may hold an encoded copy of a committing batch, so array data in
 memory stays within `max_inflight_bytes`. No array is ever whole in memory
@@ -17,7 +17,7 @@ weights-only state tree `{"trainable_variables": {...}, "non_trainable_variables
 Which source key is which variable (and whether it is trainable) is not in
 a `.weights.h5` or safetensors file; it comes from the model's architecture:
 the `.keras` file's own config, or `model=`. Keys are matched with
-`shardckpt.naming`, the same code `load_sharded` uses.
+`shardckpt.restore.keys`, the same code `load_sharded` uses.
 
 Chunking: each array is written in outer chunks (Orbax's "write shape") no
 larger than a piece and no larger than its shard under `layout`/`mesh` when
@@ -40,8 +40,9 @@ from typing import Any
 
 import numpy as np
 
-from shardckpt import integrity, naming
-from shardckpt.architecture import load_architecture
+from shardckpt.convert import integrity
+from shardckpt.restore import keys as naming
+from shardckpt.convert.architecture import load_architecture
 from shardckpt.errors import (
     CheckpointMismatchError,
     DestinationExistsError,
@@ -52,7 +53,7 @@ from shardckpt.errors import (
 from shardckpt.formats import open_reader
 from shardckpt.formats.base import Box, Reader
 from shardckpt.progress import ByteProgress
-from shardckpt.writer import COMPRESSIONS, OrbaxStepWriter
+from shardckpt.formats.orbax.writer import COMPRESSIONS, OrbaxStepWriter
 
 DEFAULT_MAX_INFLIGHT = 256 * 1024 * 1024
 DEFAULT_COMPRESSION = "none"
@@ -265,7 +266,7 @@ def _shard_fn(model: Any, layout: Any, mesh: Any) -> Any:
         from shardckpt.layout.auto import auto_layout
 
         layout = auto_layout(model, mesh)
-    from shardckpt.layouts import resolve_layout
+    from shardckpt.restore.targets import resolve_layout
 
     target = resolve_layout(layout)
     return lambda variable: tuple(target(variable).sharding.shard_shape(tuple(variable.shape)))
@@ -324,7 +325,7 @@ def _match(reader: Reader, model: Any, report: ConvertReport, target: np.dtype |
 
 
 def _initial_value(variable: Any) -> np.ndarray:
-    from shardckpt.lazy import is_unloaded, original_initializer
+    from shardckpt.restore.lazy import is_unloaded, original_initializer
 
     if is_unloaded(variable):
         value = original_initializer(variable)(tuple(variable.shape), variable.dtype)

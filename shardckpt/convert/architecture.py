@@ -15,7 +15,7 @@ import zipfile
 from typing import Any
 
 from shardckpt.errors import CheckpointNotFoundError, CorruptCheckpointError, ModelRequiredError
-from shardckpt.lazy import lazy_init
+from shardckpt.restore.lazy import lazy_init
 
 
 def load_architecture(spec: str) -> Any:

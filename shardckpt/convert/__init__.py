@@ -1,0 +1,11 @@
+"""Files: `convert` to Orbax, `verify` checksums (`integrity`), `inspect` a checkpoint (`info`).
+
+`architecture` builds a model from `--model package.module:fn` or a `.keras`
+file for the formats that do not name their variables' roles.
+"""
+
+from shardckpt.convert.converter import ConvertReport, convert
+from shardckpt.convert.info import CheckpointInfo, inspect
+from shardckpt.convert.integrity import VerifyReport, verify
+
+__all__ = ["CheckpointInfo", "ConvertReport", "VerifyReport", "convert", "inspect", "verify"]

@@ -1,0 +1,13 @@
+"""Restore: `load_sharded(model, path)` and `lazy_init()`.
+
+The pipeline, one module per step: `keys` (Keras variable <-> checkpoint key),
+`targets` (the sharding each variable gets), `readplan` (which boxes each
+device needs, pure), `engine` (per-device reads -> `jax.Array` -> variable),
+`hostmem` (giving replaced values back to the OS) and `lazy` (building a model
+with no initializer run).
+"""
+
+from shardckpt.restore.engine import LoadReport, load_sharded
+from shardckpt.restore.lazy import lazy_init
+
+__all__ = ["LoadReport", "lazy_init", "load_sharded"]
