@@ -22,6 +22,8 @@ from typing import Any
 
 os.environ.setdefault("KERAS_BACKEND", "jax")
 
+from shardckpt.budget import DEFAULT_MAX_INFLIGHT_BYTES  # noqa: E402
+
 _DEVICE_FLAG = "--xla_force_host_platform_device_count"
 
 
@@ -46,7 +48,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--mesh", help="align chunks to the auto layout on this mesh, e.g. 1x8")
     p.add_argument("--dtype", help="cast floating-point arrays, e.g. bfloat16")
     p.add_argument("--compression", choices=("none", "zstd"), default=None, help="chunk compression (default: none)")
-    p.add_argument("--max-inflight-mb", type=_positive_int, default=256, help="array data in memory at once (MiB)")
+    p.add_argument("--max-inflight-mb", type=_positive_int, default=DEFAULT_MAX_INFLIGHT_BYTES // 2**20,
+                   help="array data in memory at once (MiB)")
     p.add_argument("--force", action="store_true", help="replace DST if it exists")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
 

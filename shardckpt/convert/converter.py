@@ -40,6 +40,8 @@ from typing import Any
 
 import numpy as np
 
+from shardckpt import dtypes, state
+from shardckpt.budget import DEFAULT_MAX_INFLIGHT_BYTES
 from shardckpt.convert import integrity
 from shardckpt.restore import keys as naming
 from shardckpt.convert.architecture import load_architecture
@@ -51,11 +53,10 @@ from shardckpt.errors import (
     UnknownFormatError,
 )
 from shardckpt.formats import open_reader
-from shardckpt.formats.base import Box, Reader
+from shardckpt.formats.base import Box, MappedReader, Reader
 from shardckpt.progress import ByteProgress
 from shardckpt.formats.orbax.writer import COMPRESSIONS, OrbaxStepWriter
 
-DEFAULT_MAX_INFLIGHT = 256 * 1024 * 1024
 DEFAULT_COMPRESSION = "none"
 """No compression, from tools/bench_convert.py --repeat 3 (1.6 GB float32, 2
 cores): zstd saved 7.6% on disk (1.49 vs 1.61 GB) but made converting 1.6x
@@ -64,7 +65,6 @@ slower (3.72 vs 2.27 s) and the sharded restore of the result 1.4x slower
 CHUNK_BYTES = 1024 * 1024
 """Inner (read) chunk target: Orbax's subchunking warns below 1 MiB; smaller
 shards of a resharded restore are the rest of a read, not a full array."""
-WEIGHT_COLLECTIONS = ("trainable_variables", "non_trainable_variables")
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -137,7 +137,7 @@ def convert(
     mesh: Any = None,
     dtype: Any = None,
     compression: str = DEFAULT_COMPRESSION,
-    max_inflight_bytes: int = DEFAULT_MAX_INFLIGHT,
+    max_inflight_bytes: int = DEFAULT_MAX_INFLIGHT_BYTES,
     force: bool = False,
     progress: bool | None = None,
 ) -> ConvertReport:
@@ -200,7 +200,7 @@ def convert(
             f"{dst!r} already exists. Fix: choose another destination, remove it, or pass "
             "force=True (--force) to replace it once the new checkpoint is complete."
         )
-    target_dtype = _float_dtype(dtype)
+    target_dtype = dtypes.float_dtype(dtype)
     reader = open_reader(src)
     try:
         if reader.format == "orbax":
@@ -232,32 +232,6 @@ def _model_for(src: str, fmt: str) -> Any:
     )
 
 
-def _float_dtype(dtype: Any) -> np.dtype | None:
-    if dtype is None:
-        return None
-    import ml_dtypes  # noqa: F401  (registers bfloat16 etc. with numpy)
-    from keras import backend
-
-    try:
-        resolved = np.dtype(backend.standardize_dtype(dtype) if isinstance(dtype, str) else dtype)
-    except (TypeError, ValueError) as e:
-        raise DtypeMismatchError(f"Unknown dtype. Fix: use e.g. bfloat16 or float16. Received: dtype={dtype!r}") from e
-    if not _is_float(resolved):
-        raise DtypeMismatchError(
-            "dtype= casts floating-point arrays and must be a floating-point dtype (e.g. "
-            f"bfloat16, float16, float32). Received: dtype={dtype!r}"
-        )
-    return resolved
-
-
-def _is_float(dtype: np.dtype) -> bool:
-    import ml_dtypes
-
-    return np.issubdtype(dtype, np.floating) or dtype in (
-        np.dtype(ml_dtypes.bfloat16), np.dtype(ml_dtypes.float8_e4m3fn), np.dtype(ml_dtypes.float8_e5m2)
-    )
-
-
 def _shard_fn(model: Any, layout: Any, mesh: Any) -> Any:
     """Returns `variable -> shard shape`, or None when no layout was asked for."""
     if layout is None and mesh is None:
@@ -277,7 +251,7 @@ def _match(reader: Reader, model: Any, report: ConvertReport, target: np.dtype |
     state = {}
     for key, variable in naming.state_keys(model).items():
         collection = key.split("/", 1)[0]
-        if collection in WEIGHT_COLLECTIONS:
+        if collection in state.WEIGHT_COLLECTIONS:
             state.setdefault(id(variable), key)
     items: list[_Item] = []
     unexpected: list[str] = []
@@ -300,7 +274,7 @@ def _match(reader: Reader, model: Any, report: ConvertReport, target: np.dtype |
             continue
         seen.add(id(variable))
         stored = np.dtype(spec.dtype)
-        out = target if target is not None and _is_float(stored) else stored
+        out = target if target is not None and dtypes.is_float(stored) else stored
         shard = shard_of(variable) if shard_of is not None else tuple(spec.shape)
         items.append(_Item(key, state[id(variable)], tuple(spec.shape), stored, out, shard))
     in_format = {id(v) for v in by_key.values()}
@@ -388,7 +362,7 @@ def _stream(
     # Two batches alive at most (one filling, one committing), each possibly
     # held twice by TensorStore while it encodes: a quarter each.
     batch_bytes = max(1, max_inflight // 4)
-    view = getattr(reader, "view", None)
+    fetch = reader.view if isinstance(reader, MappedReader) else reader.read  # no copy where mapped
     total = sum(int(np.prod(i.shape, dtype=np.int64)) * i.stored.itemsize for i in items if i.value is None)
     crcs: dict[str, int] = {}
     show = sys.stderr.isatty() if progress is None else progress
@@ -413,10 +387,8 @@ def _stream(
             for box in boxes:
                 if item.value is not None:
                     piece = item.value[box] if box else item.value
-                elif view is not None:
-                    piece = view(item.src_key, box)
                 else:
-                    piece = reader.read(item.src_key, box)
+                    piece = fetch(item.src_key, box)
                 if item.target != item.stored:
                     piece = piece.astype(item.target)
                 if staged and staged + piece.nbytes > batch_bytes:

@@ -32,12 +32,13 @@ from etils import epath
 from orbax.checkpoint import type_handlers
 import orbax.checkpoint.experimental.v1 as ocp
 
+from shardckpt.budget import CHUNK_CACHE_BYTES
 from shardckpt.errors import (
     CheckpointNotFoundError,
     CorruptCheckpointError,
     IncompleteCheckpointError,
 )
-from shardckpt.formats.base import ArraySpec, Box
+from shardckpt.formats.base import ArraySpec, Box, ChunkedReader
 
 _TMP_MARK = ".orbax-checkpoint-tmp"
 _STEP_METADATA = "_CHECKPOINT_METADATA"
@@ -113,7 +114,7 @@ def _tree_dir(step: str) -> str:
     return tree
 
 
-class OrbaxReader:
+class OrbaxReader(ChunkedReader):
     """Reader for one step of an Orbax checkpoint.
 
     Args:
@@ -130,12 +131,9 @@ class OrbaxReader:
     format = "orbax"
 
     def __init__(
-        self, path: str, *, cache_bytes: int = 256 * 1024 * 1024, memmap: bool = True
+        self, path: str, *, cache_bytes: int = CHUNK_CACHE_BYTES, memmap: bool = True
     ) -> None:
-        self.root = os.fspath(path)
-        self.cache_bytes = cache_bytes
-        self.path = resolve_step(self.root)
-        self.step_dir = self.path
+        self.path = resolve_step(os.fspath(path))
         self.tree_dir = _tree_dir(self.path)
         try:
             tree = ocp.metadata(self.path, checkpointable_name=os.path.basename(self.tree_dir))
@@ -232,7 +230,6 @@ class OrbaxReader:
         return self._specs[key]
 
     def chunk_rows(self, key: str) -> int | None:
-        """Rows of one stored chunk along axis 0 (reads align to them)."""
         spec = self._specs[key]
         if not spec.shape:
             return None
@@ -240,7 +237,6 @@ class OrbaxReader:
         return int(chunk[0]) if chunk and chunk[0] else None
 
     def chunk_bytes(self, key: str) -> int:
-        """Decoded bytes of one stored chunk of `key`."""
         spec = self._specs[key]
         if not spec.shape:
             return spec.dtype.itemsize
@@ -248,11 +244,7 @@ class OrbaxReader:
         return int(np.prod([c or n for c, n in zip(chunk, spec.shape)])) * spec.dtype.itemsize
 
     def is_chunk(self, key: str, box: Box) -> bool:
-        """True when `box` is exactly one stored chunk of `key`.
-
-        `read` of such a box hands back tensorstore's decoded chunk itself,
-        with no copy into a second buffer.
-        """
+        # `read` of such a box hands back tensorstore's decoded chunk itself.
         spec = self._specs[key]
         if not spec.shape:
             return True
@@ -264,7 +256,6 @@ class OrbaxReader:
         return True
 
     def read_pieces(self, key: str, boxes: list[Box], outs: list[np.ndarray]) -> None:
-        """Fills `outs[i]` with `boxes[i]` of `key`, all pieces read concurrently."""
         store = self._store(key)
         # One batch: the pieces' reads of a shared chunk join one decode. Issued
         # one by one, late pieces often found the chunk already evicted from
