@@ -61,7 +61,6 @@ def test_replicas_are_read_once():
 
 
 def test_scattered_pieces_are_read_per_piece():
-    shape = (8, 4)
     parts = [readplan.Piece((slice(0, 2), slice(0, 4)), ("a",)), readplan.Piece((slice(6, 8), slice(0, 4)), ("b",))]
     reads = readplan.plan(4, parts, budget=10**9)
     assert [r.box for r in reads] == [parts[0].box, parts[1].box]
@@ -83,7 +82,6 @@ def test_scalar():
 
 
 def test_per_piece_mode_finishes_pieces_in_order():
-    shape = (8, 8)
     parts = [readplan.Piece((slice(0, 8), slice(4 * i, 4 * i + 4)), (i,)) for i in range(2)]
     reads = readplan.plan(4, parts, budget=10**9, per_piece=True)
     assert [c.piece for r in reads for c in r.copies] == [0, 1]

@@ -25,10 +25,7 @@ import numpy as np
 
 from shardckpt import _keras, dtypes
 from shardckpt.budget import DEFAULT_MAX_INFLIGHT_BYTES, chunk_cache_bytes
-from shardckpt.errors import (
-    CheckpointMismatchError,
-    IndivisibleLayoutError,
-)
+from shardckpt.errors import IndivisibleLayoutError
 from shardckpt.formats import Reader, open_reader
 from shardckpt.progress import ByteProgress
 from shardckpt.restore import hostmem
@@ -182,59 +179,22 @@ def match_jobs(
     layout_of: Callable[[Any], TargetLayout],
 ) -> tuple[list[Job], list[tuple[Any, TargetLayout]]]:
     """Pairs keys with variables and checks everything before any I/O."""
-    wanted = naming.keys_for(model, reader.format)
-    stored = set(reader.keys())
-    collections_stored = {k.split("/", 1)[0] for k in stored}
+    found = naming.match(naming.keys_for(model, reader.format), reader)
+    report.missing = found.missing_lines()
+    report.unexpected = found.unexpected
+    report.skipped = found.skipped
     jobs: list[Job] = []
-    seen: set[int] = set()
-    mismatched: list[str] = []
-    missing_vars: list[Any] = []
-    for key, variable in wanted.items():
-        if not naming.is_variable(variable):
-            mismatched.append(
-                f"{key}: the layer saves a computed value here (quantized or LoRA "
-                "layer), which load_sharded cannot place; load it with "
-                "model.load_weights"
-            )
-            continue
-        if key not in stored:
-            optional = naming.is_optional_key(key)
-            if optional and key.split("/", 1)[0] not in collections_stored:
-                continue  # e.g. a weights-only checkpoint: optimizer keeps its state
-            if id(variable) not in seen:
-                missing_vars.append(variable)
-                report.missing.append(f"{variable.path} (key {key!r})")
-            continue
-        stored.discard(key)
-        if id(variable) in seen:
-            continue  # a shared variable saved under two keys: load it once
-        seen.add(id(variable))
-        spec = reader.spec(key)
-        if tuple(spec.shape) != tuple(variable.shape):
-            mismatched.append(
-                f"{variable.path}: checkpoint {key!r} has shape {tuple(spec.shape)}, "
-                f"the variable {tuple(variable.shape)}"
-            )
-            continue
-        target_dtype = np.dtype(variable.dtype)
-        dtypes.check_cast(variable.path, key, spec.dtype, target_dtype)
-        if spec.dtype != target_dtype:
-            report.casts.append(f"{variable.path}: {spec.dtype} -> {target_dtype}")
+    # Dtype and layout problems are raised first, as they are found.
+    for key, variable in found.pairs:
+        stored, target_dtype = reader.spec(key).dtype, np.dtype(variable.dtype)
+        dtypes.check_cast(variable.path, key, stored, target_dtype)
+        if stored != target_dtype:
+            report.casts.append(f"{variable.path}: {stored} -> {target_dtype}")
         target = layout_of(variable)
         _check_divisible(variable, target)
         jobs.append(Job(key, variable, target))
-    for key in sorted(stored):
-        if naming.is_optional_key(key) and not any(k.startswith(key.split("/", 1)[0] + "/") for k in wanted):
-            report.skipped.append(key)
-        else:
-            report.unexpected.append(key)
-    if mismatched or (strict and (report.missing or report.unexpected)):
-        raise CheckpointMismatchError(
-            reader.path,
-            missing=report.missing if strict else (),
-            unexpected=report.unexpected if strict else (),
-            mismatched=mismatched,
-        )
+    found.raise_if_mismatched(reader.path, strict=strict)
+    missing_vars = [variable for _, variable in found.missing]
     to_init = [(v, layout_of(v)) for v in missing_vars if is_unloaded(v)]
     for variable, target in to_init:
         _check_divisible(variable, target)
