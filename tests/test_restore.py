@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import mmap
+import os
 
 import jax
 import keras
@@ -216,13 +217,20 @@ def test_strict_false_initialises_missing_variables_in_their_sharding(tmp_path):
     assert np.asarray(kernel.value).std() > 0  # glorot_uniform ran, not zeros
 
 
-def test_progress_bar_runs(tmp_path, capsys):
+def test_progress_bar_runs(tmp_path, capsys, monkeypatch):
     src, _ = _fresh(build_zoo)
     path = _write(src, tmp_path, "h5")
     model, _ = _fresh(build_zoo, MESHES["1x8"], lazy=True)
+    monkeypatch.setenv("FORCE_COLOR", "1")  # rich draws on captured stderr as on a terminal
     report = shardckpt.load_sharded(model, path, progress=True)
     assert report.bytes_read == sum(int(np.asarray(v.value).nbytes) for v in model.weights)
     assert "Loaded" in str(report)
+    err = capsys.readouterr().err
+    assert f"loading {os.path.basename(path)}" in err
+    # Without progress=True (and stderr not a terminal) nothing is drawn.
+    model, _ = _fresh(build_zoo, MESHES["1x8"], lazy=True)
+    shardckpt.load_sharded(model, path)
+    assert capsys.readouterr().err == ""
 
 
 @pytest.mark.parametrize("mesh", ["2x4", None], ids=["2x4", "one_device"])

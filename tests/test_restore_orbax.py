@@ -122,9 +122,9 @@ def test_accelerator_path_sends_whole_chunks_as_decoded(tmp_path):
     stored chunk (a one-device save restored onto one device: the H100 case of
     tools/bench_restore.py). CI has no accelerator, so it runs here on a CPU
     device: same values, same placement."""
+    from shardckpt.budget import DEFAULT_MAX_INFLIGHT_BYTES
     from shardckpt.formats import open_reader
     from shardckpt.restore import engine, strategies
-    from shardckpt.budget import DEFAULT_MAX_INFLIGHT_BYTES
     from shardckpt.restore.targets import resolve_layout
 
     _session(None)

@@ -341,7 +341,6 @@ def _keras_hub_rows(mesh_shape):
         import keras_hub  # noqa: F401
     except ImportError:
         return []
-    from shardckpt.layout import auto_layout
 
     rows = []
     cases = {
