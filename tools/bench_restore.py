@@ -163,6 +163,7 @@ def run(args) -> None:
 
     import shardckpt
     from shardckpt.restore import hostmem
+    from shardckpt.restore.lazy import is_unloaded
 
     path = os.path.join(args.workdir, FORMATS[args.format])
     out = {"read_s": plain_read(path)}
@@ -192,7 +193,7 @@ def run(args) -> None:
             # for every loader: Keras' build allocates on it. On an H100 it
             # had made the lazy load 1-2 s slower than the built one.
             jax.block_until_ready(jax.device_put(np.zeros(1, np.float32), jax.devices()[0]))
-        jax.block_until_ready([v.value for v in model.weights if v._value is not None])
+        jax.block_until_ready([v.value for v in model.weights if not is_unloaded(v)])
         out["build_s"] = time.perf_counter() - start
     # glibc keeps what the build freed (random init's temporaries: 0.4 GB of
     # the 1.6 GB model); hand it back first so no loader's peak counts it.
