@@ -8,7 +8,7 @@
   transposes, the batch and free dimensions of a matmul);
 - `CONTRACTED`: the op sums over the split dimension (a matmul or
   convolution contraction, an embedding lookup over a split vocabulary, a
-  `reduce_sum` that is the split tensor's only use):
+  sum of a matmul's product that nothing else reads):
   each device holds a partial result, and one all-reduce completes it;
 - `LOST`: anything else (a reduction such as a normalization's mean, a
   reshape that scatters the split, an op this module does not know): the
@@ -131,15 +131,41 @@ def _reshape(op: Op, pos: int, dim: int) -> Kept | _Marker:
 def _reduce(op: Op, pos: int, dim: int) -> Kept | _Marker:
     axes = op.params.get("axes", ())
     if dim in axes:
-        if op.name == "reduce_sum" and len(op.inputs[pos].consumers) == 1:
-            # A sum that is the only use of the split tensor combines partial
-            # results (a mixture of experts summing its experts' weighted
-            # outputs): each device sums its part, one all-reduce completes
-            # it, as for a contraction. A tensor also used elsewhere (a
-            # normalization's input, needed whole after its mean) is lost.
+        if op.name == "reduce_sum" and _sole_product_of_contraction(op.inputs[pos]):
+            # A sum over the split dimension of a matmul's product that
+            # nothing else reads combines partial results (a mixture of
+            # experts summing its experts' weighted outputs): each device
+            # sums its part and one all-reduce completes it, as for a
+            # contraction.
             return CONTRACTED
         return LOST
     return Kept(tuple((out, dim - sum(1 for a in axes if a < dim)) for out in op.outputs))
+
+
+# How far back `_sole_product_of_contraction` looks through element-wise ops.
+_SUM_LOOKBACK = 6
+
+
+def _sole_product_of_contraction(value: Value, depth: int = _SUM_LOOKBACK) -> bool:
+    """Whether `value` is a matmul's output, possibly weighted element-wise, used only here.
+
+    A normalization sums a tensor that is also used whole (`x - mean(x)`,
+    `x * rsqrt(mean(x * x))`; softmax's `exp(x) / sum(exp(x))`): summing it
+    split would not spare gathering it. Each tensor on the way back to the
+    matmul must therefore have this one use.
+    """
+    if len(value.consumers) != 1 or value.producer is None or depth == 0:
+        return False
+    op = value.producer
+    if op.name == "dot_general":
+        return True
+    if not (is_elementwise(op) or op.name in ("transpose", "reshape", "broadcast_in_dim")):
+        return False
+    return any(
+        v.shape == value.shape and _sole_product_of_contraction(v, depth - 1)
+        for v in op.inputs
+        if len(v.shape) == len(value.shape)
+    )
 
 
 def _scan(op: Op, pos: int, dim: int) -> Kept | _Marker:

@@ -35,12 +35,15 @@ class Value:
             value, else None.
         is_output: It is one of the model's outputs.
         consumers: `(op, operand position)` for every use.
+        producer: The operation that computes it (None for inputs,
+            variables and constants).
     """
 
     shape: tuple[int, ...]
     param: int | None = None
     is_output: bool = False
     consumers: list[tuple[Op, int]] = dataclasses.field(default_factory=list)
+    producer: Op | None = None
 
 
 @dataclasses.dataclass(eq=False)
@@ -186,4 +189,7 @@ def _inline(jaxpr: Any, env: dict, ops: list[Op]) -> None:
         outputs = [Value(tuple(getattr(o.aval, "shape", ()))) for o in eqn.outvars]
         for outer, value in zip(eqn.outvars, outputs):
             env[outer] = value
-        ops.append(Op(eqn.primitive.name, inputs, outputs, dict(eqn.params)))
+        op = Op(eqn.primitive.name, inputs, outputs, dict(eqn.params))
+        for value in outputs:
+            value.producer = op
+        ops.append(op)
