@@ -26,7 +26,7 @@ from shardckpt.parallel import parallelize
 pytest.importorskip("keras_hub")
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tools"))
-import bench_layout as B  # noqa: E402
+import bench_layout as B  # noqa: E402  (tools/ is put on the path just above)
 
 M = "model"
 # Backbones whose key/value heads (2, or 1) the 8-way axis does not divide.
@@ -85,7 +85,7 @@ def test_backbone_plan_split_cheap_and_exact(name):
         for v, arr in zip(model.trainable_variables + model.non_trainable_variables, tv + ntv):
             assert arr.sharding == NamedSharding(plan.mesh.backend_mesh, PartitionSpec(*plan[v.path].axes)), v.path
         assert _max_device_bytes(tv + ntv) == plan.bytes_per_device()
-        forward = jax.jit(lambda a, b, x: model.stateless_call(a, b, x)[0])
+        forward = jax.jit(lambda a, b, x, model=model: model.stateless_call(a, b, x)[0])
         counts.append(B.count_collectives(forward.lower(tv, ntv, xs).compile().as_text()))
         # BERT-like backbones return a dict (sequence and pooled output).
         for got, want in zip(keras.tree.flatten(forward(tv, ntv, xs)), keras.tree.flatten(model(xs))):
@@ -192,9 +192,19 @@ def test_non_jax_backend_fails_loudly_at_import():
     root = os.path.join(os.path.dirname(__file__), "..")
     env = {**os.environ, "KERAS_BACKEND": "numpy", "PYTHONPATH": os.path.abspath(root)}
     proc = subprocess.run(
-        [sys.executable, "-c", "import shardckpt"], env=env, capture_output=True, text=True, timeout=120
+        [sys.executable, "-c", "import shardckpt"], env=env, capture_output=True, text=True, timeout=120, check=False
     )
     assert proc.returncode != 0
     last = proc.stderr.strip().splitlines()[-1]
     assert last.startswith("shardckpt.errors.BackendError:"), proc.stderr[-2000:]
     assert "'numpy'" in last and "KERAS_BACKEND=jax" in last
+
+
+def test_bench_layout_smoke_runs_both_plans(capsys):
+    """tools/bench_layout.py --smoke: shardckpt and keras-hub's own map side by side."""
+    assert B.main(["--smoke", "--models", "hub"]) == 0
+    out = capsys.readouterr().out
+    rows = [line for line in out.splitlines() if line.startswith("│")]
+    assert any("Llama" in r and "shardckpt.auto_layout" in r for r in rows)
+    assert any("Llama" in r and "keras-hub get_layout_map" in r for r in rows)
+    assert any("GPT-2" in r and "none in keras-hub" in r for r in rows)

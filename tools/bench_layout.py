@@ -462,7 +462,7 @@ def hub_rows(mesh_shape, names, hidden: int):
             try:
                 rows.append((name, label, measure(build, sharding, hub_inputs)))
             except Exception as err:  # a map that cannot place the model is a result, reported as such
-                rows.append((name, label, f"{type(err).__name__}: {str(err)[:80]}"))
+                rows.append((name, label, f"{type(err).__name__}: {str(err).splitlines()[0][:40]}"))
         if len(plans) == 1:
             rows.append((name, "keras-hub get_layout_map", "none in keras-hub"))
     return rows

@@ -16,6 +16,8 @@ split, by the Megatron pairing:
   result is a partial sum and XLA adds one all-reduce;
 - one whose input is split along a batch dimension of the einsum (the
   expert dimension of a mixture of experts) splits the weight along it;
+  the sum of the experts' weighted outputs then ends the split like a
+  contraction (one all-reduce), so expert weights are split over experts;
 - an embedding lookup splits its table over the vocabulary (a masked
   lookup plus one all-reduce), and a head that reuses the table then
   computes logits split over the vocabulary;
