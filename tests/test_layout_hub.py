@@ -87,8 +87,12 @@ def test_backbone_plan_split_cheap_and_exact(name):
         assert _max_device_bytes(tv + ntv) == plan.bytes_per_device()
         forward = jax.jit(lambda a, b, x, model=model: model.stateless_call(a, b, x)[0])
         counts.append(B.count_collectives(forward.lower(tv, ntv, xs).compile().as_text()))
-        # BERT-like backbones return a dict (sequence and pooled output).
-        for got, want in zip(keras.tree.flatten(forward(tv, ntv, xs)), keras.tree.flatten(model(xs))):
+        # The same program on one device is the reference (eager execution
+        # rounds differently: DeBERTa's log-bucketed relative positions
+        # differ from jit by 2e-3 on one device already). BERT-like
+        # backbones return a dict (sequence and pooled output).
+        one = forward([v.value for v in model.trainable_variables], [v.value for v in model.non_trainable_variables], xs)
+        for got, want in zip(keras.tree.flatten(forward(tv, ntv, xs)), keras.tree.flatten(one)):
             got, want = np.asarray(got), np.asarray(want)
             assert np.max(np.abs(got - want)) <= 1e-5 * np.max(np.abs(want))
     assert plan.sharded_fraction() >= 0.90, plan.sharded_fraction()

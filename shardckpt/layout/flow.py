@@ -215,7 +215,20 @@ def _conv(op: Op, pos: int, dim: int) -> Kept | _Marker:
 
 def _gather(op: Op, pos: int, dim: int) -> Kept | _Marker:
     numbers = op.params["dimension_numbers"]
-    if pos != 0 or numbers.operand_batching_dims:
+    if pos != 0:
+        return LOST
+    if dim in numbers.operand_batching_dims:
+        # `take_along_axis` (a batched gather): the operand's batching dim is
+        # matched with one of the indices' dims, which lands on the output
+        # where the indices' dims go (output dims that are not offset dims;
+        # the indices' last dim holds the index vector).
+        k = numbers.start_indices_batching_dims[list(numbers.operand_batching_dims).index(dim)]
+        index_dims = list(range(len(op.inputs[1].shape) - 1))
+        out_batch = [d for d in range(len(op.outputs[0].shape)) if d not in numbers.offset_dims]
+        if k not in index_dims or len(out_batch) != len(index_dims):
+            return LOST
+        return Kept(((op.outputs[0], out_batch[index_dims.index(k)]),))
+    if numbers.operand_batching_dims:
         return LOST
     if dim in numbers.collapsed_slice_dims:
         # A lookup into a split table: each device answers the ids it holds
