@@ -111,3 +111,7 @@ class ModelRequiredError(ShardckptError, ValueError):
     which variable (or whether trainable) each one is; a `.keras` file carries
     its architecture, other sources need `model=` / `--model`.
     """
+
+
+class BackendError(ShardckptError, RuntimeError):
+    """Keras runs on a backend other than JAX; shardckpt places JAX arrays only."""

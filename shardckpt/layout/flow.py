@@ -7,7 +7,8 @@
   communication (element-wise ops, reshapes that keep the split major,
   transposes, the batch and free dimensions of a matmul);
 - `CONTRACTED`: the op sums over the split dimension (a matmul or
-  convolution contraction, an embedding lookup over a split vocabulary):
+  convolution contraction, an embedding lookup over a split vocabulary, a
+  sum of a matmul's product that nothing else reads):
   each device holds a partial result, and one all-reduce completes it;
 - `LOST`: anything else (a reduction such as a normalization's mean, a
   reshape that scatters the split, an op this module does not know): the
@@ -130,8 +131,41 @@ def _reshape(op: Op, pos: int, dim: int) -> Kept | _Marker:
 def _reduce(op: Op, pos: int, dim: int) -> Kept | _Marker:
     axes = op.params.get("axes", ())
     if dim in axes:
+        if op.name == "reduce_sum" and _sole_product_of_contraction(op.inputs[pos]):
+            # A sum over the split dimension of a matmul's product that
+            # nothing else reads combines partial results (a mixture of
+            # experts summing its experts' weighted outputs): each device
+            # sums its part and one all-reduce completes it, as for a
+            # contraction.
+            return CONTRACTED
         return LOST
     return Kept(tuple((out, dim - sum(1 for a in axes if a < dim)) for out in op.outputs))
+
+
+# How far back `_sole_product_of_contraction` looks through element-wise ops.
+_SUM_LOOKBACK = 6
+
+
+def _sole_product_of_contraction(value: Value, depth: int = _SUM_LOOKBACK) -> bool:
+    """Whether `value` is a matmul's output, possibly weighted element-wise, used only here.
+
+    A normalization sums a tensor that is also used whole (`x - mean(x)`,
+    `x * rsqrt(mean(x * x))`; softmax's `exp(x) / sum(exp(x))`): summing it
+    split would not spare gathering it. Each tensor on the way back to the
+    matmul must therefore have this one use.
+    """
+    if len(value.consumers) != 1 or value.producer is None or depth == 0:
+        return False
+    op = value.producer
+    if op.name == "dot_general":
+        return True
+    if not (is_elementwise(op) or op.name in ("transpose", "reshape", "broadcast_in_dim")):
+        return False
+    return any(
+        v.shape == value.shape and _sole_product_of_contraction(v, depth - 1)
+        for v in op.inputs
+        if len(v.shape) == len(value.shape)
+    )
 
 
 def _scan(op: Op, pos: int, dim: int) -> Kept | _Marker:
@@ -181,7 +215,20 @@ def _conv(op: Op, pos: int, dim: int) -> Kept | _Marker:
 
 def _gather(op: Op, pos: int, dim: int) -> Kept | _Marker:
     numbers = op.params["dimension_numbers"]
-    if pos != 0 or numbers.operand_batching_dims:
+    if pos != 0:
+        return LOST
+    if dim in numbers.operand_batching_dims:
+        # `take_along_axis` (a batched gather): the operand's batching dim is
+        # matched with one of the indices' dims, which lands on the output
+        # where the indices' dims go (output dims that are not offset dims;
+        # the indices' last dim holds the index vector).
+        k = numbers.start_indices_batching_dims[list(numbers.operand_batching_dims).index(dim)]
+        index_dims = list(range(len(op.inputs[1].shape) - 1))
+        out_batch = [d for d in range(len(op.outputs[0].shape)) if d not in numbers.offset_dims]
+        if k not in index_dims or len(out_batch) != len(index_dims):
+            return LOST
+        return Kept(((op.outputs[0], out_batch[index_dims.index(k)]),))
+    if numbers.operand_batching_dims:
         return LOST
     if dim in numbers.collapsed_slice_dims:
         # A lookup into a split table: each device answers the ids it holds
@@ -217,6 +264,13 @@ def _sort(op: Op, pos: int, dim: int) -> Kept | _Marker:
     return Kept(tuple((out, dim) for out in op.outputs))
 
 
+def _stack(op: Op, pos: int, dim: int) -> Kept | _Marker:
+    # `stack` (a primitive since JAX 0.8) inserts a new axis; existing dims
+    # at or after it move one place up.
+    axis = op.params["axis"] % len(op.outputs[0].shape)
+    return Kept(((op.outputs[0], dim if dim < axis else dim + 1),))
+
+
 def _top_k(op: Op, pos: int, dim: int) -> Kept | _Marker:
     if dim == len(op.inputs[0].shape) - 1:
         return LOST
@@ -243,6 +297,7 @@ _HANDLERS = {
     "pad": _pad,
     "sort": _sort,
     "top_k": _top_k,
+    "stack": _stack,
     "split": _split,
     **{name: _reduce for name in _REDUCTIONS},
     **{name: _scan for name in _SCANS},
