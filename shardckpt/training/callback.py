@@ -56,7 +56,7 @@ class OrbaxCheckpoint(MonitorCallback):
     `save_freq="epoch"`, the number of batches trained for an integer
     `save_freq`. `keep_period` counts in the same unit.
 
-    Resume (`resume=True`): at the start of `fit`, if `directory` holds a
+    Resume (`resume=True`, opt-in as Keras' callback never resumes): at the start of `fit`, if `directory` holds a
     committed step, it is restored and `fit` continues after it. A step saved
     in the middle of an epoch resumes in that epoch: only its remaining
     batches run (the callback stops the shortened epoch with
@@ -71,7 +71,7 @@ class OrbaxCheckpoint(MonitorCallback):
     ```python
     ckpt = shardckpt.OrbaxCheckpoint(
         "ckpts/", save_freq=100, max_to_keep=3, keep_best=1,
-        metadata={"run": "exp-7"}, data_iterator=it)
+        metadata={"run": "exp-7"}, data_iterator=it, resume=True)
     model.fit(ckpt.batches(), steps_per_epoch=500, epochs=10, callbacks=[ckpt])
     ```
 
@@ -83,7 +83,8 @@ class OrbaxCheckpoint(MonitorCallback):
         mode: "auto", "min" or "max": the direction of `monitor`.
         save_freq: "epoch", or save every this many batches.
         initial_value_threshold: Initial "best" value for `save_best_only`.
-        max_to_keep: Keep the latest N steps (None: keep every step).
+        max_to_keep: Keep the latest N steps (None: keep every step). 1 by
+            default, as in Keras' callback.
         save_on_background: Write in the background (training waits only for a
             snapshot). False: each save is written before training goes on.
         save_weights_only: Save trainable and non-trainable variables only
@@ -94,7 +95,9 @@ class OrbaxCheckpoint(MonitorCallback):
         metadata: A JSON dict, or a callable `(epoch, logs) -> dict`, saved under
             "user" in each step's metadata.
         data_iterator: An object with `get_state()` / `set_state(state)`.
-        resume: Restore the latest committed step when `fit` starts.
+        resume: Restore the latest committed step when `fit` starts. Off by
+            default: Keras' callback never restores, and a second `fit` in
+            the same directory trains and saves new steps as it does there.
         compression: zstd-compress array chunks as Keras' callback does. Off by
             default: float training state shrinks ~10% while compression took
             about a third of a background save's CPU time (tools/bench_save.py);
@@ -115,7 +118,7 @@ class OrbaxCheckpoint(MonitorCallback):
         mode: str = "auto",
         save_freq: str | int = "epoch",
         initial_value_threshold: float | None = None,
-        max_to_keep: int | None = None,
+        max_to_keep: int | None = 1,
         save_on_background: bool = True,
         save_weights_only: bool = False,
         *,
@@ -123,7 +126,7 @@ class OrbaxCheckpoint(MonitorCallback):
         keep_period: int | None = None,
         metadata: dict[str, Any] | Callable[[int, dict], dict] | None = None,
         data_iterator: Any = None,
-        resume: bool = True,
+        resume: bool = False,
         compression: bool = False,
     ) -> None:
         ocp_init = getattr(ocp, "initialize", None)
