@@ -111,3 +111,8 @@ class ModelRequiredError(ShardckptError, ValueError):
     which variable (or whether trainable) each one is; a `.keras` file carries
     its architecture, other sources need `model=` / `--model`.
     """
+
+
+class IteratorStateError(ShardckptError, TypeError):
+    """A data iterator's `get_state()` returned a value that cannot be stored
+    exactly (only bytes, str, numbers, bool, None, lists, tuples and dicts can)."""

@@ -321,7 +321,7 @@ class OrbaxCheckpoint(MonitorCallback):
         meta = self._metadata(step, epoch_complete)
         if self._tracker is not None:
             state = self._tracker.state_after(self._fit_batches)
-            payload[resume.ITERATOR_ITEM] = {"process_states": iterators.gather_json(state)}
+            payload[resume.ITERATOR_ITEM] = {"process_states": iterators.gather_json(iterators.encode_state(state))}
         if not self.save_on_background:
             self._write(step, payload, meta, logs, user, self.best)
         elif self._executor is not None:

@@ -16,6 +16,7 @@ import orbax.checkpoint.experimental.v1 as ocp
 from shardckpt.errors import CheckpointNotFoundError, CorruptCheckpointError
 from shardckpt.formats.orbax import committed_steps
 from shardckpt.restore import LoadReport, load_sharded
+from shardckpt.training.iterators import decode_state
 
 METADATA_ITEM = "shardckpt_metadata"
 ITERATOR_ITEM = "data_iterator"
@@ -93,7 +94,8 @@ def iterator_state_for_process(item: Any, process_index: int) -> Any:
             f"is process {process_index}. Fix: resume with the same number of "
             "processes, or set the iterator position yourself."
         )
-    return states[process_index]
+    # Tagged bytes/tuples (see iterators.encode_state) become themselves again.
+    return decode_state(states[process_index])
 
 
 def build_optimizer(model: Any) -> None:
