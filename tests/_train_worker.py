@@ -204,6 +204,7 @@ def dump(model: keras.Model, data: ShuffledIterator, ckpt, out: str) -> None:
                 "iterator": shardckpt.training.iterators.encode_state(data.get_state()),
                 "resumed_step": None if resumed is None else resumed.step,
                 "resumed_epoch_complete": None if resumed is None else resumed.epoch_complete,
+                "preempted_step": ckpt.preempted_step,
                 # Epoch-end logs of the epochs this fit ran (metrics restored
                 # mid-epoch must give the same numbers as the unbroken run).
                 "history": {str(e): {k: float(v[i]) for k, v in model.history.history.items()}

@@ -14,6 +14,9 @@ same on-disk layout: an `ocp.training.Checkpointer` root whose steps hold the
   step, epoch, logs, versions, mesh and layout) and "data_iterator" (the
   position of every process's iterator after the batches trained on).
 * Retention by latest N, best N by `monitor`, and every `keep_period` steps.
+* Preemption: on SIGTERM (or JAX's preemption notice with several
+  processes), a save at the next step boundary, committed before `fit` stops
+  cleanly (`preemption.py`).
 * Resume: `fit` restores the latest committed step (all model, optimizer,
   metric and seed-generator variables, iterator position, epoch and position in
   the epoch) and continues bit-identically to an uninterrupted run.
@@ -40,7 +43,7 @@ from keras.src.callbacks.monitor_callback import MonitorCallback
 from keras.src.saving import saving_lib
 
 from shardckpt.errors import BackgroundSaveError
-from shardckpt.training import iterators, metadata as metadata_lib, resume, retention, snapshot
+from shardckpt.training import iterators, metadata as metadata_lib, preemption, resume, retention, snapshot
 
 _log = logging.getLogger("shardckpt")
 
@@ -65,6 +68,17 @@ class OrbaxCheckpoint(MonitorCallback):
     data to continue where it stopped: feed `fit` from `self.batches()` over
     `data_iterator`. With array inputs an epoch restarts from its first
     batch, as with `keras.callbacks.BackupAndRestore`.
+
+    Preemption (`save_on_preemption=True`, the default): while `fit` runs, a
+    SIGTERM (the notice of spot VMs and cluster schedulers) or, with several
+    processes, JAX's preemption notice makes the callback save at the next
+    step boundary (all processes agree on it), wait until that step is
+    committed, and stop `fit` cleanly; `preempted_step` then names the step.
+    The save happens whatever `save_best_only` says: it is the state to resume
+    from. With `save_freq="epoch"` a step saved in the middle of epoch `e` is
+    named `e`; a resumed run replaces it with the full epoch's step `e`. The
+    previous SIGTERM handler is back when `fit` ends; a second SIGTERM goes to
+    it (by default: the process ends at once).
 
     Example:
 
@@ -102,6 +116,8 @@ class OrbaxCheckpoint(MonitorCallback):
             default: float training state shrinks ~10% while compression took
             about a third of a background save's CPU time (tools/bench_save.py);
             readers (Keras, Orbax, shardckpt) handle both.
+        save_on_preemption: Save and stop at the next step boundary on a
+            preemption notice (see above).
 
     Raises:
         ValueError: an argument is out of range.
@@ -128,6 +144,7 @@ class OrbaxCheckpoint(MonitorCallback):
         data_iterator: Any = None,
         resume: bool = False,
         compression: bool = False,
+        save_on_preemption: bool = True,
     ) -> None:
         ocp_init = getattr(ocp, "initialize", None)
         if callable(ocp_init):
@@ -167,6 +184,9 @@ class OrbaxCheckpoint(MonitorCallback):
         self.save_blocking_s: list[float] = []
         self.save_waits_s: list[float] = []
         self.compression = compression
+        self.save_on_preemption = save_on_preemption
+        self.preempted_step: int | None = None
+        self._watch = preemption.PreemptionWatch()
         self._context = _json_context(compression=compression)
         self._executor: concurrent.futures.ThreadPoolExecutor | None = None
         self._pending: Any = None  # Future (worker) or Orbax AsyncResponse
@@ -231,6 +251,9 @@ class OrbaxCheckpoint(MonitorCallback):
         step_dir = resume.latest_step_dir(self.directory) if self.resume else None
         if step_dir is not None:
             self._resume_from(step_dir)
+        self.preempted_step = None
+        if self.save_on_preemption:
+            self._watch.start()
 
     def on_epoch_begin(self, epoch: int, logs: dict | None = None) -> None:
         self._epoch = epoch
@@ -245,6 +268,12 @@ class OrbaxCheckpoint(MonitorCallback):
                     variable.assign(value)
 
     def on_train_batch_end(self, batch: int, logs: dict | None = None) -> None:
+        self._scheduled_batch_end(batch, logs)
+        self._batch_ends += 1
+        if self.save_on_preemption and self._watch.reached(self._batch_ends):
+            self._save_for_preemption(logs)
+
+    def _scheduled_batch_end(self, batch: int, logs: dict | None) -> None:
         if self._last_batch_seen is None or batch <= self._last_batch_seen:
             add = batch + 1
         else:
@@ -271,6 +300,10 @@ class OrbaxCheckpoint(MonitorCallback):
         self._save(self._total_batches_seen, logs, epoch_complete=complete)
 
     def on_epoch_end(self, epoch: int, logs: dict | None = None) -> None:
+        if self.preempted_step is not None:
+            # Saved and committed already; fit must stop after this epoch.
+            self._model.stop_training = True
+            return
         if self._stopped_epoch_early:
             self._model.stop_training = False
             self._stopped_epoch_early = False
@@ -282,6 +315,7 @@ class OrbaxCheckpoint(MonitorCallback):
         self._save(epoch, logs, epoch_complete=True)
 
     def on_train_end(self, logs: dict | None = None) -> None:
+        self._watch.stop()
         self._model._initial_epoch = self._previous_initial_epoch
         try:
             self._finish_pending()
@@ -305,9 +339,32 @@ class OrbaxCheckpoint(MonitorCallback):
 
     # ---- saving ------------------------------------------------------------
 
+    def _save_for_preemption(self, logs: dict | None) -> None:
+        """Saves the state after this batch, waits for the commit, stops fit."""
+        complete = bool(self._steps_per_epoch) and self._batch_in_epoch >= self._steps_per_epoch
+        step = self._epoch if self.save_freq == "epoch" else self._total_batches_seen
+        if step != self._last_saved_step or step == self._replace_step:
+            # (A scheduled save of this very batch already holds the state.)
+            self._save(step, logs, epoch_complete=complete)
+        self._finish_pending()
+        self.checkpointer.wait()
+        _sync("shardckpt_preemption_save")
+        self.preempted_step = step
+        self._model.stop_training = True
+        message = f"preemption notice: step {step} committed to {self.directory}; fit stops."
+        _log.warning("OrbaxCheckpoint: %s", message)
+        if self.verbose > 0:
+            print(f"OrbaxCheckpoint: {message}")
+
     def _save(self, step: int, logs: dict | None, *, epoch_complete: bool) -> None:
         start = time.perf_counter()
         self._finish_pending(waiting_for=step)
+        if step == self._replace_step:
+            # The mid-epoch step this run resumed from (save_freq="epoch" names
+            # it by its epoch): Orbax never overwrites a step, so it goes first.
+            self.checkpointer.delete(step)
+            self._replace_step = None
+        self._last_saved_step = step
         model = self.model  # Callback.model syncs the JAX state into the variables
         tree = snapshot.snapshot_state(model, weights_only=self.save_weights_only)
         payload: dict[str, Any] = {resume.ARRAYS_ITEM: tree}
@@ -420,6 +477,12 @@ class OrbaxCheckpoint(MonitorCallback):
             return
         self._model._initial_epoch = info.next_epoch
         self._total_batches_seen = int(meta.get("total_batches") or 0)
+        self._last_saved_step = info.step
+        if self.save_freq != "epoch":
+            # Saves fall on the same batches as in the uninterrupted run.
+            self._batches_since_save = self._total_batches_seen % self.save_freq
+        elif not info.epoch_complete:
+            self._replace_step = info.step
         if meta.get("best") is not None and not isinstance(meta["best"], str):
             self.best = float(meta["best"])
         if not info.epoch_complete:
@@ -457,6 +520,9 @@ class OrbaxCheckpoint(MonitorCallback):
         self._resume_offset = 0
         self._resume_metrics: list[np.ndarray] | None = None
         self._stopped_epoch_early = False
+        self._batch_ends = 0
+        self._last_saved_step: int | None = None
+        self._replace_step: int | None = None
         params = getattr(self, "params", None) or {}
         self._steps_per_epoch = params.get("steps")
         model = getattr(self, "_model", None)
