@@ -4,8 +4,10 @@ A drop-in for `keras.callbacks.OrbaxCheckpoint` (same arguments, same meaning,
 same on-disk layout: an `ocp.training.Checkpointer` root whose steps hold the
 "pytree" state tree, plus "model_config"/"assets" for full saves), with:
 
-* Background saves that block training only for a device-side snapshot
-  (`snapshot.py`); Orbax writes it on one worker thread. At most one save is in
+* Background saves that block training only for a snapshot of the state
+  (`snapshot.py`: an on-device copy, or a copy to pinned host memory in pieces
+  of bounded size when the devices have no room for one); Orbax writes it on
+  one worker thread. At most one save is in
   flight: when the next is due while one is still writing, the training thread
   waits for it, and the wait is logged (`logging` WARNING, and
   `save_waits_s`). Errors of a background save are raised as
@@ -43,7 +45,8 @@ from keras.src.callbacks.monitor_callback import MonitorCallback
 from keras.src.saving import saving_lib
 
 from shardckpt.errors import BackgroundSaveError
-from shardckpt.training import iterators, metadata as metadata_lib, preemption, resume, retention, snapshot
+from shardckpt.training import iterators, metadata as metadata_lib, preemption, resume, retention
+from shardckpt.training import snapshot as snapshot_lib
 
 _log = logging.getLogger("shardckpt")
 
@@ -118,6 +121,16 @@ class OrbaxCheckpoint(MonitorCallback):
             readers (Keras, Orbax, shardckpt) handle both.
         save_on_preemption: Save and stop at the next step boundary on a
             preemption notice (see above).
+        snapshot: How a background save copies the state before training
+            goes on: "device" (an on-device copy, the least blocking, one
+            extra state of device memory until written), "host" (off the
+            devices piece by piece into pinned host memory, device memory
+            above the state within `snapshot_budget_bytes`, training waits for
+            the transfer), or "auto": "device" only when `memory_stats()` of
+            every device shows room for it. `snapshot_modes` lists the mode of
+            each save, and each step's metadata has it under "snapshot".
+        snapshot_budget_bytes: Host mode's piece size, and the room "auto"
+            keeps free beside an on-device copy (256 MiB).
 
     Raises:
         ValueError: an argument is out of range.
@@ -145,6 +158,8 @@ class OrbaxCheckpoint(MonitorCallback):
         resume: bool = False,
         compression: bool = False,
         save_on_preemption: bool = True,
+        snapshot: str = "auto",
+        snapshot_budget_bytes: int = snapshot_lib.DEFAULT_BUDGET_BYTES,
     ) -> None:
         ocp_init = getattr(ocp, "initialize", None)
         if callable(ocp_init):
@@ -152,6 +167,11 @@ class OrbaxCheckpoint(MonitorCallback):
         super().__init__(monitor, mode, initial_value_threshold)
         if save_freq != "epoch" and (not isinstance(save_freq, int) or isinstance(save_freq, bool) or save_freq < 1):
             raise ValueError(f"Unrecognized save_freq: {save_freq}. Expected save_freq are 'epoch' or integer values")
+        if snapshot not in snapshot_lib.MODES:
+            raise ValueError(f"snapshot must be one of {snapshot_lib.MODES}. Received: snapshot={snapshot!r}")
+        if not isinstance(snapshot_budget_bytes, int) or isinstance(snapshot_budget_bytes, bool) or snapshot_budget_bytes < 1:
+            raise ValueError(
+                f"snapshot_budget_bytes must be a positive integer. Received: {snapshot_budget_bytes!r}")
         if metadata is not None and not (isinstance(metadata, dict) or callable(metadata)):
             raise TypeError(
                 "metadata must be a JSON dict or a callable (epoch, logs) -> dict. "
@@ -185,6 +205,10 @@ class OrbaxCheckpoint(MonitorCallback):
         self.save_waits_s: list[float] = []
         self.compression = compression
         self.save_on_preemption = save_on_preemption
+        self.snapshot = snapshot
+        self.snapshot_budget_bytes = snapshot_budget_bytes
+        self.snapshot_mode_used: str | None = None
+        self.snapshot_modes: list[str] = []
         self.preempted_step: int | None = None
         self._watch = preemption.PreemptionWatch()
         self._context = _json_context(compression=compression)
@@ -366,7 +390,9 @@ class OrbaxCheckpoint(MonitorCallback):
             self._replace_step = None
         self._last_saved_step = step
         model = self.model  # Callback.model syncs the JAX state into the variables
-        tree = snapshot.snapshot_state(model, weights_only=self.save_weights_only)
+        tree, self.snapshot_mode_used = snapshot_lib.snapshot_state(
+            model, weights_only=self.save_weights_only, mode=self.snapshot, budget_bytes=self.snapshot_budget_bytes)
+        self.snapshot_modes.append(self.snapshot_mode_used)
         payload: dict[str, Any] = {resume.ARRAYS_ITEM: tree}
         if not self.save_weights_only:
             payload["model_config"] = {"config": self._model_config}
@@ -443,6 +469,7 @@ class OrbaxCheckpoint(MonitorCallback):
             "save_weights_only": self.save_weights_only,
             "versions": metadata_lib.versions(),
             "layout": self._layout,
+            "snapshot": self.snapshot_mode_used,
         }
 
     def _improved(self, logs: dict | None, where: str) -> bool:
