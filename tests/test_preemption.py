@@ -71,7 +71,7 @@ def test_sigterm_saves_commits_and_stops_fit_in_process(tmp_path, save_freq, exp
     model = _model()
     model.fit(ckpt.batches(), steps_per_epoch=4, epochs=3, callbacks=[sender, ckpt], verbose=0)
     assert sender.seen == 6, "fit must stop at the step boundary after the notice"
-    assert ckpt.preempted_step == expected_step
+    assert ckpt.preempted_step == expected_step and ckpt.preemption_mode == "signal"
     assert model.history.epoch == [0, 1]
     assert signal.getsignal(signal.SIGTERM) is previous
     info = inspect(str(tmp_path))

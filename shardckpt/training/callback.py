@@ -210,6 +210,7 @@ class OrbaxCheckpoint(MonitorCallback):
         self.snapshot_mode_used: str | None = None
         self.snapshot_modes: list[str] = []
         self.preempted_step: int | None = None
+        self.preemption_mode = "off"
         self._watch = preemption.PreemptionWatch()
         self._context = _json_context(compression=compression)
         self._executor: concurrent.futures.ThreadPoolExecutor | None = None
@@ -278,6 +279,9 @@ class OrbaxCheckpoint(MonitorCallback):
         self.preempted_step = None
         if self.save_on_preemption:
             self._watch.start()
+        # How a notice is seen in this fit: "signal", "jax" (JAX's preemption
+        # service, several processes), "signal+allgather", or "off".
+        self.preemption_mode = self._watch.mode
 
     def on_epoch_begin(self, epoch: int, logs: dict | None = None) -> None:
         self._epoch = epoch
