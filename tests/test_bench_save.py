@@ -14,7 +14,7 @@ def test_bench_save_smoke_reports_blocking_and_peak_memory_per_mode():
     env.pop("XLA_FLAGS", None)
     runs = "keras_async,shardckpt_device,shardckpt_auto"  # three fresh processes keep it short
     proc = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "bench_save.py"), "--smoke", "--only", runs],
-                          capture_output=True, text=True, timeout=400, env=env, cwd=ROOT)
+                          capture_output=True, text=True, timeout=400, env=env, cwd=ROOT, check=False)
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = {line.split()[0]: line.split() for line in proc.stdout.splitlines() if line.split()}
     assert "peak above state from RssAnon" in proc.stdout  # CPU: no device memory statistics

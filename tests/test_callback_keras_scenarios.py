@@ -5,7 +5,8 @@ the import swapped to `shardckpt.training.OrbaxCheckpoint`. Each test keeps
 Keras' scenario (arguments, data sizes, what it checks) and, where Keras
 compares with a tolerance, compares bit for bit. Left out: Keras'
 `test_checkpoint_with_assets` (both parametrisations), which calls the private
-`OrbaxCheckpoint._save_checkpoint` of Keras' class instead of training.
+`OrbaxCheckpoint._save_checkpoint` of Keras' class instead of training (and
+whose `StringLookup` needs TensorFlow, which this project does not install).
 """
 
 from __future__ import annotations

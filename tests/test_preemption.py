@@ -14,7 +14,16 @@ import pytest
 
 from shardckpt.info import inspect
 from shardckpt.training import OrbaxCheckpoint, restore_latest
-from tests.test_resume_kill import EPOCHS, STEPS, Server, _args, _compare, _load, _progress, _wait_for_line
+from tests.test_resume_kill import (
+    EPOCHS,
+    STEPS,
+    Server,
+    _args,
+    _compare,
+    _load,
+    _progress,
+    _wait_for_line,
+)
 
 
 class _SigtermAt(keras.callbacks.Callback):

@@ -53,6 +53,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from shardckpt.training import OrbaxCheckpoint  # noqa: E402
 from tools._memory import PeakSampler, rss_anon  # noqa: E402
 
+
 class Timed(keras.callbacks.Callback):
     """Forwards every hook to `inner` and times the ones at save batches."""
 
@@ -212,7 +213,7 @@ def main() -> None:
         cmd = [sys.executable, os.path.abspath(__file__), "--child", name, "--params", str(args.params),
                "--width", str(args.width), "--steps", str(args.steps), "--save-every", str(args.save_every),
                "--batch", str(args.batch), "--dir", root]
-        proc = subprocess.run(cmd, capture_output=True, text=True)
+        proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
         lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
         if proc.returncode != 0 or not lines:
             sys.stderr.write(proc.stderr[-4000:])

@@ -45,7 +45,8 @@ from keras.src.callbacks.monitor_callback import MonitorCallback
 from keras.src.saving import saving_lib
 
 from shardckpt.errors import BackgroundSaveError
-from shardckpt.training import iterators, metadata as metadata_lib, preemption, resume, retention
+from shardckpt.training import iterators, preemption, resume, retention
+from shardckpt.training import metadata as metadata_lib
 from shardckpt.training import snapshot as snapshot_lib
 
 _log = logging.getLogger("shardckpt")

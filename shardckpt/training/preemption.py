@@ -38,7 +38,9 @@ def _jax_sync_manager() -> Any:
     """JAX's preemption sync manager, or None when this run has none."""
     if jax.process_count() == 1:
         return None
-    from jax._src import distributed  # the manager's only handle; multihost_utils reads it the same way
+    from jax._src import (
+        distributed,  # the manager's only handle; multihost_utils reads it the same way
+    )
 
     state = distributed.global_state
     return state.preemption_sync_manager if state.client is not None else None
