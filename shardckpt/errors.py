@@ -115,3 +115,8 @@ class ModelRequiredError(ShardckptError, ValueError):
 
 class BackendError(ShardckptError, RuntimeError):
     """Keras runs on a backend other than JAX; shardckpt places JAX arrays only."""
+
+
+class IteratorStateError(ShardckptError, TypeError):
+    """A data iterator's `get_state()` returned a value that cannot be stored
+    exactly (only bytes, str, numbers, bool, None, lists, tuples and dicts can)."""

@@ -7,6 +7,7 @@ each process checks its own shards of the restored model against them.
 
 import json
 import os
+import signal
 import sys
 
 process_id, port, folder = int(sys.argv[1]), sys.argv[2], sys.argv[3]
@@ -80,6 +81,40 @@ result = {
     "iterator_restored": other.get_state(),
     "kernel_spec": str(model.get_layer("up").kernel.value.sharding.spec),
 }
+
+
+class SigtermAt(keras.callbacks.Callback):
+    """Sends this process a SIGTERM at the end of batch `n` (from 1)."""
+
+    def __init__(self, n):
+        super().__init__()
+        self.n, self.seen = n, 0
+
+    def on_train_batch_end(self, batch, logs=None):
+        self.seen += 1
+        if self.seen == self.n:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+
+class CountBatches(keras.callbacks.Callback):
+    def __init__(self):
+        super().__init__()
+        self.seen = 0
+
+    def on_train_batch_end(self, batch, logs=None):
+        self.seen += 1
+
+
+# Preemption: only process 0 gets a SIGTERM (after its 3rd batch). JAX's
+# preemption service tells process 1; both save the same step and stop.
+model, distribution = fresh(1234)
+data = ShuffledIterator(seed=10 + process_id)
+pre = OrbaxCheckpoint(os.path.join(folder, "preempt"), save_freq=5, data_iterator=data, max_to_keep=2)
+count = CountBatches()
+extra = [SigtermAt(3)] if process_id == 0 else []
+model.fit(pre.batches(), steps_per_epoch=3, epochs=6, callbacks=[*extra, pre, count], verbose=0)
+result["preempt"] = {"step": pre.preempted_step, "batches": count.seen, "mode": pre.preemption_mode,
+                     "epochs": model.history.epoch}
 with open(os.path.join(folder, f"result{process_id}.json"), "w") as f:
     json.dump(result, f)
 jax.distributed.shutdown()

@@ -75,6 +75,39 @@ class ShuffledIterator:
         self.state = {"pass": int(state["pass"]), "index": int(state["index"])}
 
 
+class _Records:
+    """A grain data source: record i is (x[i], y[i]) of `ShuffledIterator`'s data."""
+
+    def __init__(self) -> None:
+        data = ShuffledIterator()
+        self.x, self.y = data.x, data.y
+
+    def __len__(self) -> int:
+        return N_EXAMPLES
+
+    def __getitem__(self, i: int) -> tuple[np.ndarray, np.ndarray]:
+        return self.x[i], self.y[i]
+
+    def __repr__(self) -> str:
+        # grain checks a restored state against repr(data_source).
+        return f"_Records(n={N_EXAMPLES})"
+
+
+def grain_loader_iterator():
+    """A `grain.DataLoader` iterator (shuffling IndexSampler, endless, batched).
+
+    Its `get_state()` returns bytes, which the checkpoint must keep exactly.
+    Workers stay in-process (worker_count=0): the runs are forked children.
+    """
+    import grain.python as gp
+
+    sampler = gp.IndexSampler(num_records=N_EXAMPLES, shard_options=gp.NoSharding(), shuffle=True,
+                              num_epochs=None, seed=7)
+    loader = gp.DataLoader(data_source=_Records(), sampler=sampler,
+                           operations=[gp.Batch(BATCH, drop_remainder=True)], worker_count=0)
+    return iter(loader)
+
+
 def build_model() -> keras.Model:
     inputs = keras.Input((12,), name="x")
     h = keras.layers.Dense(32, activation="relu", name="up")(inputs)
@@ -126,7 +159,7 @@ def run(args: dict) -> None:
     keras.utils.set_random_seed(1234)
     keras.distribution.set_distribution(layout())
     model = build_model()
-    data = ShuffledIterator()
+    data = grain_loader_iterator() if args.get("data") == "grain" else ShuffledIterator()
     ckpt = shardckpt.training.OrbaxCheckpoint(
         args["dir"],
         save_freq=args.get("save_freq", "epoch"),
@@ -168,9 +201,10 @@ def dump(model: keras.Model, data: ShuffledIterator, ckpt, out: str) -> None:
         json.dump(
             {
                 "shardings": shardings,
-                "iterator": data.get_state(),
+                "iterator": shardckpt.training.iterators.encode_state(data.get_state()),
                 "resumed_step": None if resumed is None else resumed.step,
                 "resumed_epoch_complete": None if resumed is None else resumed.epoch_complete,
+                "preempted_step": ckpt.preempted_step,
                 # Epoch-end logs of the epochs this fit ran (metrics restored
                 # mid-epoch must give the same numbers as the unbroken run).
                 "history": {str(e): {k: float(v[i]) for k, v in model.history.history.items()}

@@ -135,7 +135,7 @@ def test_metadata_and_iterator_state_round_trip(tmp_path):
         seen.append(epoch)
         return {"run": "exp-7", "epoch_seen": epoch, "loss_seen": logs["loss"]}
 
-    ckpt = OrbaxCheckpoint(str(tmp_path), save_freq=3, metadata=user_metadata, data_iterator=it)
+    ckpt = OrbaxCheckpoint(str(tmp_path), save_freq=3, metadata=user_metadata, data_iterator=it, max_to_keep=None)
     record = _RecordAt(6)
     # A read-ahead of 3 batches between the iterator and fit (as an input
     # pipeline or an accelerator's prefetch has): the live position at a save
@@ -220,7 +220,7 @@ def test_resume_in_process_continues_the_epoch(tmp_path):
     keras.distribution.set_distribution(_mesh_distribution())
     again = _model(seed=42)  # a different init: every value must come from the step
     it2 = CountingIterator()
-    ckpt2 = OrbaxCheckpoint(str(tmp_path / "run"), save_freq=3, data_iterator=it2)
+    ckpt2 = OrbaxCheckpoint(str(tmp_path / "run"), save_freq=3, data_iterator=it2, resume=True)
     again.fit(ckpt2.batches(), steps_per_epoch=STEPS, epochs=3, callbacks=[ckpt2], verbose=0)
     ckpt2.wait_until_finished()
     assert ckpt2.resumed.step == 6 and not ckpt2.resumed.epoch_complete
@@ -263,7 +263,7 @@ def test_retention_keeps_latest_best_and_periodic_steps(tmp_path):
 def test_retention_without_max_to_keep_keeps_everything(tmp_path):
     model = _model()
     x, y = np.ones((16, 6), "float32"), np.ones((16, 1), "float32")
-    ckpt = OrbaxCheckpoint(str(tmp_path), keep_best=1, monitor="loss")
+    ckpt = OrbaxCheckpoint(str(tmp_path), keep_best=1, monitor="loss", max_to_keep=None)
     model.fit(x, y, batch_size=8, epochs=3, callbacks=[ckpt], verbose=0)
     ckpt.wait_until_finished()
     assert sorted(os.listdir(tmp_path)) == ["0", "1", "2"]
@@ -316,7 +316,7 @@ def test_drop_in_positional_arguments_and_bad_input(tmp_path):
     saved = {v.path: np.asarray(v.value) for v in model.trainable_variables}
     keras.backend.clear_session()
     again = _model(seed=8)
-    resumed = OrbaxCheckpoint(str(tmp_path), "loss", 0, False, "min", 2, None, 1, False, True)
+    resumed = OrbaxCheckpoint(str(tmp_path), "loss", 0, False, "min", 2, None, 1, False, True, resume=True)
     again.fit(np.ones((16, 6), "float32"), np.ones((16, 1), "float32"), batch_size=8, epochs=2,
               callbacks=[resumed, _RecordAt(1)], verbose=0)
     assert resumed.resumed.step == 4 and again.history.epoch == []  # all epochs were done

@@ -1,6 +1,7 @@
 """2 real processes x 4 CPU devices train with OrbaxCheckpoint on a (2, 4) mesh;
 the checkpoint restores bit-exact in those 2 processes and, resharded, here in
-1 process with 8 devices."""
+1 process with 8 devices. A SIGTERM to one process makes both save the same
+step and stop."""
 
 from __future__ import annotations
 
@@ -59,6 +60,17 @@ def test_two_process_training_checkpoint_restores_on_two_and_on_one_process(tmp_
     assert info.steps == [4, 6]
     assert info.iterator_state == [results[0]["iterator_saved"], results[1]["iterator_saved"]]
     assert info.metadata["layout"]["mesh_shape"] == [2, 4] and info.metadata["layout"]["process_count"] == 2
+
+    # Preemption: process 0 alone got a SIGTERM after its 3rd batch; through
+    # JAX's preemption service both saved the same step and stopped there.
+    pre = [r["preempt"] for r in results]
+    assert [p["mode"] for p in pre] == ["jax", "jax"], pre
+    assert pre[0]["step"] is not None and pre[0]["step"] == pre[1]["step"], pre
+    assert pre[0]["batches"] == pre[1]["batches"] == pre[0]["step"] < 18, pre
+    assert pre[0]["epochs"] == pre[1]["epochs"], pre
+    preempt = inspect(str(tmp_path / "preempt"))
+    assert preempt.step == pre[0]["step"] and preempt.incomplete == []
+    assert preempt.metadata["total_batches"] == pre[0]["batches"]
 
     # One process, 8 devices, another mesh: every variable resharded, bit-exact.
     expected = dict(np.load(tmp_path / "expected.npz", allow_pickle=False))

@@ -81,14 +81,11 @@ def test_callback_is_a_drop_in_for_keras():
             continue
         assert name in ours, f"keras.callbacks.OrbaxCheckpoint takes {name!r}; ours must too"
         assert ours[name].kind is param.kind, name  # same position: positional calls work
-        if name == "max_to_keep":
-            # The one documented difference (README): Keras keeps the latest 1
-            # by default; shardckpt keeps every step unless told (None), as the
-            # design asks, so a best checkpoint is never lost by default.
-            assert (ours[name].default, param.default) == (None, 1)
-            continue
+        # Every default is Keras' own (max_to_keep=1 included).
         assert ours[name].default == param.default, name
     own = ("keep_best", "keep_period", "metadata", "data_iterator", "resume")
+    # Keras' callback never restores: ours neither, unless asked.
+    assert _params(shardckpt.OrbaxCheckpoint.__init__)["resume"].default is False
     assert set(own) <= set(ours)
     assert callable(shardckpt.OrbaxCheckpoint.wait_until_finished)
 

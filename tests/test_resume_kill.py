@@ -118,21 +118,35 @@ def _load(out: str) -> tuple[dict[str, np.ndarray], dict]:
         return arrays, json.load(f)
 
 
-@pytest.mark.parametrize("save_freq", [4, "epoch"], ids=["mid_epoch_every_4_batches", "every_epoch"])
-def test_sigkill_and_resume_is_bit_exact(server, tmp_path, save_freq):
-    """5 SIGKILL trials per save mode (10 in all), each resumed to the end."""
+def _compare(arrays, info, ref_arrays, ref_info, label: str) -> None:
+    """Every variable, its dtype and sharding, the iterator position and logs."""
+    assert sorted(arrays) == sorted(ref_arrays)
+    for key, expected in ref_arrays.items():
+        np.testing.assert_array_equal(arrays[key], expected, err_msg=f"{label}: {key}")
+        assert arrays[key].dtype == expected.dtype, key
+    assert info["shardings"] == ref_info["shardings"]
+    assert info["iterator"] == ref_info["iterator"], f"{label}: iterator position"
+    assert info["history"], f"{label}: the resumed run trained no epoch"
+    for epoch, logs in info["history"].items():
+        assert logs == ref_info["history"][epoch], f"{label}: epoch {epoch} logs"
+    # The stored layout is the one asked for (not replicated by accident).
+    assert info["shardings"]["trainable_variables/up/kernel"] == "P(None, 'model')"
+
+
+def _kill_trials(server, tmp_path, save_freq, trials: int, seed: int, data: str | None = None) -> dict:
+    """Runs the reference, then `trials` SIGKILL-and-resume runs; returns counts."""
     cache = str(tmp_path / "jax_cache")
-    ref = _args(tmp_path, "ref", save_freq, cache)
+    ref = dict(_args(tmp_path, "ref", save_freq, cache), data=data)
     pid = server.start(ref)
     assert server.wait(pid) == 0, "the uninterrupted run failed; see the server log"
     ref_arrays, ref_info = _load(ref["out"])
     assert ref_info["resumed_step"] is None
 
-    rng = np.random.default_rng(2026 if save_freq == 4 else 2027)
+    rng = np.random.default_rng(seed)
     total = EPOCHS * STEPS
-    killed_during_save = resumed_mid_epoch = killed = 0
-    for trial in range(5):
-        args = _args(tmp_path, f"t{trial}", save_freq, cache)
+    counts = {"killed": 0, "during_save": 0, "mid_epoch": 0}
+    for trial in range(trials):
+        args = dict(_args(tmp_path, f"t{trial}", save_freq, cache), data=data)
         pid = server.start(args)
         if trial % 2 == 0:
             # Right after a save was dispatched: the write is still running.
@@ -147,9 +161,9 @@ def test_sigkill_and_resume_is_bit_exact(server, tmp_path, save_freq):
             os.kill(pid, signal.SIGKILL)
         code = server.wait(pid)
         if code == -signal.SIGKILL:
-            killed += 1
+            counts["killed"] += 1
             names = os.listdir(args["dir"]) if os.path.isdir(args["dir"]) else []
-            killed_during_save += any(".orbax-checkpoint-tmp" in n for n in names)
+            counts["during_save"] += any(".orbax-checkpoint-tmp" in n for n in names)
 
         pid = server.start(args)  # same directory: resumes
         assert server.wait(pid) == 0, f"trial {trial}: the resumed run failed; see the server log"
@@ -157,22 +171,25 @@ def test_sigkill_and_resume_is_bit_exact(server, tmp_path, save_freq):
         # Half-written steps of the killed run were removed, none was restored.
         assert not [n for n in os.listdir(args["dir"]) if ".orbax-checkpoint-tmp" in n]
         if info["resumed_step"] is not None and not info["resumed_epoch_complete"]:
-            resumed_mid_epoch += 1
-        assert sorted(arrays) == sorted(ref_arrays)
-        for key, expected in ref_arrays.items():
-            np.testing.assert_array_equal(arrays[key], expected, err_msg=f"trial {trial} ({marker}): {key}")
-            assert arrays[key].dtype == expected.dtype, key
-        assert info["shardings"] == ref_info["shardings"]
-        assert info["iterator"] == ref_info["iterator"], f"trial {trial}: iterator position"
-        assert info["history"], f"trial {trial}: the resumed run trained no epoch"
-        for epoch, logs in info["history"].items():
-            assert logs == ref_info["history"][epoch], f"trial {trial}: epoch {epoch} logs"
-        # The stored layout is the one asked for (not replicated by accident).
-        assert info["shardings"]["trainable_variables/up/kernel"] == "P(None, 'model')"
+            counts["mid_epoch"] += 1
+        _compare(arrays, info, ref_arrays, ref_info, f"trial {trial} ({marker})")
+    return counts
 
-    print(f"save_freq={save_freq}: killed {killed}/5, during a background save {killed_during_save}, "
-          f"resumed mid-epoch {resumed_mid_epoch}")
-    assert killed >= 4, "most trials must really be killed"
-    assert killed_during_save >= 1, "at least one kill must land during a background save"
+
+@pytest.mark.parametrize("save_freq", [4, "epoch"], ids=["mid_epoch_every_4_batches", "every_epoch"])
+def test_sigkill_and_resume_is_bit_exact(server, tmp_path, save_freq):
+    """5 SIGKILL trials per save mode (10 in all), each resumed to the end."""
+    counts = _kill_trials(server, tmp_path, save_freq, 5, 2026 if save_freq == 4 else 2027)
+    print(f"save_freq={save_freq}: {counts}")
+    assert counts["killed"] >= 4, "most trials must really be killed"
+    assert counts["during_save"] >= 1, "at least one kill must land during a background save"
     if save_freq == 4:
-        assert resumed_mid_epoch >= 1, "at least one resume must start in the middle of an epoch"
+        assert counts["mid_epoch"] >= 1, "at least one resume must start in the middle of an epoch"
+
+
+def test_sigkill_and_resume_grain_dataloader_is_bit_exact(server, tmp_path):
+    """A grain.DataLoader pipeline (IndexSampler, bytes state): 3 SIGKILL trials."""
+    counts = _kill_trials(server, tmp_path, 4, 3, 2028, data="grain")
+    print(f"grain DataLoader: {counts}")
+    assert counts["killed"] >= 2, "most trials must really be killed"
+    assert counts["mid_epoch"] >= 1, "at least one resume must start in the middle of an epoch"

@@ -1,10 +1,12 @@
-"""Checkpoint saving during `fit`: Keras' OrbaxCheckpoint (sync, async) vs shardckpt.
+"""Checkpoint saving during `fit`: Keras' OrbaxCheckpoint (sync, async) vs shardckpt's snapshot modes.
 
-One process, one model, one mesh, the same training run four times: without
-checkpoints, with `keras.callbacks.OrbaxCheckpoint(save_on_background=False)`,
-with Keras' default (async) callback, and with `shardckpt.training.OrbaxCheckpoint`.
-Every run saves the full state (weights, Adam slots, metrics) every
-`--save-every` batches.
+The same training run, each in a fresh process: without checkpoints, with
+`keras.callbacks.OrbaxCheckpoint(save_on_background=False)`, with Keras'
+default (async) callback, and with `shardckpt.training.OrbaxCheckpoint` in each
+snapshot mode ("device": an on-device copy; "host": pieces copied off the
+devices into pinned host memory within a budget; "auto": the mode chosen from
+`device.memory_stats()`). Every run saves the full state (weights, Adam slots,
+metrics) every `--save-every` batches.
 
 "Blocking" is the time the training thread spends inside the callback at a
 save batch. Before the clock starts, the batch's results are awaited, so the
@@ -12,16 +14,27 @@ figure is the checkpoint's own cost and not the step's compute, for every
 callback alike. The end of `fit` (waiting for the last background save) is
 counted in the total fit time, not in the per-save figures.
 
+"Peak above state" is the most memory the run held above what it held when
+`fit` started (the model, its optimizer state and the compiled step): on
+devices that report `memory_stats()` (GPU, TPU), the largest
+`peak_bytes_in_use - bytes_in_use` over the devices; on CPU, where device
+memory is host memory, the process's peak `RssAnon` (sampled every 5 ms)
+minus its value at the start. The "none" row is training's own share.
+
     python tools/bench_save.py                     # 50M parameters, Adam, 8 CPU devices
     python tools/bench_save.py --params 5e6 --steps 12 --save-every 4   # quick
+    python tools/bench_save.py --smoke             # seconds; what the test runs
+    JAX_PLATFORMS=cuda python tools/bench_save.py  # on the GPU(s)
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shutil
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -36,8 +49,7 @@ import numpy as np  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from shardckpt.training import OrbaxCheckpoint  # noqa: E402
-
-WIDTH = 2048
+from tools._memory import PeakSampler, rss_anon  # noqa: E402
 
 
 class Timed(keras.callbacks.Callback):
@@ -86,21 +98,23 @@ class Timed(keras.callbacks.Callback):
         self.train_end_s = time.perf_counter() - start
 
 
-def build(n_params: float) -> keras.Model:
-    layers = max(1, round(n_params / (WIDTH * WIDTH + WIDTH)))
-    inputs = keras.Input((WIDTH,), name="x")
+def build(n_params: float, width: int) -> keras.Model:
+    layers = max(1, round(n_params / (width * width + width)))
+    inputs = keras.Input((width,), name="x")
     h = inputs
     for i in range(layers):
-        h = keras.layers.Dense(WIDTH, activation="relu" if i < layers - 1 else None, name=f"d{i}")(h)
+        h = keras.layers.Dense(width, activation="relu" if i < layers - 1 else None, name=f"d{i}")(h)
     model = keras.Model(inputs, h, name="bench")
     model.compile(optimizer="adam", loss="mse")
     return model
 
 
-def distribution(n_params: float) -> keras.distribution.ModelParallel:
-    mesh = keras.distribution.DeviceMesh((2, 4), ["data", "model"])
+def distribution(n_params: float, width: int) -> keras.distribution.ModelParallel:
+    count = jax.device_count()
+    shape = (2, count // 2) if count >= 2 and count % 2 == 0 else (1, count)
+    mesh = keras.distribution.DeviceMesh(shape, ["data", "model"])
     layout_map = keras.distribution.LayoutMap(mesh)
-    layers = max(1, round(n_params / (WIDTH * WIDTH + WIDTH)))
+    layers = max(1, round(n_params / (width * width + width)))
     for i in range(layers):
         # Megatron-style: column-sharded then row-sharded kernels.
         layout_map[f"d{i}/kernel"] = (None, "model") if i % 2 == 0 else ("model", None)
@@ -108,74 +122,122 @@ def distribution(n_params: float) -> keras.distribution.ModelParallel:
     return keras.distribution.ModelParallel(layout_map=layout_map, batch_dim_name="data")
 
 
-def run(name: str, make_callback, args, x, y, root: str) -> dict:
-    keras.backend.clear_session()
-    keras.distribution.set_distribution(distribution(args.params))
+CALLBACKS = {
+    "none": None,
+    "keras_sync": lambda d, every: keras.callbacks.OrbaxCheckpoint(d, save_freq=every, save_on_background=False),
+    "keras_async": lambda d, every: keras.callbacks.OrbaxCheckpoint(d, save_freq=every, save_on_background=True),
+    "shardckpt_device": lambda d, every: OrbaxCheckpoint(d, save_freq=every, snapshot="device"),
+    "shardckpt_host": lambda d, every: OrbaxCheckpoint(d, save_freq=every, snapshot="host"),
+    "shardckpt_auto": lambda d, every: OrbaxCheckpoint(d, save_freq=every, snapshot="auto"),
+}
+
+
+def _device_in_use() -> dict[str, int] | None:
+    stats = [d.memory_stats() for d in jax.local_devices()]
+    if any(not s for s in stats):
+        return None
+    return {str(i): int(s.get("bytes_in_use", 0)) for i, s in enumerate(stats)}
+
+
+def run(name: str, args) -> dict:
+    """One callback's run, in this process."""
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((args.steps * args.batch, args.width)).astype("float32")
+    y = rng.standard_normal((args.steps * args.batch, args.width)).astype("float32")
+    keras.distribution.set_distribution(distribution(args.params, args.width))
     keras.utils.set_random_seed(0)
-    model = build(args.params)
+    model = build(args.params, args.width)
     # Compile the train step outside the timed run.
     model.fit(x[: args.batch], y[: args.batch], batch_size=args.batch, epochs=1, verbose=0)
-    directory = os.path.join(root, name)
+    directory = os.path.join(args.dir, name)
     callbacks = []
     timed = None
-    if make_callback is not None:
-        timed = Timed(make_callback(directory), args.save_every)
+    make = CALLBACKS[name]
+    if make is not None:
+        timed = Timed(make(directory, args.save_every), args.save_every)
         callbacks.append(timed)
+    before_device = _device_in_use()
+    before_rss = rss_anon()
     start = time.perf_counter()
-    model.fit(x, y, batch_size=args.batch, epochs=1, verbose=0, shuffle=False, callbacks=callbacks)
+    with PeakSampler() as sampler:
+        model.fit(x, y, batch_size=args.batch, epochs=1, verbose=0, shuffle=False, callbacks=callbacks)
     total = time.perf_counter() - start
+    if before_device is not None:
+        peaks = [int(d.memory_stats().get("peak_bytes_in_use", 0)) for d in jax.local_devices()]
+        peak_above = max(p - before_device[str(i)] for i, p in enumerate(peaks))
+        peak_kind = "device"
+    else:
+        peak_above, peak_kind = sampler.peak - before_rss, "RssAnon"
     state_bytes = sum(v.value.nbytes for v in model.variables) + sum(v.value.nbytes for v in model.optimizer.variables)
     shutil.rmtree(directory, ignore_errors=True)
+    inner = timed.inner if timed else None
     return {
         "name": name,
         "fit_s": total,
         "saves": timed.save_s if timed else [],
         "train_end_s": timed.train_end_s if timed else 0.0,
         "state_mb": state_bytes / 2**20,
+        "peak_above_mb": peak_above / 2**20,
+        "peak_kind": peak_kind,
         "params": sum(int(np.prod(v.shape)) for v in model.trainable_variables),
-        # shardckpt only: seconds a due save waited for the previous one.
-        "waits": list(getattr(timed.inner, "save_waits_s", []) if timed else []),
+        # shardckpt only: seconds a due save waited for the previous one, and the modes used.
+        "waits": list(getattr(inner, "save_waits_s", [])),
+        "modes": sorted(set(getattr(inner, "snapshot_modes", []))),
+        "devices": f"{jax.device_count()} {jax.devices()[0].device_kind}",
     }
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--params", type=float, default=50e6)
+    parser.add_argument("--width", type=int, default=2048)
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--save-every", type=int, default=10)
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--dir", default=None, help="where checkpoints go (default: a temp folder)")
+    parser.add_argument("--only", default=",".join(CALLBACKS), help="comma-separated runs")
+    parser.add_argument("--smoke", action="store_true", help="a tiny size, for the test")
+    parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
-    rng = np.random.default_rng(0)
-    x = rng.standard_normal((args.steps * args.batch, WIDTH)).astype("float32")
-    y = rng.standard_normal((args.steps * args.batch, WIDTH)).astype("float32")
+    if args.smoke:
+        args.params, args.width, args.steps, args.save_every, args.batch = 2e4, 64, 4, 2, 8
+    if args.child:
+        print("RESULT " + json.dumps(run(args.child, args)), flush=True)
+        return
     root = args.dir or tempfile.mkdtemp(prefix="bench_save_")
-    every = args.save_every
-    runs = [
-        ("none", None),
-        ("keras_sync", lambda d: keras.callbacks.OrbaxCheckpoint(d, save_freq=every, save_on_background=False)),
-        ("keras_async", lambda d: keras.callbacks.OrbaxCheckpoint(d, save_freq=every, save_on_background=True)),
-        ("shardckpt", lambda d: OrbaxCheckpoint(d, save_freq=every, max_to_keep=1)),
-        # Same, with Keras' zstd compression: shows what the default saves.
-        ("shardckpt_zstd", lambda d: OrbaxCheckpoint(d, save_freq=every, max_to_keep=1, compression=True)),
-    ]
-    results = [run(name, make, args, x, y, root) for name, make in runs]
+    results = []
+    for name in args.only.split(","):
+        # A fresh process per callback: no allocator or page-cache state carries over.
+        cmd = [sys.executable, os.path.abspath(__file__), "--child", name, "--params", str(args.params),
+               "--width", str(args.width), "--steps", str(args.steps), "--save-every", str(args.save_every),
+               "--batch", str(args.batch), "--dir", root]
+        proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
+        lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+        if proc.returncode != 0 or not lines:
+            sys.stderr.write(proc.stderr[-4000:])
+            raise SystemExit(f"run {name} failed (exit {proc.returncode})")
+        results.append(json.loads(lines[-1][len("RESULT "):]))
     shutil.rmtree(root, ignore_errors=True)
+    report(results, args)
+
+
+def report(results: list[dict], args) -> None:
     r0 = results[0]
-    print(f"\n{r0['params'] / 1e6:.1f}M parameters, {r0['state_mb']:.0f} MiB of state (weights + Adam), "
-          f"{jax.device_count()} {jax.devices()[0].platform} devices, mesh (2, 4), "
-          f"{args.steps} steps, a save every {every} batches")
-    sync = next(r for r in results if r["name"] == "keras_sync")
-    keras_async = next(r for r in results if r["name"] == "keras_async")
-    sync_mean = statistics.mean(sync["saves"]) if sync["saves"] else float("nan")
-    print(f"{'callback':<14} {'saves':>5} {'block/save mean':>16} {'max':>8} {'vs keras sync':>14} "
-          f"{'end wait':>9} {'fit total':>10} {'vs keras async':>15}")
+    print(f"\n{r0['params'] / 1e6:.2f}M parameters, {r0['state_mb']:.1f} MiB of state (weights + Adam), "
+          f"{r0['devices']} devices, {args.steps} steps, a save every {args.save_every} batches; "
+          f"peak above state from {r0['peak_kind']}")
+    by_name = {r["name"]: r for r in results}
+    sync, keras_async = by_name.get("keras_sync"), by_name.get("keras_async")
+    sync_mean = statistics.mean(sync["saves"]) if sync and sync["saves"] else float("nan")
+    print(f"{'callback':<17} {'mode':<7} {'saves':>5} {'block/save':>11} {'max':>8} {'vs keras sync':>14} "
+          f"{'peak above state':>17} {'end wait':>9} {'fit total':>10} {'vs keras async':>15}")
     for r in results:
         saves = r["saves"]
         mean = statistics.mean(saves) if saves else 0.0
-        print(f"{r['name']:<14} {len(saves):>5} {mean:>14.3f} s {max(saves or [0]):>6.3f} s "
-              f"{mean / sync_mean:>13.1%} {r['train_end_s']:>7.2f} s {r['fit_s']:>8.2f} s "
-              f"{r['fit_s'] / keras_async['fit_s']:>14.2f}x")
+        vs_async = r["fit_s"] / keras_async["fit_s"] if keras_async else float("nan")
+        print(f"{r['name']:<17} {','.join(r['modes']) or '-':<7} {len(saves):>5} {mean:>9.3f} s "
+              f"{max(saves or [0]):>6.3f} s {mean / sync_mean:>13.1%} {r['peak_above_mb']:>13.1f} MiB "
+              f"{r['train_end_s']:>7.2f} s {r['fit_s']:>8.2f} s {vs_async:>14.2f}x")
     for r in results:
         if r["saves"]:
             waits = f"; of which waiting for the previous save: {', '.join(f'{w:.3f}' for w in r['waits'])}" if r["waits"] else ""

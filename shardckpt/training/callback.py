@@ -4,8 +4,10 @@ A drop-in for `keras.callbacks.OrbaxCheckpoint` (same arguments, same meaning,
 same on-disk layout: an `ocp.training.Checkpointer` root whose steps hold the
 "pytree" state tree, plus "model_config"/"assets" for full saves), with:
 
-* Background saves that block training only for a device-side snapshot
-  (`snapshot.py`); Orbax writes it on one worker thread. At most one save is in
+* Background saves that block training only for a snapshot of the state
+  (`snapshot.py`: an on-device copy, or a copy to pinned host memory in pieces
+  of bounded size when the devices have no room for one); Orbax writes it on
+  one worker thread. At most one save is in
   flight: when the next is due while one is still writing, the training thread
   waits for it, and the wait is logged (`logging` WARNING, and
   `save_waits_s`). Errors of a background save are raised as
@@ -14,6 +16,9 @@ same on-disk layout: an `ocp.training.Checkpointer` root whose steps hold the
   step, epoch, logs, versions, mesh and layout) and "data_iterator" (the
   position of every process's iterator after the batches trained on).
 * Retention by latest N, best N by `monitor`, and every `keep_period` steps.
+* Preemption: on SIGTERM (or JAX's preemption notice with several
+  processes), a save at the next step boundary, committed before `fit` stops
+  cleanly (`preemption.py`).
 * Resume: `fit` restores the latest committed step (all model, optimizer,
   metric and seed-generator variables, iterator position, epoch and position in
   the epoch) and continues bit-identically to an uninterrupted run.
@@ -40,8 +45,9 @@ import orbax.checkpoint.experimental.v1 as ocp
 from shardckpt import _keras
 from shardckpt._keras import MonitorCallback
 from shardckpt.errors import BackgroundSaveError
-from shardckpt.training import iterators, resume, retention, snapshot
+from shardckpt.training import iterators, preemption, resume, retention
 from shardckpt.training import metadata as metadata_lib
+from shardckpt.training import snapshot as snapshot_lib
 
 _log = logging.getLogger("shardckpt")
 
@@ -57,7 +63,7 @@ class OrbaxCheckpoint(MonitorCallback):
     `save_freq="epoch"`, the number of batches trained for an integer
     `save_freq`. `keep_period` counts in the same unit.
 
-    Resume (`resume=True`): at the start of `fit`, if `directory` holds a
+    Resume (`resume=True`, opt-in as Keras' callback never resumes): at the start of `fit`, if `directory` holds a
     committed step, it is restored and `fit` continues after it. A step saved
     in the middle of an epoch resumes in that epoch: only its remaining
     batches run (the callback stops the shortened epoch with
@@ -67,12 +73,23 @@ class OrbaxCheckpoint(MonitorCallback):
     `data_iterator`. With array inputs an epoch restarts from its first
     batch, as with `keras.callbacks.BackupAndRestore`.
 
+    Preemption (`save_on_preemption=True`, the default): while `fit` runs, a
+    SIGTERM (the notice of spot VMs and cluster schedulers) or, with several
+    processes, JAX's preemption notice makes the callback save at the next
+    step boundary (all processes agree on it), wait until that step is
+    committed, and stop `fit` cleanly; `preempted_step` then names the step.
+    The save happens whatever `save_best_only` says: it is the state to resume
+    from. With `save_freq="epoch"` a step saved in the middle of epoch `e` is
+    named `e`; a resumed run replaces it with the full epoch's step `e`. The
+    previous SIGTERM handler is back when `fit` ends; a second SIGTERM goes to
+    it (by default: the process ends at once).
+
     Example:
 
     ```python
     ckpt = shardckpt.OrbaxCheckpoint(
         "ckpts/", save_freq=100, max_to_keep=3, keep_best=1,
-        metadata={"run": "exp-7"}, data_iterator=it)
+        metadata={"run": "exp-7"}, data_iterator=it, resume=True)
     model.fit(ckpt.batches(), steps_per_epoch=500, epochs=10, callbacks=[ckpt])
     ```
 
@@ -84,7 +101,8 @@ class OrbaxCheckpoint(MonitorCallback):
         mode: "auto", "min" or "max": the direction of `monitor`.
         save_freq: "epoch", or save every this many batches.
         initial_value_threshold: Initial "best" value for `save_best_only`.
-        max_to_keep: Keep the latest N steps (None: keep every step).
+        max_to_keep: Keep the latest N steps (None: keep every step). 1 by
+            default, as in Keras' callback.
         save_on_background: Write in the background (training waits only for a
             snapshot). False: each save is written before training goes on.
         save_weights_only: Save trainable and non-trainable variables only
@@ -95,11 +113,25 @@ class OrbaxCheckpoint(MonitorCallback):
         metadata: A JSON dict, or a callable `(epoch, logs) -> dict`, saved under
             "user" in each step's metadata.
         data_iterator: An object with `get_state()` / `set_state(state)`.
-        resume: Restore the latest committed step when `fit` starts.
+        resume: Restore the latest committed step when `fit` starts. Off by
+            default: Keras' callback never restores, and a second `fit` in
+            the same directory trains and saves new steps as it does there.
         compression: zstd-compress array chunks as Keras' callback does. Off by
             default: float training state shrinks ~10% while compression took
             about a third of a background save's CPU time (tools/bench_save.py);
             readers (Keras, Orbax, shardckpt) handle both.
+        save_on_preemption: Save and stop at the next step boundary on a
+            preemption notice (see above).
+        snapshot: How a background save copies the state before training
+            goes on: "device" (an on-device copy, the least blocking, one
+            extra state of device memory until written), "host" (off the
+            devices piece by piece into pinned host memory, device memory
+            above the state within `snapshot_budget_bytes`, training waits for
+            the transfer), or "auto": "device" only when `memory_stats()` of
+            every device shows room for it. `snapshot_modes` lists the mode of
+            each save, and each step's metadata has it under "snapshot".
+        snapshot_budget_bytes: Host mode's piece size, and the room "auto"
+            keeps free beside an on-device copy (256 MiB).
 
     Raises:
         ValueError: an argument is out of range.
@@ -116,7 +148,7 @@ class OrbaxCheckpoint(MonitorCallback):
         mode: str = "auto",
         save_freq: str | int = "epoch",
         initial_value_threshold: float | None = None,
-        max_to_keep: int | None = None,
+        max_to_keep: int | None = 1,
         save_on_background: bool = True,
         save_weights_only: bool = False,
         *,
@@ -124,12 +156,20 @@ class OrbaxCheckpoint(MonitorCallback):
         keep_period: int | None = None,
         metadata: dict[str, Any] | Callable[[int, dict], dict] | None = None,
         data_iterator: Any = None,
-        resume: bool = True,
+        resume: bool = False,
         compression: bool = False,
+        save_on_preemption: bool = True,
+        snapshot: str = "auto",
+        snapshot_budget_bytes: int = snapshot_lib.DEFAULT_BUDGET_BYTES,
     ) -> None:
         super().__init__(monitor, mode, initial_value_threshold)
         if save_freq != "epoch" and (not isinstance(save_freq, int) or isinstance(save_freq, bool) or save_freq < 1):
             raise ValueError(f"Unrecognized save_freq: {save_freq}. Expected save_freq are 'epoch' or integer values")
+        if snapshot not in snapshot_lib.MODES:
+            raise ValueError(f"snapshot must be one of {snapshot_lib.MODES}. Received: snapshot={snapshot!r}")
+        if not isinstance(snapshot_budget_bytes, int) or isinstance(snapshot_budget_bytes, bool) or snapshot_budget_bytes < 1:
+            raise ValueError(
+                f"snapshot_budget_bytes must be a positive integer. Received: {snapshot_budget_bytes!r}")
         if metadata is not None and not (isinstance(metadata, dict) or callable(metadata)):
             raise TypeError(
                 "metadata must be a JSON dict or a callable (epoch, logs) -> dict. "
@@ -162,6 +202,14 @@ class OrbaxCheckpoint(MonitorCallback):
         self.save_blocking_s: list[float] = []
         self.save_waits_s: list[float] = []
         self.compression = compression
+        self.save_on_preemption = save_on_preemption
+        self.snapshot = snapshot
+        self.snapshot_budget_bytes = snapshot_budget_bytes
+        self.snapshot_mode_used: str | None = None
+        self.snapshot_modes: list[str] = []
+        self.preempted_step: int | None = None
+        self.preemption_mode = "off"
+        self._watch = preemption.PreemptionWatch()
         self._context = _json_context(compression=compression)
         self._executor: concurrent.futures.ThreadPoolExecutor | None = None
         self._pending: Any = None  # Future (worker) or Orbax AsyncResponse
@@ -225,6 +273,12 @@ class OrbaxCheckpoint(MonitorCallback):
         step_dir = resume.latest_step_dir(self.directory) if self.resume else None
         if step_dir is not None:
             self._resume_from(step_dir)
+        self.preempted_step = None
+        if self.save_on_preemption:
+            self._watch.start()
+        # How a notice is seen in this fit: "signal", "jax" (JAX's preemption
+        # service, several processes), "signal+allgather", or "off".
+        self.preemption_mode = self._watch.mode
 
     def on_epoch_begin(self, epoch: int, logs: dict | None = None) -> None:
         self._epoch = epoch
@@ -239,6 +293,12 @@ class OrbaxCheckpoint(MonitorCallback):
                     variable.assign(value)
 
     def on_train_batch_end(self, batch: int, logs: dict | None = None) -> None:
+        self._scheduled_batch_end(batch, logs)
+        self._batch_ends += 1
+        if self.save_on_preemption and self._watch.reached(self._batch_ends):
+            self._save_for_preemption(logs)
+
+    def _scheduled_batch_end(self, batch: int, logs: dict | None) -> None:
         if self._last_batch_seen is None or batch <= self._last_batch_seen:
             add = batch + 1
         else:
@@ -265,6 +325,10 @@ class OrbaxCheckpoint(MonitorCallback):
         self._save(self._total_batches_seen, logs, epoch_complete=complete)
 
     def on_epoch_end(self, epoch: int, logs: dict | None = None) -> None:
+        if self.preempted_step is not None:
+            # Saved and committed already; fit must stop after this epoch.
+            self._model.stop_training = True
+            return
         if self._stopped_epoch_early:
             self._model.stop_training = False
             self._stopped_epoch_early = False
@@ -276,6 +340,7 @@ class OrbaxCheckpoint(MonitorCallback):
         self._save(epoch, logs, epoch_complete=True)
 
     def on_train_end(self, logs: dict | None = None) -> None:
+        self._watch.stop()
         _keras.set_initial_epoch(self._model, self._previous_initial_epoch)
         try:
             self._finish_pending()
@@ -299,11 +364,36 @@ class OrbaxCheckpoint(MonitorCallback):
 
     # ---- saving ------------------------------------------------------------
 
+    def _save_for_preemption(self, logs: dict | None) -> None:
+        """Saves the state after this batch, waits for the commit, stops fit."""
+        complete = bool(self._steps_per_epoch) and self._batch_in_epoch >= self._steps_per_epoch
+        step = self._epoch if self.save_freq == "epoch" else self._total_batches_seen
+        if step != self._last_saved_step or step == self._replace_step:
+            # (A scheduled save of this very batch already holds the state.)
+            self._save(step, logs, epoch_complete=complete)
+        self._finish_pending()
+        self.checkpointer.wait()
+        _sync("shardckpt_preemption_save")
+        self.preempted_step = step
+        self._model.stop_training = True
+        message = f"preemption notice: step {step} committed to {self.directory}; fit stops."
+        _log.warning("OrbaxCheckpoint: %s", message)
+        if self.verbose > 0:
+            print(f"OrbaxCheckpoint: {message}")
+
     def _save(self, step: int, logs: dict | None, *, epoch_complete: bool) -> None:
         start = time.perf_counter()
         self._finish_pending(waiting_for=step)
+        if step == self._replace_step:
+            # The mid-epoch step this run resumed from (save_freq="epoch" names
+            # it by its epoch): Orbax never overwrites a step, so it goes first.
+            self.checkpointer.delete(step)
+            self._replace_step = None
+        self._last_saved_step = step
         model = self.model  # Callback.model syncs the JAX state into the variables
-        tree = snapshot.snapshot_state(model, weights_only=self.save_weights_only)
+        tree, self.snapshot_mode_used = snapshot_lib.snapshot_state(
+            model, weights_only=self.save_weights_only, mode=self.snapshot, budget_bytes=self.snapshot_budget_bytes)
+        self.snapshot_modes.append(self.snapshot_mode_used)
         payload: dict[str, Any] = {resume.ARRAYS_ITEM: tree}
         if not self.save_weights_only:
             payload["model_config"] = {"config": self._model_config}
@@ -315,7 +405,7 @@ class OrbaxCheckpoint(MonitorCallback):
         meta = self._metadata(step, epoch_complete)
         if self._tracker is not None:
             state = self._tracker.state_after(self._fit_batches)
-            payload[resume.ITERATOR_ITEM] = {"process_states": iterators.gather_json(state)}
+            payload[resume.ITERATOR_ITEM] = {"process_states": iterators.gather_json(iterators.encode_state(state))}
         if not self.save_on_background:
             self._write(step, payload, meta, logs, user, self.best)
         elif self._executor is not None:
@@ -380,6 +470,7 @@ class OrbaxCheckpoint(MonitorCallback):
             "save_weights_only": self.save_weights_only,
             "versions": metadata_lib.versions(),
             "layout": self._layout,
+            "snapshot": self.snapshot_mode_used,
         }
 
     def _improved(self, logs: dict | None, where: str) -> bool:
@@ -414,6 +505,12 @@ class OrbaxCheckpoint(MonitorCallback):
             return
         _keras.set_initial_epoch(self._model, info.next_epoch)
         self._total_batches_seen = int(meta.get("total_batches") or 0)
+        self._last_saved_step = info.step
+        if self.save_freq != "epoch":
+            # Saves fall on the same batches as in the uninterrupted run.
+            self._batches_since_save = self._total_batches_seen % self.save_freq
+        elif not info.epoch_complete:
+            self._replace_step = info.step
         if meta.get("best") is not None and not isinstance(meta["best"], str):
             self.best = float(meta["best"])
         if not info.epoch_complete:
@@ -451,6 +548,9 @@ class OrbaxCheckpoint(MonitorCallback):
         self._resume_offset = 0
         self._resume_metrics: list[np.ndarray] | None = None
         self._stopped_epoch_early = False
+        self._batch_ends = 0
+        self._last_saved_step: int | None = None
+        self._replace_step: int | None = None
         params = getattr(self, "params", None) or {}
         self._steps_per_epoch = params.get("steps")
         model = getattr(self, "_model", None)

@@ -11,6 +11,7 @@ order they were pulled, which is all this relies on.
 
 from __future__ import annotations
 
+import base64
 import collections
 import json
 from collections.abc import Callable, Iterator
@@ -18,6 +19,69 @@ from typing import Any
 
 import jax
 import numpy as np
+
+from shardckpt.errors import IteratorStateError
+
+# Tags of values JSON cannot hold as themselves. A dict holding a key with this
+# prefix is stored as a list of items, so a user's key is never read as a tag.
+_TAG = "__shardckpt_"
+_BYTES, _TUPLE, _ITEMS = _TAG + "bytes_b64__", _TAG + "tuple__", _TAG + "dict_items__"
+
+
+def encode_state(state: Any, where: str = "state") -> Any:
+    """Returns `state` as a JSON value that `decode_state` turns back into it.
+
+    Args:
+        state: What an iterator's `get_state()` returned.
+        where: The position inside the state, for the error message.
+
+    Raises:
+        IteratorStateError: a value of another type (a set, an object...).
+    """
+    if state is None or isinstance(state, (bool, str)):
+        return state
+    if isinstance(state, (int, float)) and type(state) in (int, float):
+        return state
+    if isinstance(state, np.generic) and isinstance(state.item(), (bool, int, float)):
+        # grain counters may be numpy scalars; their value is what set_state needs.
+        return state.item()
+    if isinstance(state, (bytes, bytearray)):
+        return {_BYTES: base64.b64encode(bytes(state)).decode("ascii")}
+    if isinstance(state, tuple):
+        return {_TUPLE: [encode_state(v, f"{where}[{i}]") for i, v in enumerate(state)]}
+    if isinstance(state, list):
+        return [encode_state(v, f"{where}[{i}]") for i, v in enumerate(state)]
+    if isinstance(state, dict):
+        if all(isinstance(k, str) and not k.startswith(_TAG) for k in state):
+            return {k: encode_state(v, f"{where}[{k!r}]") for k, v in state.items()}
+        return {_ITEMS: [[encode_state(k, f"{where} key"), encode_state(v, f"{where}[{k!r}]")]
+                         for k, v in state.items()]}
+    raise IteratorStateError(
+        f"The data iterator's get_state() holds a {type(state).__name__} at {where}, which "
+        "cannot be stored exactly. Fix: return bytes, str, numbers, bool, None, lists, "
+        "tuples or dicts of these from get_state() (as grain's iterators do)."
+    )
+
+
+def decode_state(value: Any) -> Any:
+    """The inverse of `encode_state`."""
+    if isinstance(value, list):
+        return [decode_state(v) for v in value]
+    if isinstance(value, dict):
+        if len(value) == 1:
+            (key, inner), = value.items()
+            if key == _BYTES:
+                return base64.b64decode(inner.encode("ascii"))
+            if key == _TUPLE:
+                return tuple(decode_state(v) for v in inner)
+            if key == _ITEMS:
+                return {_hashable(decode_state(k)): decode_state(v) for k, v in inner}
+        return {k: decode_state(v) for k, v in value.items()}
+    return value
+
+
+def _hashable(key: Any) -> Any:
+    return tuple(_hashable(k) for k in key) if isinstance(key, (list, tuple)) else key
 
 
 def check_iterator(data_iterator: Any) -> None:
@@ -36,7 +100,7 @@ class IteratorTracker:
 
     Args:
         data_iterator: An iterator with `get_state()` / `set_state(state)`;
-            states must be JSON-serialisable.
+            states as `encode_state` takes them.
         on_first_pull: Called once, before the first batch is pulled (the
             callback restores a resumed position there).
     """

@@ -20,6 +20,7 @@ from shardckpt.formats.orbax.ondisk import (  # noqa: F401  (the callback's name
     read_json_item,
 )
 from shardckpt.restore import LoadReport, load_sharded
+from shardckpt.training.iterators import decode_state
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -68,7 +69,8 @@ def iterator_state_for_process(item: Any, process_index: int) -> Any:
             f"is process {process_index}. Fix: resume with the same number of "
             "processes, or set the iterator position yourself."
         )
-    return states[process_index]
+    # Tagged bytes/tuples (see iterators.encode_state) become themselves again.
+    return decode_state(states[process_index])
 
 
 def build_optimizer(model: Any) -> None:

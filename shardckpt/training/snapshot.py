@@ -1,12 +1,25 @@
-"""A device-side copy of a model's state tree, safe to save in the background.
+"""A copy of a model's state tree, safe to save in the background.
 
 Keras' JAX train step donates its state buffers: the arrays a callback reads
 from the model at batch end are freed by the next step. A background save must
-therefore write a copy that nobody donates. The copy is one jitted program
-(`jnp.copy` of every leaf, outputs in the inputs' shardings) dispatched
-asynchronously: the training thread pays only the dispatch, and the device
-makes the copy before it runs the next step, which reads the same buffers.
-The copy costs one extra state's worth of device memory until it is written.
+therefore write a copy that nobody donates. Two ways to make it (`MODES`):
+
+* "device": one jitted program (`jnp.copy` of every leaf, outputs in the
+  inputs' shardings) dispatched asynchronously: the training thread pays only
+  the dispatch, and the device makes the copy before it runs the next step.
+  It costs one extra state's worth of device memory until the write ends
+  (weights plus Adam's two slots: 3x the weights).
+* "host": the state goes off the devices piece by piece, each piece at most
+  `budget_bytes`, into host memory through JAX memory kinds ("pinned_host",
+  the memory kind accelerators copy to directly), keeping every array's
+  sharding. Each piece is awaited before the next starts, so device memory
+  above the training state stays within the budget, and the training thread
+  waits for the whole copy (the device-to-host transfer time).
+
+"auto" takes "device" only when every local device reports (via
+`Device.memory_stats()`) room for its share of the state plus the budget, and
+"host" otherwise, including where devices report nothing (CPU: there device
+and host memory are the same RAM and the on-device copy has no room to check).
 """
 
 from __future__ import annotations
@@ -17,6 +30,9 @@ import jax
 import jax.numpy as jnp
 
 from shardckpt.state import collections
+
+MODES = ("auto", "device", "host")
+DEFAULT_BUDGET_BYTES = 256 * 2**20
 
 
 def _copy_leaves(values: list[jax.Array]) -> list[jax.Array]:
@@ -45,34 +61,119 @@ def nest(paths: list[str], values: list[Any]) -> dict[str, Any]:
     return tree
 
 
-def snapshot_state(model: Any, *, weights_only: bool = False) -> dict[str, Any]:
-    """Returns a copy of `model.get_state_tree()` in fresh device buffers.
+def _per_device_bytes(values: list[jax.Array]) -> dict[Any, int]:
+    """Bytes of `values` held by each local device (its shards)."""
+    held: dict[Any, int] = {}
+    for value in values:
+        for shard in value.addressable_shards:
+            held[shard.device] = held.get(shard.device, 0) + shard.data.nbytes
+    return held
 
-    The copy keeps every array's sharding. It is dispatched, not awaited: the
-    call returns as soon as the copy is enqueued.
+
+def choose_mode(values: list[jax.Array], mode: str, budget_bytes: int) -> str:
+    """Resolves "auto" to "device" or "host" (see the module docstring).
+
+    Args:
+        values: The arrays to copy.
+        mode: One of `MODES`.
+        budget_bytes: Device memory allowed above the state.
+
+    Returns:
+        "device" or "host".
+    """
+    if mode != "auto":
+        return mode
+    for device, need in _per_device_bytes(values).items():
+        stats = device.memory_stats()
+        if not stats or "bytes_limit" not in stats:
+            return "host"
+        free = int(stats["bytes_limit"]) - int(stats.get("bytes_in_use", 0))
+        if need + budget_bytes > free:
+            return "host"
+    return "device"
+
+
+def _host_kind(value: jax.Array) -> str | None:
+    """The host memory kind `value`'s devices copy to, or None if they have none."""
+    device = next(iter(value.sharding.device_set))
+    kinds = {m.kind for m in device.addressable_memories()}
+    for kind in ("pinned_host", "unpinned_host"):
+        if kind in kinds:
+            return kind
+    return None
+
+
+def _to_host(values: list[jax.Array], budget_bytes: int) -> list[Any]:
+    """Copies `values` to host memory in pieces of at most `budget_bytes`.
+
+    An array larger than the budget is one piece. Devices without a host
+    memory kind get `jax.device_get` (numpy) per piece.
+    """
+    out: list[Any] = [None] * len(values)
+    piece: list[int] = []
+    size = 0
+
+    def flush() -> None:
+        nonlocal piece, size
+        if not piece:
+            return
+        arrays = [values[i] for i in piece]
+        kind = _host_kind(arrays[0])
+        if kind is None or any(_host_kind(a) != kind for a in arrays):
+            copies = [jax.device_get(a) for a in arrays]
+        else:
+            copies = jax.device_put(arrays, [a.sharding.with_memory_kind(kind) for a in arrays])
+            jax.block_until_ready(copies)  # the piece is off the devices before the next starts
+        for i, copy in zip(piece, copies):
+            out[i] = copy
+        piece, size = [], 0
+
+    for i, value in enumerate(values):
+        nbytes = value.nbytes
+        if piece and size + nbytes > budget_bytes:
+            flush()
+        piece.append(i)
+        size += nbytes
+    flush()
+    return out
+
+
+def snapshot_state(
+    model: Any, *, weights_only: bool = False, mode: str = "device", budget_bytes: int = DEFAULT_BUDGET_BYTES,
+) -> tuple[dict[str, Any], str]:
+    """Returns a copy of `model.get_state_tree()` safe from donation, and its mode.
+
+    The copy keeps every array's sharding. In "device" mode it is dispatched,
+    not awaited: the call returns as soon as the copy is enqueued. In "host"
+    mode the call returns when the state is in host memory.
 
     Example:
 
     ```python
-    tree = snapshot_state(model)        # cheap; training may go on
+    tree, mode = snapshot_state(model)  # cheap; training may go on
     checkpointer.save_checkpointables(step, {"pytree": tree})
     ```
 
     Args:
         model: A built Keras model (JAX backend) whose variables hold values.
         weights_only: Only trainable and non-trainable variables.
+        mode: "device", "host" or "auto" (see the module docstring).
+        budget_bytes: Host mode's piece size, and the room "auto" wants
+            free on every device beside the copy.
 
     Returns:
-        `{collection: nested {path part: jax.Array}}`, the layout of
-        `Model.get_state_tree()`.
+        (`{collection: nested {path part: array}}`, the layout of
+        `Model.get_state_tree()`; the mode used, "device" or "host").
     """
     groups = collections(model, weights_only=weights_only)
     variables = [v for group in groups.values() for v in group]
-    copies = _copy([v.value for v in variables])
+    values = [v.value for v in variables]
+    used = choose_mode(values, mode, budget_bytes)
+    copies = _copy(values) if used == "device" else _to_host(values, budget_bytes)
     tree: dict[str, Any] = {}
     start = 0
     for name, group in groups.items():
         part = copies[start : start + len(group)]
         start += len(group)
         tree[name] = nest([v.path for v in group], part)
-    return tree
+    return tree, used

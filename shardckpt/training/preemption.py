@@ -1,0 +1,131 @@
+"""Noticing a preemption and agreeing, across processes, on the step to stop at.
+
+Spot VMs and cluster schedulers send SIGTERM some seconds before they kill a
+job. `PreemptionWatch` turns that notice into a step at which every process
+saves and stops:
+
+* One process: a SIGTERM handler, installed for the duration of `fit` only,
+  sets a flag; the callback reads it at each step boundary.
+* Several processes with JAX's preemption service (`jax.distributed` starts it
+  by default, `jax_enable_preemption_service`): JAX catches the signal itself
+  and `multihost_utils.reached_preemption_sync_point` names the same step on
+  every process. No Python handler is installed (it would replace JAX's).
+* Several processes without it: the local flags are all-gathered at each step
+  boundary (`process_allgather`, XLA runs the collective), so all processes see
+  the same answer at the same step.
+
+A second SIGTERM while the first is being handled gives the signal back to
+the previous handler (by default: terminate), so a job whose save hangs, or
+whose `fit` ended by an exception before the handler was removed, can still be
+stopped.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import threading
+from typing import Any
+
+import jax
+import numpy as np
+
+_log = logging.getLogger("shardckpt")
+
+
+def _jax_sync_manager() -> Any:
+    """JAX's preemption sync manager, or None when this run has none."""
+    if jax.process_count() == 1:
+        return None
+    from jax._src import (
+        distributed,  # the manager's only handle; multihost_utils reads it the same way
+    )
+
+    state = distributed.global_state
+    return state.preemption_sync_manager if state.client is not None else None
+
+
+class PreemptionWatch:
+    """Watches for a preemption notice during one `fit`.
+
+    Args:
+        signals: The signals taken as a preemption notice.
+
+    Example:
+
+    ```python
+    watch = PreemptionWatch()
+    watch.start()
+    try:
+        for step in steps:
+            train(step)
+            if watch.reached(step):
+                save_and_stop()
+    finally:
+        watch.stop()
+    ```
+    """
+
+    def __init__(self, signals: tuple[int, ...] = (signal.SIGTERM,)) -> None:
+        self.signals = signals
+        self.notice = threading.Event()
+        self._previous: dict[int, Any] = {}
+        self._jax = None
+        self.mode = "off"
+
+    def start(self) -> None:
+        """Installs the handlers (or attaches to JAX's preemption service)."""
+        self.notice.clear()
+        self._jax = _jax_sync_manager()
+        if self._jax is not None:
+            self.mode = "jax"
+            return
+        if threading.current_thread() is not threading.main_thread():
+            # Python only lets the main thread install signal handlers.
+            _log.warning("OrbaxCheckpoint: fit runs outside the main thread; no save on SIGTERM.")
+            self.mode = "off"
+            return
+        for sig in self.signals:
+            self._previous[sig] = signal.signal(sig, self._handle)
+        self.mode = "signal" if jax.process_count() == 1 else "signal+allgather"
+
+    def stop(self) -> None:
+        """Puts back the handlers that were there before `start`."""
+        for sig, previous in self._previous.items():
+            signal.signal(sig, previous)
+        self._previous = {}
+        self._jax = None
+        self.mode = "off"
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        if self.notice.is_set():
+            # Second notice: whoever sends it wants the process gone now.
+            previous = self._previous.get(signum, signal.SIG_DFL)
+            self.stop()
+            if callable(previous):
+                previous(signum, frame)
+            else:
+                signal.signal(signum, previous)
+                os.kill(os.getpid(), signum)
+            return
+        self.notice.set()
+        _log.warning("OrbaxCheckpoint: %s received; saving at the next step boundary, then stopping fit.",
+                     signal.Signals(signum).name)
+
+    def reached(self, step: int) -> bool:
+        """True at the step where every process must save and stop.
+
+        Must be called at every step boundary, on every process, with the same
+        increasing `step` (the callback passes its count of batch-end calls).
+        """
+        if self._jax is not None:
+            from jax.experimental import multihost_utils
+
+            return bool(multihost_utils.reached_preemption_sync_point(step))
+        if self.mode == "signal+allgather":
+            from jax.experimental import multihost_utils
+
+            flags = multihost_utils.process_allgather(np.array([self.notice.is_set()], np.int32))
+            return bool(np.max(flags))
+        return self.notice.is_set()

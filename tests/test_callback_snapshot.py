@@ -1,0 +1,90 @@
+"""Snapshot modes of `OrbaxCheckpoint`: the on-device copy, the bounded copy to
+host memory, and "auto"'s choice; each restores bit-exact with its sharding."""
+
+from __future__ import annotations
+
+import jax
+import keras
+import numpy as np
+import pytest
+
+from shardckpt.info import inspect
+from shardckpt.training import OrbaxCheckpoint, restore_latest
+from shardckpt.training import snapshot as snapshot_lib
+
+
+def _distribution() -> keras.distribution.ModelParallel:
+    mesh = keras.distribution.DeviceMesh((2, 4), ["data", "model"])
+    layout_map = keras.distribution.LayoutMap(mesh)
+    layout_map["hidden/kernel"] = (None, "model")
+    layout_map["head/kernel"] = ("model", None)
+    return keras.distribution.ModelParallel(layout_map=layout_map, batch_dim_name="data")
+
+
+def _model(seed: int = 0) -> keras.Model:
+    keras.utils.set_random_seed(seed)
+    inputs = keras.Input((6,), name="x")
+    h = keras.layers.Dense(32, activation="relu", name="hidden")(inputs)
+    outputs = keras.layers.Dense(1, name="head")(h)
+    model = keras.Model(inputs, outputs, name="small")
+    model.compile(optimizer=keras.optimizers.Adam(name="adam"), loss="mse", metrics=["mae"])
+    return model
+
+
+def _values(model) -> dict:
+    return {f"{g}/{v.path}": v.value for g in ("trainable_variables", "non_trainable_variables", "metrics_variables")
+            for v in getattr(model, g)} | {f"optimizer_variables/{v.path}": v.value for v in model.optimizer.variables}
+
+
+def test_host_snapshot_is_in_host_memory_in_the_same_sharding():
+    keras.distribution.set_distribution(_distribution())
+    model = _model()
+    model.fit(np.ones((16, 6), "float32"), np.ones((16, 1), "float32"), batch_size=8, verbose=0)
+    tree, used = snapshot_lib.snapshot_state(model, mode="host", budget_bytes=512)
+    assert used == "host"
+    kernel = tree["trainable_variables"]["hidden"]["kernel"]
+    source = model.get_layer("hidden").kernel.value
+    assert kernel.sharding.memory_kind == "pinned_host" and source.sharding.memory_kind == "device"
+    assert kernel.sharding.spec == source.sharding.spec == jax.sharding.PartitionSpec(None, "model")
+    np.testing.assert_array_equal(np.asarray(kernel), np.asarray(source))
+    copy, used = snapshot_lib.snapshot_state(model, mode="device")
+    assert used == "device" and copy["trainable_variables"]["hidden"]["kernel"].sharding == source.sharding
+    # CPU devices report no memory statistics: "auto" takes the mode that needs no room.
+    assert jax.devices()[0].memory_stats() is None
+    assert snapshot_lib.choose_mode([source], "auto", 1) == "host"
+
+
+@pytest.mark.parametrize("mode, expected", [("auto", "host"), ("host", "host"), ("device", "device")])
+def test_each_snapshot_mode_saves_and_resumes_bit_exact(tmp_path, mode, expected):
+    keras.distribution.set_distribution(_distribution())
+    model = _model()
+    x = np.random.default_rng(1).standard_normal((32, 6)).astype("float32")
+    y = np.random.default_rng(2).standard_normal((32, 1)).astype("float32")
+    # A budget of 1 KiB: the host copy goes in many pieces.
+    ckpt = OrbaxCheckpoint(str(tmp_path), save_freq=2, snapshot=mode, snapshot_budget_bytes=1024)
+    model.fit(x, y, batch_size=8, epochs=2, callbacks=[ckpt], verbose=0, shuffle=False)
+    ckpt.wait_until_finished()
+    assert ckpt.snapshot_modes == [expected] * 4 and ckpt.snapshot_mode_used == expected
+    meta = inspect(str(tmp_path)).metadata
+    assert meta["snapshot"] == expected and meta["step"] == 8
+    trained = {k: np.asarray(v) for k, v in _values(model).items()}
+    shardings = {k: v.sharding for k, v in _values(model).items()}
+
+    keras.backend.clear_session()
+    keras.distribution.set_distribution(_distribution())
+    fresh = _model(seed=7)
+    fresh.evaluate(x[:8], y[:8], verbose=0)  # builds the metrics variables
+    restore_latest(fresh, str(tmp_path))
+    got = _values(fresh)
+    assert sorted(got) == sorted(trained)
+    for key, value in got.items():
+        np.testing.assert_array_equal(np.asarray(value), trained[key], err_msg=key)
+        assert value.sharding == shardings[key], key
+        assert value.sharding.memory_kind == "device", key
+
+
+def test_bad_snapshot_arguments(tmp_path):
+    with pytest.raises(ValueError, match="snapshot must be one of"):
+        OrbaxCheckpoint(str(tmp_path), snapshot="gpu")
+    with pytest.raises(ValueError, match="snapshot_budget_bytes"):
+        OrbaxCheckpoint(str(tmp_path), snapshot_budget_bytes=0)

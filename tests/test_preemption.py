@@ -1,0 +1,181 @@
+"""Preemption: SIGTERM makes `OrbaxCheckpoint` save at the next step boundary,
+wait for the commit and stop `fit` cleanly; a rerun ends bit-identical to an
+uninterrupted run."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import keras
+import numpy as np
+import pytest
+
+from shardckpt.info import inspect
+from shardckpt.training import OrbaxCheckpoint, restore_latest
+from tests.test_resume_kill import (
+    EPOCHS,
+    STEPS,
+    Server,
+    _args,
+    _compare,
+    _load,
+    _progress,
+    _wait_for_line,
+)
+
+
+class _SigtermAt(keras.callbacks.Callback):
+    """Sends this process a SIGTERM at the end of batch number `n` (from 1)."""
+
+    def __init__(self, n: int) -> None:
+        super().__init__()
+        self.n, self.seen = n, 0
+
+    def on_train_batch_end(self, batch, logs=None):
+        self.seen += 1
+        if self.seen == self.n:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+
+class _Batches:
+    """Endless deterministic batches with get_state/set_state."""
+
+    def __init__(self) -> None:
+        self.x = np.random.default_rng(0).standard_normal((32, 6)).astype("float32")
+        self.n = 0
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        i = (self.n * 8) % 32
+        self.n += 1
+        return self.x[i : i + 8], np.ones((8, 1), "float32")
+
+    def get_state(self):
+        return {"n": self.n}
+
+    def set_state(self, state):
+        self.n = state["n"]
+
+
+def _model() -> keras.Model:
+    keras.utils.set_random_seed(2)
+    # Explicit names: every model of a test has the same variable paths.
+    model = keras.Sequential([keras.Input((6,)), keras.layers.Dense(8, name="a"), keras.layers.Dense(1, name="b")],
+                             name="seq")
+    model.compile(optimizer=keras.optimizers.Adam(name="adam"), loss="mse")
+    return model
+
+
+@pytest.mark.parametrize("save_freq, expected_step", [(4, 6), ("epoch", 1)])
+def test_sigterm_saves_commits_and_stops_fit_in_process(tmp_path, save_freq, expected_step):
+    """In this very process: fit stops after batch 6 of 12, step committed, handler restored."""
+    previous = signal.getsignal(signal.SIGTERM)
+    data = _Batches()
+    ckpt = OrbaxCheckpoint(str(tmp_path), save_freq=save_freq, max_to_keep=3, data_iterator=data)
+    sender = _SigtermAt(6)  # before ckpt: the notice is there at ckpt's hook of batch 6
+    model = _model()
+    model.fit(ckpt.batches(), steps_per_epoch=4, epochs=3, callbacks=[sender, ckpt], verbose=0)
+    assert sender.seen == 6, "fit must stop at the step boundary after the notice"
+    assert ckpt.preempted_step == expected_step and ckpt.preemption_mode == "signal"
+    assert model.history.epoch == [0, 1]
+    assert signal.getsignal(signal.SIGTERM) is previous
+    info = inspect(str(tmp_path))
+    assert info.step == expected_step and info.incomplete == []
+    assert info.metadata["total_batches"] == 6 and info.metadata["batch"] == 2
+    assert info.metadata["epoch"] == 1 and info.metadata["epoch_complete"] is False
+    if save_freq == 4:
+        assert info.steps == [4, 6]
+    # The committed step holds the state fit stopped with.
+    stopped = [np.asarray(v.value) for v in model.trainable_variables + model.optimizer.variables]
+    check = _model()
+    restore_latest(check, str(tmp_path))
+    for want, v in zip(stopped, check.trainable_variables + check.optimizer.variables):
+        np.testing.assert_array_equal(np.asarray(v.value), want, err_msg=v.path)
+
+    # Resumed with resume=True, the run completes; with save_freq="epoch" the
+    # mid-epoch step 1 is replaced by the full epoch's step 1.
+    again = OrbaxCheckpoint(str(tmp_path), save_freq=save_freq, max_to_keep=3, resume=True,
+                            data_iterator=_Batches())
+    model2 = _model()
+    model2.fit(again.batches(), steps_per_epoch=4, epochs=3, callbacks=[again], verbose=0)
+    assert again.resumed.step == expected_step and again.preempted_step is None
+    meta = inspect(str(tmp_path)).metadata
+    assert meta["epoch"] == 2 and meta["epoch_complete"] is True and meta["total_batches"] == 12
+    if save_freq == "epoch":
+        assert inspect(str(tmp_path)).steps == [0, 1, 2]
+
+
+def test_sigterm_handler_is_only_installed_during_fit(tmp_path):
+    seen = []
+
+    def mine(signum, frame):
+        seen.append(signum)
+
+    previous = signal.signal(signal.SIGTERM, mine)
+    try:
+        ckpt = OrbaxCheckpoint(str(tmp_path), save_freq="epoch")
+        model = _model()
+        model.fit(np.ones((8, 6), "float32"), np.ones((8, 1), "float32"), epochs=1, callbacks=[ckpt], verbose=0)
+        assert signal.getsignal(signal.SIGTERM) is mine
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(0.05)
+        assert seen == [signal.SIGTERM] and ckpt.preempted_step is None
+        off = OrbaxCheckpoint(str(tmp_path / "off"), save_on_preemption=False)
+        model.fit(np.ones((8, 6), "float32"), np.ones((8, 1), "float32"), epochs=1,
+                  callbacks=[off, _SigtermAt(1)], verbose=0)
+        assert seen == [signal.SIGTERM] * 2 and off.preempted_step is None  # ours never ran
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    srv = Server(str(tmp_path_factory.mktemp("server") / "server.log"))
+    yield srv
+    srv.close()
+
+
+@pytest.mark.parametrize("save_freq", [4, "epoch"], ids=["every_4_batches", "every_epoch"])
+def test_sigterm_at_random_moments_then_rerun_is_bit_exact(server, tmp_path, save_freq):
+    """5 SIGTERM trials per save mode (10 in all): clean exit, committed step, exact rerun."""
+    cache = str(tmp_path / "jax_cache")
+    ref = _args(tmp_path, "ref", save_freq, cache)
+    pid = server.start(ref)
+    assert server.wait(pid) == 0, "the uninterrupted run failed; see the server log"
+    ref_arrays, ref_info = _load(ref["out"])
+
+    rng = np.random.default_rng(3030 if save_freq == 4 else 3031)
+    total = EPOCHS * STEPS
+    stopped_early = mid_epoch = 0
+    for trial in range(5):
+        args = _args(tmp_path, f"t{trial}", save_freq, cache)
+        pid = server.start(args)
+        marker = f"b {int(rng.integers(1, total - 2))}"
+        if _wait_for_line(args["progress"], marker, pid):
+            time.sleep(rng.uniform(0.0, 0.05))
+            os.kill(pid, signal.SIGTERM)
+        assert server.wait(pid) == 0, f"trial {trial}: SIGTERM must end the run cleanly"
+        _, info = _load(args["out"])
+        batches = [int(line[2:]) for line in _progress(args["progress"]) if line.startswith("b ")]
+        if info["preempted_step"] is not None:
+            assert max(batches) < total, f"trial {trial}: fit went on after the notice"
+            stopped_early += 1
+            names = os.listdir(args["dir"])
+            assert str(info["preempted_step"]) in names
+            assert not [n for n in names if ".orbax-checkpoint-tmp" in n], "the save must be committed"
+            meta = inspect(args["dir"]).metadata
+            assert meta["total_batches"] == max(batches), f"trial {trial}: saved at the step it stopped"
+            mid_epoch += not meta["epoch_complete"]
+
+        pid = server.start(args)  # same directory: resumes
+        assert server.wait(pid) == 0, f"trial {trial}: the rerun failed; see the server log"
+        arrays, info = _load(args["out"])
+        assert info["resumed_step"] is not None
+        _compare(arrays, info, ref_arrays, ref_info, f"trial {trial} ({marker})")
+    print(f"save_freq={save_freq}: stopped early {stopped_early}/5, mid-epoch {mid_epoch}")
+    assert stopped_early >= 4, "most notices must stop the run before its end"
+    assert mid_epoch >= 1, "at least one preemption save must fall in the middle of an epoch"
