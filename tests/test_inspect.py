@@ -27,7 +27,7 @@ def _model(compile: bool = True) -> keras.Model:
 
 def test_inspect_orbax_root_step_and_half_written_steps(tmp_path, capsys):
     model = _model()
-    ckpt = OrbaxCheckpoint(str(tmp_path), metadata={"note": "hello"})
+    ckpt = OrbaxCheckpoint(str(tmp_path), metadata={"note": "hello"}, max_to_keep=None)
     model.fit(np.ones((8, 5), "float32"), np.ones((8, 2), "float32"), epochs=2, verbose=0, callbacks=[ckpt])
     ckpt.wait_until_finished()
     # A killed save leaves a temporary folder: listed, never described.
