@@ -137,7 +137,7 @@ def test_accelerator_path_sends_whole_chunks_as_decoded(tmp_path):
     state = {v.path: np.asarray(v.value) for v in src.weights}
 
     def plan(model):
-        reader = open_reader(str(tmp_path / "ck"), cache_bytes=32 << 20)
+        reader = open_reader(str(tmp_path / "ck"))  # the chunk cache load_sharded uses
         report = engine.LoadReport(path=reader.path, format=reader.format)
         jobs, _ = engine.match_jobs(model, reader, report, True, resolve_layout(None))
         return reader, [strategies.Load.of(job, reader) for job in jobs]
