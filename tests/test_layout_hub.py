@@ -215,3 +215,30 @@ def test_bench_layout_smoke_runs_both_plans(capsys):
     assert any("Llama" in r and "shardckpt.auto_layout" in r for r in rows)
     assert any("Llama" in r and "keras-hub get_layout_map" in r for r in rows)
     assert any("GPT-2" in r and "none in keras-hub" in r for r in rows)
+
+
+def test_heads_the_axis_does_not_divide_keep_the_residual_stream_whole():
+    """4 heads on 8 devices: attention replicated, MLP split, every norm scale replicated.
+
+    An RMSNorm sums `x * x`, a tensor read nowhere else; counting that sum as
+    a contraction would let the attention output split the residual stream
+    along the hidden size (4 all-reduces and an all-gather per block measured).
+    """
+    import keras_hub
+
+    keras.backend.clear_session()
+    with shardckpt.lazy_init():
+        model = keras_hub.models.LlamaBackbone(
+            vocabulary_size=128, num_layers=1, num_query_heads=4, num_key_value_heads=4, hidden_dim=64,
+            intermediate_dim=128,
+        )
+    plan = auto_layout(model, (1, 8))
+    for p in plan.placements:
+        if "self_attention/" in p.path:
+            assert p.axes == (None,) * len(p.shape), p
+        elif p.path.endswith("scale"):
+            assert p.axes == (None,), p
+    assert plan["transformer_layer_0/feedforward_gate_dense/kernel"].axes == (None, M)
+    assert plan["transformer_layer_0/feedforward_output_dense/kernel"].axes == (M, None)
+    query = plan["transformer_layer_0/self_attention/query/kernel"]
+    assert query.source == "fallback" and "(4)" in query.reason

@@ -297,14 +297,16 @@ class _Planner:
         (the last of equals: the output features of a kernel), which is where
         a later column-parallel use (logits over the vocabulary) splits it.
         """
-        shape = value.shape
+        shape, param = value.shape, value.param
+        if param is None:  # not a variable
+            return
         dims = [d for d in range(len(shape)) if shape[d] > 1 and shape[d] % self.n == 0]
         if not dims:
-            self.decide(value.param, None, "not used by the traced forward pass, and no dimension divides: replicated")
+            self.decide(param, None, "not used by the traced forward pass, and no dimension divides: replicated")
             return
         dim = max(dims, key=lambda d: (shape[d], d))
         self.decide(
-            value.param,
+            param,
             dim,
             "not used by the traced forward pass (nothing to pair with): split along its largest dimension",
         )

@@ -23,6 +23,6 @@ class ExplainTable(Table):
 
     def __str__(self) -> str:
         width = None if sys.stdout.isatty() else _UNFOLDED
-        console = Console(width=width, file=io.StringIO(), color_system=None, highlight=False)
-        console.print(self)
-        return console.file.getvalue().rstrip("\n")
+        buffer = io.StringIO()
+        Console(width=width, file=buffer, color_system=None, highlight=False).print(self)
+        return buffer.getvalue().rstrip("\n")
