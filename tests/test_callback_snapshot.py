@@ -8,7 +8,7 @@ import keras
 import numpy as np
 import pytest
 
-from shardckpt.info import inspect
+from shardckpt.convert.info import inspect
 from shardckpt.training import OrbaxCheckpoint, restore_latest
 from shardckpt.training import snapshot as snapshot_lib
 

@@ -20,8 +20,8 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 import shardckpt
 from shardckpt.layout import auto_layout
-from shardckpt.restore.lazy import is_unloaded
 from shardckpt.layout.parallel import parallelize
+from shardckpt.restore.lazy import is_unloaded
 
 pytest.importorskip("keras_hub")
 

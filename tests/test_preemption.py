@@ -12,7 +12,7 @@ import keras
 import numpy as np
 import pytest
 
-from shardckpt.info import inspect
+from shardckpt.convert.info import inspect
 from shardckpt.training import OrbaxCheckpoint, restore_latest
 from tests.test_resume_kill import (
     EPOCHS,

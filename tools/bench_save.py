@@ -39,7 +39,7 @@ import sys
 import tempfile
 import time
 
-from _bench import setup_jax
+from _bench import PeakSampler, rss_anon, setup_jax
 
 setup_jax(8)  # 8 simulated CPU devices, before JAX starts its backend
 
@@ -47,9 +47,7 @@ import jax  # noqa: E402
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from shardckpt.training import OrbaxCheckpoint  # noqa: E402
-from tools._memory import PeakSampler, rss_anon  # noqa: E402
 
 
 class Timed(keras.callbacks.Callback):
