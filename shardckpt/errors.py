@@ -111,3 +111,7 @@ class ModelRequiredError(ShardckptError, ValueError):
     which variable (or whether trainable) each one is; a `.keras` file carries
     its architecture, other sources need `model=` / `--model`.
     """
+
+
+class PresetDependencyError(ShardckptError, ImportError):
+    """A preset needs an optional package (keras-hub) that is not installed."""

@@ -93,7 +93,7 @@ def test_inspect_verify_and_convert_read_the_index(tmp_path):
     arch, _ = _lazy()
     dst = str(tmp_path / "orbax")
     shardckpt.convert(path, dst, model=arch, progress=False)
-    model, dist = _lazy((2, 4))
+    model, _ = _lazy((2, 4))
     shardckpt.load_sharded(model, dst)
     for v, want in zip(model.weights, values):
         if "seed_generator" not in v.path:

@@ -286,7 +286,7 @@ def _match(reader: Reader, model: Any, report: ConvertReport, target: np.dtype |
     for key in reader.keys():
         variable = by_key.get(key)
         if variable is None or not naming.is_variable(variable) or id(variable) not in state:
-            if naming.is_optional_key(key):
+            if naming.is_optional_key(key, reader.format):
                 report.skipped.append(key)
             else:
                 unexpected.append(key)

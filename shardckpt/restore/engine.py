@@ -218,7 +218,8 @@ def _match(
     """Pairs keys with variables and checks everything before any I/O."""
     wanted = naming.align_optimizer_keys(naming.keys_for(model, reader.format), reader.keys())
     stored = set(reader.keys())
-    collections_stored = {k.split("/", 1)[0] for k in stored}
+    fmt = reader.format
+    collections_stored = {naming.collection(k, fmt) for k in stored}
     jobs: list[_Job] = []
     seen: set[int] = set()
     mismatched: list[str] = []
@@ -232,8 +233,8 @@ def _match(
             )
             continue
         if key not in stored:
-            optional = naming.is_optional_key(key)
-            if optional and key.split("/", 1)[0] not in collections_stored:
+            optional = naming.is_optional_key(key, fmt)
+            if optional and naming.collection(key, fmt) not in collections_stored:
                 continue  # e.g. a weights-only checkpoint: optimizer keeps its state
             if id(variable) not in seen:
                 missing_vars.append(variable)
@@ -258,7 +259,8 @@ def _match(
         _check_divisible(variable, target)
         jobs.append(_Job(key, variable, target))
     for key in sorted(stored):
-        if naming.is_optional_key(key) and not any(k.startswith(key.split("/", 1)[0] + "/") for k in wanted):
+        group = naming.collection(key, fmt)
+        if naming.is_optional_key(key, fmt) and not any(naming.collection(k, fmt) == group for k in wanted):
             report.skipped.append(key)
         else:
             report.unexpected.append(key)

@@ -42,6 +42,8 @@ from keras.src.saving import saving_lib
 # Checkpoint collections that are optional: a weights-only checkpoint lacks
 # them, and a model without a built optimizer has nothing to put there.
 OPTIONAL_PREFIXES = ("optimizer_variables/", "metrics_variables/", "optimizer/")
+# The roles of a preset's weights files (see `preset_keys`).
+PRESET_PREFIXES = ("model/", "task/")
 
 
 class _RecordingStore(saving_lib.H5IOStore):
@@ -74,7 +76,7 @@ def _lora_saves_base_kernel(model: Any) -> Iterator[None]:
     # under the same key (see the module docstring).
     layers = [
         layer
-        for layer in getattr(model, "_flatten_layers", lambda: [])()
+        for layer in getattr(model, "_flatten_layers", list)()
         if getattr(layer, "lora_enabled", False) is True
     ]
     for layer in layers:
@@ -214,6 +216,22 @@ def is_variable(value: Any) -> bool:
     return isinstance(value, Variable)
 
 
-def is_optional_key(key: str) -> bool:
+def _in_file(key: str) -> str:
+    """`key` without a preset's `model/` / `task/` part: the key inside its h5 file."""
+    for prefix in PRESET_PREFIXES:
+        if key.startswith(prefix):
+            return key[len(prefix) :]
+    return key
+
+
+def collection(key: str, fmt: str = "") -> str:
+    """The group a key belongs to (`optimizer`, `trainable_variables`, `task/optimizer`...)."""
+    if fmt == "preset":
+        head, _, rest = key.partition("/")
+        return f"{head}/{rest.split('/', 1)[0]}"
+    return key.split("/", 1)[0]
+
+
+def is_optional_key(key: str, fmt: str = "") -> bool:
     """True for optimizer/metric keys, which a model may legitimately lack."""
-    return key.startswith(OPTIONAL_PREFIXES)
+    return (_in_file(key) if fmt == "preset" else key).startswith(OPTIONAL_PREFIXES)
