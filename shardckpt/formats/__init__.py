@@ -1,11 +1,12 @@
-"""On-disk formats behind one `Reader` Protocol, and `open_reader(path)`."""
+"""On-disk formats behind one `Reader` contract (`base`), and `open_reader(path)`."""
 
 from __future__ import annotations
 
 import os
 
+from shardckpt.budget import CHUNK_CACHE_BYTES
 from shardckpt.errors import CheckpointNotFoundError, UnknownFormatError
-from shardckpt.formats.base import ArraySpec, Box, Reader, full_box
+from shardckpt.formats.base import ArraySpec, Box, ChunkedReader, MappedReader, Reader, full_box
 from shardckpt.formats.h5 import H5Reader
 from shardckpt.formats.h5_sharded import ShardedH5Reader, is_sharded_index
 from shardckpt.formats.orbax import OrbaxReader, is_orbax_dir
@@ -15,7 +16,9 @@ from shardckpt.formats.safetensors import SafetensorsReader
 __all__ = [
     "ArraySpec",
     "Box",
+    "ChunkedReader",
     "H5Reader",
+    "MappedReader",
     "OrbaxReader",
     "PresetReader",
     "Reader",
@@ -73,12 +76,13 @@ def detect_format(path: str) -> str:
     )
 
 
-def open_reader(path: str, *, cache_bytes: int = 256 * 1024 * 1024, task: bool | None = None) -> Reader:
+def open_reader(path: str, *, cache_bytes: int = CHUNK_CACHE_BYTES, task: bool | None = None) -> Reader:
     """Opens `path` with the reader for its format (see `detect_format`).
 
     Args:
         path: The checkpoint.
-        cache_bytes: Decoded-chunk cache of compressed formats (Orbax).
+        cache_bytes: Decoded-chunk cache of compressed formats (Orbax); see
+            `shardckpt.budget.chunk_cache_bytes`.
         task: For a keras-hub preset folder, whether to read the task's
             weights (`task.weights.h5`) too; None: when the folder has them.
     """

@@ -26,11 +26,11 @@ import os
 import numpy as np
 
 from shardckpt.errors import CheckpointNotFoundError, CorruptCheckpointError
-from shardckpt.formats.base import ArraySpec, Box
+from shardckpt.formats.base import ArraySpec, Box, MappedReader
 from shardckpt.formats.h5 import H5Reader
 
 
-class ShardedH5Reader:
+class ShardedH5Reader(MappedReader):
     """Reader for a Keras sharded `.weights.json` index and its shard files.
 
     Args:
@@ -118,14 +118,6 @@ class ShardedH5Reader:
 
     def read(self, key: str, box: Box) -> np.ndarray:
         return self._where[key].read(key, box)
-
-    def attrs(self, group: str) -> dict[str, object]:
-        """The HDF5 attributes of `group`, from the first shard that has them."""
-        for shard in self._shards.values():
-            found = shard.attrs(group)
-            if found:
-                return found
-        return {}
 
     def close(self) -> None:
         for shard in self._shards.values():

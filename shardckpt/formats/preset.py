@@ -18,7 +18,7 @@ import os
 import numpy as np
 
 from shardckpt.errors import CheckpointNotFoundError
-from shardckpt.formats.base import ArraySpec, Box
+from shardckpt.formats.base import ArraySpec, Box, MappedReader
 from shardckpt.formats.h5 import H5Reader
 from shardckpt.formats.h5_sharded import ShardedH5Reader
 
@@ -56,7 +56,7 @@ def backbone_weights(folder: str) -> str:
     )
 
 
-class PresetReader:
+class PresetReader(MappedReader):
     """Reader for a keras-hub preset folder: backbone weights, and task weights.
 
     Args:

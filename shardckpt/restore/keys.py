@@ -1,4 +1,4 @@
-"""Keras variables <-> checkpoint keys, for each family of formats.
+"""Keras variables <-> checkpoint keys, for each family of formats, and `match`.
 
 - Keras h5 (`.weights.h5`, `.keras`): keys follow Keras' object-graph walk
   (`layers/dense_1/vars/0`), not layer names. Rather than re-deriving that walk,
@@ -26,27 +26,32 @@ Two adjustments to what Keras names:
   created another optimizer first. `align_optimizer_keys` matches by the path
   under the optimizer when model and checkpoint each have one optimizer.
 
-`saving_lib._save_state` and `H5IOStore` are private Keras APIs; there is no
-public way to ask Keras which key a variable is saved under.
+Keras' `_save_state` walk and `H5IOStore` are private (see `shardckpt._keras`):
+there is no public way to ask Keras which key a variable is saved under.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections.abc import Iterable, Iterator
 from typing import Any
 
-from keras.src.backend.common.variables import Variable
-from keras.src.saving import saving_lib
+import keras
+
+from shardckpt import _keras, state
+from shardckpt.errors import CheckpointMismatchError
+from shardckpt.formats.base import Reader
 
 # Checkpoint collections that are optional: a weights-only checkpoint lacks
 # them, and a model without a built optimizer has nothing to put there.
-OPTIONAL_PREFIXES = ("optimizer_variables/", "metrics_variables/", "optimizer/")
+# ("optimizer/" is where Keras' h5 files keep optimizer variables.)
+OPTIONAL_PREFIXES = (*(f"{c}/" for c in state.OPTIONAL_COLLECTIONS), "optimizer/")
 # The roles of a preset's weights files (see `preset_keys`).
 PRESET_PREFIXES = ("model/", "task/")
 
 
-class _RecordingStore(saving_lib.H5IOStore):
+class _RecordingStore(_keras.H5IOStore):
     """An `H5IOStore` that opens no file and records `key -> variable`."""
 
     def __init__(self) -> None:  # noqa: D107 (deliberately skips the file open)
@@ -123,20 +128,12 @@ def h5_keys(model: Any, *, skip: Iterable[Any] = ()) -> dict[str, Any]:
     """
     store = _RecordingStore()
     with _optimizers_record_variables(model), _lora_saves_base_kernel(model):
-        saving_lib._save_state(
-            model,
-            weights_store=store,
-            assets_store=None,
-            inner_path="",
-            visited_saveables={id(o) for o in skip},
-        )
+        _keras.save_state(model, store, skip=skip)
     return store.records
 
 
 def is_task(model: Any) -> bool:
     """True for a keras-hub task: a model holding a `backbone` model."""
-    import keras
-
     backbone = getattr(model, "backbone", None)
     return isinstance(backbone, keras.Model) and backbone is not model
 
@@ -181,16 +178,8 @@ def align_optimizer_keys(wanted: dict[str, Any], stored: Iterable[str]) -> dict[
 
 def state_keys(model: Any) -> dict[str, Any]:
     """Returns `{state-tree key: variable}` as `model.get_state_tree()` nests them."""
-    collections = {
-        "trainable_variables": model.trainable_variables,
-        "non_trainable_variables": model.non_trainable_variables,
-        "metrics_variables": list(getattr(model, "metrics_variables", []) or []),
-    }
-    optimizer = getattr(model, "optimizer", None)
-    if optimizer is not None:
-        collections["optimizer_variables"] = list(optimizer.variables)
     out: dict[str, Any] = {}
-    for name, variables in collections.items():
+    for name, variables in state.collections(model).items():
         for variable in variables:
             out.setdefault(f"{name}/{variable.path}", variable)
     return out
@@ -213,7 +202,7 @@ def keys_for(model: Any, fmt: str) -> dict[str, Any]:
 
 
 def is_variable(value: Any) -> bool:
-    return isinstance(value, Variable)
+    return isinstance(value, keras.Variable)
 
 
 def _in_file(key: str) -> str:
@@ -235,3 +224,93 @@ def collection(key: str, fmt: str = "") -> str:
 def is_optional_key(key: str, fmt: str = "") -> bool:
     """True for optimizer/metric keys, which a model may legitimately lack."""
     return (_in_file(key) if fmt == "preset" else key).startswith(OPTIONAL_PREFIXES)
+
+
+@dataclasses.dataclass
+class KeyMatch:
+    """How a checkpoint's keys and a model's variables pair up (`match`).
+
+    Attributes:
+        pairs: `(key, variable)` to load, one per variable, shapes equal.
+        missing: `(key, variable)` the checkpoint lacks, except keys of an
+            optional collection the checkpoint has none of (a weights-only
+            checkpoint: the optimizer keeps its state).
+        unexpected: Checkpoint keys no variable wants, sorted.
+        skipped: Optional checkpoint keys whose collection the model lacks
+            entirely (optimizer state into a model without an optimizer).
+        mismatched: One line per variable that cannot be loaded from its key:
+            shapes differ, or the layer saves a computed value.
+    """
+
+    pairs: list[tuple[str, Any]] = dataclasses.field(default_factory=list)
+    missing: list[tuple[str, Any]] = dataclasses.field(default_factory=list)
+    unexpected: list[str] = dataclasses.field(default_factory=list)
+    skipped: list[str] = dataclasses.field(default_factory=list)
+    mismatched: list[str] = dataclasses.field(default_factory=list)
+
+    def missing_lines(self) -> list[str]:
+        """`missing` as `CheckpointMismatchError` lists it."""
+        return [f"{variable.path} (key {key!r})" for key, variable in self.missing]
+
+    def raise_if_mismatched(self, path: str, *, strict: bool) -> None:
+        """Raises one error listing every problem: mismatches always, missing and
+        unexpected keys when `strict`.
+
+        Raises:
+            CheckpointMismatchError: naming each key and variable.
+        """
+        if self.mismatched or (strict and (self.missing or self.unexpected)):
+            raise CheckpointMismatchError(
+                path,
+                missing=self.missing_lines() if strict else (),
+                unexpected=self.unexpected if strict else (),
+                mismatched=self.mismatched,
+            )
+
+
+def match(wanted: dict[str, Any], reader: Reader) -> KeyMatch:
+    """Pairs the model's keys (`keys_for`, or a subset) with the checkpoint's.
+
+    Reads metadata only (`reader.spec`). A variable saved under two keys (a
+    shared layer) is loaded once. Optimizer keys match whatever name the
+    optimizer was given (`align_optimizer_keys`).
+    """
+    fmt = reader.format
+    stored = set(reader.keys())
+    wanted = align_optimizer_keys(wanted, stored)
+    collections_stored = {collection(k, fmt) for k in stored}
+    result = KeyMatch()
+    seen: set[int] = set()
+    for key, variable in wanted.items():
+        if not is_variable(variable):
+            result.mismatched.append(
+                f"{key}: the layer saves a computed value here (quantized or LoRA "
+                "layer), which load_sharded cannot place; load it with "
+                "model.load_weights"
+            )
+            continue
+        if key not in stored:
+            if is_optional_key(key, fmt) and collection(key, fmt) not in collections_stored:
+                continue
+            if id(variable) not in seen:
+                result.missing.append((key, variable))
+            continue
+        stored.discard(key)
+        if id(variable) in seen:
+            continue
+        seen.add(id(variable))
+        spec = reader.spec(key)
+        if tuple(spec.shape) != tuple(variable.shape):
+            result.mismatched.append(
+                f"{variable.path}: checkpoint {key!r} has shape {tuple(spec.shape)}, "
+                f"the variable {tuple(variable.shape)}"
+            )
+            continue
+        result.pairs.append((key, variable))
+    for key in sorted(stored):
+        group = collection(key, fmt)
+        if is_optional_key(key, fmt) and not any(collection(k, fmt) == group for k in wanted):
+            result.skipped.append(key)
+        else:
+            result.unexpected.append(key)
+    return result
