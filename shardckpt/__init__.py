@@ -14,10 +14,30 @@ The public API, re-exported here (internals live in one module per concept):
 import os
 
 # shardckpt is JAX-only; Keras picks its backend at first import, so choose JAX
-# unless the user already chose (a different choice fails loudly below).
+# unless the user already chose (a different choice fails loudly below, with
+# `errors.BackendError`).
 os.environ.setdefault("KERAS_BACKEND", "jax")
 
 from shardckpt import errors  # noqa: E402
+
+
+def _require_jax_backend() -> None:
+    """Raises `BackendError` unless Keras runs on JAX (checked once, at import)."""
+    import keras
+
+    backend = keras.backend.backend()
+    if backend != "jax":
+        raise errors.BackendError(
+            f"shardckpt needs Keras on the JAX backend, but Keras runs on {backend!r} "
+            f"(KERAS_BACKEND={os.environ.get('KERAS_BACKEND')!r}). Its sharded arrays, layouts "
+            "and checkpoints are JAX arrays. Fix: set KERAS_BACKEND=jax before anything imports "
+            "keras (or keras_hub), e.g. `KERAS_BACKEND=jax python train.py`, or put "
+            '`"backend": "jax"` in ~/.keras/keras.json. Received: backend=' + repr(backend)
+        )
+
+
+_require_jax_backend()
+
 from shardckpt.convert import (  # noqa: E402
     CheckpointInfo,
     ConvertReport,

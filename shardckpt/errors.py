@@ -115,3 +115,7 @@ class ModelRequiredError(ShardckptError, ValueError):
 
 class PresetDependencyError(ShardckptError, ImportError):
     """A preset needs an optional package (keras-hub) that is not installed."""
+
+
+class BackendError(ShardckptError, RuntimeError):
+    """Keras runs on a backend other than JAX; shardckpt places JAX arrays only."""

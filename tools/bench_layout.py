@@ -214,6 +214,83 @@ def build_default() -> keras.Model:
 
 
 # ---------------------------------------------------------------------------
+# keras-hub backbones (tiny configs; keras-hub is optional and imported lazily)
+
+# Shared tiny sizes: hidden 64, 8 query heads of 8 (the 8-way axis divides
+# them), vocabulary 128, MLP 128. Key/value heads: 8 where the model allows,
+# fewer (2, or 1 for Gemma) in the grouped-/multi-query cases, which the
+# axis does not divide.
+HUB_VOCAB = 128
+HUB_SEQ = 16
+_DECODER = dict(vocabulary_size=HUB_VOCAB, hidden_dim=64, intermediate_dim=128)
+
+
+def _hub_decoder(cls_name: str, **extra):
+    def build(blocks: int):
+        import keras_hub
+
+        cls = getattr(keras_hub.models, cls_name)
+        return cls(num_layers=blocks, **{**_DECODER, **extra})
+
+    return build
+
+
+def _hub_encoder(cls_name: str, **extra):
+    def build(blocks: int):
+        import keras_hub
+
+        cls = getattr(keras_hub.models, cls_name)
+        args = dict(vocabulary_size=HUB_VOCAB, num_layers=blocks, num_heads=8, hidden_dim=64,
+                    intermediate_dim=128, max_sequence_length=HUB_SEQ, dropout=0.0)
+        return cls(**{**args, **extra})
+
+    return build
+
+
+# name -> builder(blocks) of a keras-hub backbone. Kept in one table so the
+# tests (tests/test_layout_hub.py) and this bench cover the same models.
+HUB_BACKBONES = {
+    "Llama (GQA, 2 kv heads)": _hub_decoder("LlamaBackbone", num_query_heads=8, num_key_value_heads=2),
+    "Llama3": _hub_decoder("Llama3Backbone", num_query_heads=8, num_key_value_heads=8),
+    "Mistral (GQA, 2 kv heads)": _hub_decoder("MistralBackbone", num_query_heads=8, num_key_value_heads=2),
+    "Mixtral (MoE)": _hub_decoder("MixtralBackbone", num_query_heads=8, num_key_value_heads=8, num_experts=8, top_k=2),
+    "Gemma (MQA, 1 kv head)": _hub_decoder("GemmaBackbone", num_query_heads=8, num_key_value_heads=1, head_dim=8),
+    "Gemma3": _hub_decoder("Gemma3Backbone", num_query_heads=8, num_key_value_heads=8, head_dim=8, image_size=None),
+    "Qwen": _hub_decoder("QwenBackbone", num_query_heads=8, num_key_value_heads=8),
+    "Qwen3": _hub_decoder("Qwen3Backbone", num_query_heads=8, num_key_value_heads=8, head_dim=8),
+    "QwenMoe": _hub_decoder("QwenMoeBackbone", num_query_heads=8, num_key_value_heads=8, moe_intermediate_dim=32,
+                            shared_expert_intermediate_dim=64, num_experts=8, top_k=2),
+    "Qwen3Moe": _hub_decoder("Qwen3MoeBackbone", num_query_heads=8, num_key_value_heads=8, head_dim=8,
+                             moe_intermediate_dim=32, num_experts=8, top_k=2),
+    "Phi3": _hub_decoder("Phi3Backbone", num_query_heads=8, num_key_value_heads=8),
+    "GPT-2": _hub_encoder("GPT2Backbone"),
+    "BERT": _hub_encoder("BertBackbone"),
+    "RoBERTa": _hub_encoder("RobertaBackbone"),
+    "OPT": _hub_encoder("OPTBackbone"),
+    "GPT-NeoX": _hub_encoder("GPTNeoXBackbone"),
+    "DistilBERT": _hub_encoder("DistilBertBackbone"),
+}
+
+
+def hub_inputs(model: keras.Model, *, batch: int = 2, seed: int = 0) -> dict:
+    """Deterministic inputs in the backbone's own structure (token ids, mask, segments)."""
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    out = {}
+    for key in model.input:
+        if key == "padding_mask":
+            mask = np.ones((batch, HUB_SEQ), "int32")
+            mask[1:, HUB_SEQ - 3:] = 0  # some padding, so masks take part
+            out[key] = mask
+        elif key == "segment_ids":
+            out[key] = (np.arange(HUB_SEQ)[None, :] >= HUB_SEQ // 2).astype("int32").repeat(batch, 0)
+        else:
+            out[key] = rng.integers(0, HUB_VOCAB, size=(batch, HUB_SEQ)).astype("int32")
+    return out
+
+
+# ---------------------------------------------------------------------------
 # Benchmark
 
 

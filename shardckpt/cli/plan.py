@@ -1,17 +1,20 @@
 """`shardckpt plan MODEL --mesh 1x8 [--optimizer adam]`: show a layout plan.
 
-MODEL is `package.module:function` (a function returning a Keras model) or
-a `.keras` file (its config only: no weights are read). The model is built
-under `shardckpt.lazy_init()`, so planning a large model costs no weight
-memory.
+MODEL is `package.module:function` (a function returning a Keras model), a
+`.keras` file (its config only: no weights are read), or a keras-hub preset
+folder (`save_to_preset`: its `config.json` only). The model is built under
+`shardckpt.lazy_init()`, so planning a large model costs no weight memory.
 """
 
 from __future__ import annotations
 
+import os
 import sys
+from typing import Any
 
 from shardckpt.convert.architecture import load_architecture
-from shardckpt.errors import LayoutError
+from shardckpt.errors import LayoutError, ModelRequiredError
+from shardckpt.restore.lazy import lazy_init
 
 
 def parse_mesh(text: str) -> tuple[int, ...]:
@@ -39,7 +42,8 @@ def run_plan(model: str, mesh: str, optimizer: str | None) -> int:
     ```
 
     Args:
-        model: `package.module:function` or a `.keras` file.
+        model: `package.module:function`, a `.keras` file, or a keras-hub
+            preset folder.
         mesh: Mesh shape such as "1x8" (axes data x model; one number: model only).
         optimizer: Optimizer name whose slots to count, or None.
 
@@ -61,7 +65,7 @@ def run_plan(model: str, mesh: str, optimizer: str | None) -> int:
             f"pick a mesh of {jax.device_count()} devices, or simulate CPU devices with "
             f"XLA_FLAGS=--xla_force_host_platform_device_count={needed}."
         )
-    built = load_architecture(model)
+    built = load_preset_architecture(model) if os.path.isdir(model) else load_architecture(model)
     plan = auto_layout(built, shape)
     # Piped output (logs, CI) gets wide rows instead of paths folded at 80 columns.
     console = Console(width=None if sys.stdout.isatty() else 200)
@@ -75,3 +79,30 @@ def run_plan(model: str, mesh: str, optimizer: str | None) -> int:
     for line in problems:
         console.print(f"[red]problem:[/red] {line}")
     return 1 if problems else 0
+
+
+def load_preset_architecture(folder: str) -> Any:
+    """Builds the backbone of a keras-hub preset folder under `lazy_init()`.
+
+    Only `config.json` is read (keras-hub's `from_preset(load_weights=False)`);
+    the weights files are not opened and no variable gets memory.
+
+    Raises:
+        ModelRequiredError: The folder has no `config.json`, or keras-hub is
+            not installed.
+    """
+    if not os.path.isfile(os.path.join(folder, "config.json")):
+        raise ModelRequiredError(
+            f"{folder!r} is a folder without config.json, so not a keras-hub preset. Fix: pass "
+            "a folder written by backbone.save_to_preset(...), a .keras file, or "
+            f"package.module:function. Received: model={folder!r}"
+        )
+    try:
+        import keras_hub
+    except ImportError as err:
+        raise ModelRequiredError(
+            f"Planning the keras-hub preset {folder!r} needs keras-hub. Fix: pip install keras-hub "
+            "(or shardckpt[hub])."
+        ) from err
+    with lazy_init():
+        return keras_hub.models.Backbone.from_preset(folder, load_weights=False)

@@ -284,8 +284,28 @@ class _Planner:
                     for out, j in where.outputs:
                         self.split.setdefault(out, j)
         for value in self.graph.params:
-            self.decide(value.param, None, "not used by the traced forward pass: replicated")
+            self.unused(value)
         return self.decided
+
+    def unused(self, value: Value) -> None:
+        """A variable the forward pass never reads (e.g. an untied output head of a backbone).
+
+        No computation here pairs with it, so no split costs communication in
+        this pass; it is split along its largest dimension the axis divides
+        (the last of equals: the output features of a kernel), which is where
+        a later column-parallel use (logits over the vocabulary) splits it.
+        """
+        shape = value.shape
+        dims = [d for d in range(len(shape)) if shape[d] > 1 and shape[d] % self.n == 0]
+        if not dims:
+            self.decide(value.param, None, "not used by the traced forward pass, and no dimension divides: replicated")
+            return
+        dim = max(dims, key=lambda d: (shape[d], d))
+        self.decide(
+            value.param,
+            dim,
+            "not used by the traced forward pass (nothing to pair with): split along its largest dimension",
+        )
 
 
 def plan_splits(graph: Graph, axis_size: int) -> dict[int, Decision]:

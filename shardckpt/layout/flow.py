@@ -7,7 +7,8 @@
   communication (element-wise ops, reshapes that keep the split major,
   transposes, the batch and free dimensions of a matmul);
 - `CONTRACTED`: the op sums over the split dimension (a matmul or
-  convolution contraction, an embedding lookup over a split vocabulary):
+  convolution contraction, an embedding lookup over a split vocabulary, a
+  `reduce_sum` that is the split tensor's only use):
   each device holds a partial result, and one all-reduce completes it;
 - `LOST`: anything else (a reduction such as a normalization's mean, a
   reshape that scatters the split, an op this module does not know): the
@@ -130,6 +131,13 @@ def _reshape(op: Op, pos: int, dim: int) -> Kept | _Marker:
 def _reduce(op: Op, pos: int, dim: int) -> Kept | _Marker:
     axes = op.params.get("axes", ())
     if dim in axes:
+        if op.name == "reduce_sum" and len(op.inputs[pos].consumers) == 1:
+            # A sum that is the only use of the split tensor combines partial
+            # results (a mixture of experts summing its experts' weighted
+            # outputs): each device sums its part, one all-reduce completes
+            # it, as for a contraction. A tensor also used elsewhere (a
+            # normalization's input, needed whole after its mean) is lost.
+            return CONTRACTED
         return LOST
     return Kept(tuple((out, dim - sum(1 for a in axes if a < dim)) for out in op.outputs))
 
@@ -217,6 +225,13 @@ def _sort(op: Op, pos: int, dim: int) -> Kept | _Marker:
     return Kept(tuple((out, dim) for out in op.outputs))
 
 
+def _stack(op: Op, pos: int, dim: int) -> Kept | _Marker:
+    # `stack` (a primitive since JAX 0.8) inserts a new axis; existing dims
+    # at or after it move one place up.
+    axis = op.params["axis"] % len(op.outputs[0].shape)
+    return Kept(((op.outputs[0], dim if dim < axis else dim + 1),))
+
+
 def _top_k(op: Op, pos: int, dim: int) -> Kept | _Marker:
     if dim == len(op.inputs[0].shape) - 1:
         return LOST
@@ -243,6 +258,7 @@ _HANDLERS = {
     "pad": _pad,
     "sort": _sort,
     "top_k": _top_k,
+    "stack": _stack,
     "split": _split,
     **{name: _reduce for name in _REDUCTIONS},
     **{name: _scan for name in _SCANS},

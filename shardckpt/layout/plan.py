@@ -183,13 +183,15 @@ class LayoutPlan:
 
     # -- reports ---------------------------------------------------------------
     def explain(self) -> Any:
-        """A `rich.table.Table`: path, shape, dtype, axes, bytes per device, why.
+        """The plan as a table: path, shape, dtype, axes, bytes per device, why.
 
-        Print it with `rich.print(plan.explain())`; `str(plan)` renders it.
+        `print(plan.explain())` prints it as text (`str()` renders it, at the
+        terminal's width on a terminal, unfolded otherwise); it is also a
+        `rich.table.Table`, so `rich.print(plan.explain())` shows it in colour.
         """
-        from rich.table import Table
+        from shardckpt.layout.table import ExplainTable
 
-        table = Table(
+        table = ExplainTable(
             title=(
                 f"Layout plan: mesh {dict(zip(self.mesh.axis_names, self.mesh.shape))}, "
                 f"model axis {self.model_axis!r}, batch axis {self.batch_axis!r}; "
@@ -211,11 +213,7 @@ class LayoutPlan:
         return table
 
     def __str__(self) -> str:
-        from rich.console import Console
-
-        console = Console(width=200, record=True, file=_Null())
-        console.print(self.explain())
-        return console.export_text()
+        return str(self.explain())
 
     def validate(self, model: Any = None) -> list[str]:
         """Problems with this plan, one line each (empty: none).
@@ -321,14 +319,6 @@ class LayoutPlan:
             f"{dict(zip(self.mesh.axis_names, self.mesh.shape))}, "
             f"{self.sharded_fraction():.1%} of bytes split)"
         )
-
-
-class _Null:
-    def write(self, _: str) -> int:
-        return 0
-
-    def flush(self) -> None:
-        pass
 
 
 def _slot_stems(stem: str) -> list[str]:

@@ -17,6 +17,7 @@ from typing import Any
 import jax
 import numpy as np
 from jax.extend import core as jcore
+from keras import tree as keras_tree
 
 # Sequence dimensions left unknown by `keras.Input((None, ...))` are traced at
 # this length; the plan depends on parameter shapes only, never on it.
@@ -66,19 +67,31 @@ class Graph:
 
 
 def _abstract_inputs(model: Any) -> Any:
-    """Abstract arrays for the model's inputs, from `model.inputs` or its build shapes."""
+    """Abstract arrays for the model's inputs, in the structure the model takes.
+
+    A functional model is called with the structure it was built from (a
+    dict for keras-hub backbones: `{"token_ids": ..., "padding_mask": ...}`);
+    `model.input` is that structure (Keras' public accessor for it), while
+    `model.inputs` is the flat list. Other models get the flat list, or one
+    array, or their build shapes.
+    """
     specs = getattr(model, "inputs", None)
     if specs:
-        shapes_dtypes = [(tuple(s.shape), s.dtype) for s in specs]
-        structure = [
-            jax.ShapeDtypeStruct(_concrete(shape), dtype) for shape, dtype in shapes_dtypes
-        ]
-        return structure[0] if len(structure) == 1 else structure
+        try:
+            structure = model.input
+        except (AttributeError, ValueError):  # a subclassed model has no symbolic input
+            structure = None
+        if structure is not None and len(keras_tree.flatten(structure)) == len(specs):
+            return keras_tree.map_structure(
+                lambda s: jax.ShapeDtypeStruct(_concrete(tuple(s.shape)), s.dtype), structure
+            )
+        flat = [jax.ShapeDtypeStruct(_concrete(tuple(s.shape)), s.dtype) for s in specs]
+        return flat[0] if len(flat) == 1 else flat
     build = getattr(model, "_build_shapes_dict", None)  # Keras records build() shapes here
     if build:
         shapes = list(build.values())
-        structure = [jax.ShapeDtypeStruct(_concrete(tuple(s)), "float32") for s in shapes]
-        return structure[0] if len(structure) == 1 else structure
+        flat = [jax.ShapeDtypeStruct(_concrete(tuple(s)), "float32") for s in shapes]
+        return flat[0] if len(flat) == 1 else flat
     return None
 
 
