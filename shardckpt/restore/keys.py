@@ -33,6 +33,7 @@ there is no public way to ask Keras which key a variable is saved under.
 from __future__ import annotations
 
 import contextlib
+import re
 import dataclasses
 from collections.abc import Iterable, Iterator
 from typing import Any
@@ -47,6 +48,8 @@ from shardckpt.formats.base import Reader
 # them, and a model without a built optimizer has nothing to put there.
 # ("optimizer/" is where Keras' h5 files keep optimizer variables.)
 OPTIONAL_PREFIXES = (*(f"{c}/" for c in state.OPTIONAL_COLLECTIONS), "optimizer/")
+# Keras makes object names unique by appending `_<n>` (`adam`, `adam_1`).
+_UNIQUIFIED = re.compile(r"_\d+$")
 # The roles of a preset's weights files (see `preset_keys`).
 PRESET_PREFIXES = ("model/", "task/")
 
@@ -159,10 +162,11 @@ def align_optimizer_keys(wanted: dict[str, Any], stored: Iterable[str]) -> dict[
     Orbax state-tree keys of optimizer variables are
     `optimizer_variables/<optimizer name>/<variable>`, and the name is
     generated (`adam`, `adam_1`, ...). When the model's keys and the
-    checkpoint's each hold exactly one optimizer name and they differ, the
-    model's keys take the checkpoint's name, so variables match by their path
-    under the optimizer. Otherwise `wanted` is returned as is, and a real
-    difference is reported key by key.
+    checkpoint's each hold exactly one optimizer name and the two differ only
+    in Keras' uniquifying suffix (`adam` / `adam_3`), the model's keys take
+    the checkpoint's name, so variables match by their path under the
+    optimizer. Otherwise (another optimizer class: `adam` / `sgd`) `wanted` is
+    returned as is, and the difference is reported key by key.
     """
     prefix = "optimizer_variables/"
 
@@ -172,7 +176,10 @@ def align_optimizer_keys(wanted: dict[str, Any], stored: Iterable[str]) -> dict[
     ours, theirs = names(wanted), names(stored)
     if len(ours) != 1 or len(theirs) != 1 or ours == theirs:
         return wanted
-    old, new = f"{prefix}{ours.pop()}/", f"{prefix}{theirs.pop()}/"
+    mine, saved = ours.pop(), theirs.pop()
+    if _UNIQUIFIED.sub("", mine) != _UNIQUIFIED.sub("", saved):
+        return wanted
+    old, new = f"{prefix}{mine}/", f"{prefix}{saved}/"
     return {(new + k[len(old) :] if k.startswith(old) else k): v for k, v in wanted.items()}
 
 
