@@ -87,11 +87,10 @@ def layout_map():
 def run(args) -> None:
     _setup_jax()
     sys.path.insert(0, HERE)
-    from _memory import PeakSampler, rss_anon
-
     import jax
     import keras
-    import keras_hub  # noqa: F401  (imported before timing, as a user's script does)
+    import keras_hub
+    from _memory import PeakSampler, rss_anon
 
     import shardckpt
     from shardckpt.restore import hostmem

@@ -210,7 +210,9 @@ def _distribution(model: Any, mesh: Any, layout: Any) -> Any:
         return keras.distribution.ModelParallel(layout_map=layout)
     if hasattr(layout, "distribution") and callable(layout.distribution):
         return layout.distribution()
-    from keras.src.distribution.distribution_lib import Distribution  # no public base class
+    from keras.src.distribution.distribution_lib import (
+        Distribution,  # no public base class
+    )
 
     if isinstance(layout, Distribution):
         return layout
