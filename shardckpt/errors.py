@@ -113,8 +113,8 @@ class ModelRequiredError(ShardckptError, ValueError):
     """
 
 
-class PresetDependencyError(ShardckptError, ImportError):
-    """A preset needs an optional package (keras-hub) that is not installed."""
+class MissingDependencyError(ShardckptError, ImportError):
+    """An optional dependency (keras-hub) is needed for this input and not installed."""
 
 
 class BackendError(ShardckptError, RuntimeError):

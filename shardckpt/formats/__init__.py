@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from typing import Any
 
 from shardckpt.budget import CHUNK_CACHE_BYTES
 from shardckpt.errors import CheckpointNotFoundError, UnknownFormatError
@@ -76,15 +77,16 @@ def detect_format(path: str) -> str:
     )
 
 
-def open_reader(path: str, *, cache_bytes: int = CHUNK_CACHE_BYTES, task: bool | None = None) -> Reader:
+def open_reader(path: str, *, cache_bytes: int = CHUNK_CACHE_BYTES, model: Any = None) -> Reader:
     """Opens `path` with the reader for its format (see `detect_format`).
 
     Args:
         path: The checkpoint.
         cache_bytes: Decoded-chunk cache of compressed formats (Orbax); see
             `shardckpt.budget.chunk_cache_bytes`.
-        task: For a keras-hub preset folder, whether to read the task's
-            weights (`task.weights.h5`) too; None: when the folder has them.
+        model: The model the checkpoint is read for, if known. A keras-hub
+            preset folder's task weights (`task.weights.h5`) are read for a
+            task only; without a model, whenever the folder has them.
     """
     fmt = detect_format(path)
     if fmt in ("h5", "keras"):
@@ -92,7 +94,9 @@ def open_reader(path: str, *, cache_bytes: int = CHUNK_CACHE_BYTES, task: bool |
     if fmt == "h5-sharded":
         return ShardedH5Reader(path)
     if fmt == "preset":
-        return PresetReader(path, task=task)
+        from shardckpt.restore.keys import is_task  # Keras-aware, imported only here
+
+        return PresetReader(path, task=None if model is None else is_task(model))
     if fmt == "orbax":
         return OrbaxReader(path, cache_bytes=cache_bytes)
     return SafetensorsReader(path)

@@ -8,7 +8,7 @@ executed; only classes keras-hub registered are built). No variable gets a
 value; `shardckpt.load_sharded` then fills each one in its sharding.
 
 keras-hub is optional: it is imported here, when a keras-hub preset is asked
-for, and its absence raises `PresetDependencyError` naming what to install.
+for, and its absence raises `MissingDependencyError` naming what to install.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import json
 import os
 from typing import Any
 
-from shardckpt.errors import CorruptCheckpointError, PresetDependencyError
+from shardckpt.errors import CorruptCheckpointError, MissingDependencyError
 from shardckpt.formats.preset import (
     CONFIG_FILE,
     MODEL_WEIGHTS,
@@ -36,7 +36,7 @@ def import_keras_hub(what: str) -> Any:
     try:
         import keras_hub
     except ImportError as e:
-        raise PresetDependencyError(
+        raise MissingDependencyError(
             f"{what} needs keras-hub, which is not installed ({e}). Fix: pip install "
             "keras-hub (or pip install 'shardckpt[hub]')."
         ) from e
@@ -75,7 +75,7 @@ def build(folder: str, *, dtype: Any = None, cls: Any = None) -> Any:
         The model, every variable unloaded (a task not yet compiled).
 
     Raises:
-        PresetDependencyError: keras-hub is not installed.
+        MissingDependencyError: keras-hub is not installed.
     """
     keras_hub = import_keras_hub(f"The keras-hub preset {folder!r}")
     kwargs: dict[str, Any] = {} if dtype is None else {"dtype": dtype}

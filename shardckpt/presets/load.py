@@ -110,7 +110,7 @@ def from_preset(
     Raises:
         CheckpointNotFoundError: no preset at `preset`, or a file it needs.
         UnknownFormatError: the folder is no preset shardckpt reads.
-        PresetDependencyError: keras-hub is needed and not installed.
+        MissingDependencyError: keras-hub is needed and not installed.
         CheckpointMismatchError, CorruptCheckpointError, LayoutError, ...:
             see `load_sharded` and `auto_layout`.
     """

@@ -157,9 +157,7 @@ def load_sharded(
     start = time.perf_counter()
     if max_inflight_bytes < 1:
         raise ValueError(f"max_inflight_bytes must be positive. Received: {max_inflight_bytes}")
-    reader = open_reader(
-        os.fspath(path), cache_bytes=chunk_cache_bytes(max_inflight_bytes), task=naming.is_task(model)
-    )
+    reader = open_reader(os.fspath(path), cache_bytes=chunk_cache_bytes(max_inflight_bytes), model=model)
     try:
         report = LoadReport(path=reader.path, format=reader.format)
         jobs, to_init = match_jobs(model, reader, report, strict, resolve_layout(layout))
