@@ -147,7 +147,7 @@ def test_parallelize_then_fit_equals_one_device(name):
 def test_plan_command_on_a_preset_folder_reads_no_weights(tmp_path, capsys):
     """`shardckpt plan PRESET_DIR`: config.json only; works with the weights file gone."""
     from shardckpt.cli import main
-    from shardckpt.layout.command import load_preset_architecture
+    from shardckpt.cli.plan import load_preset_architecture
 
     name = "Llama (GQA, 2 kv heads)"
     keras.backend.clear_session()

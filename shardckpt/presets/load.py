@@ -102,6 +102,8 @@ def from_preset(
             `dtype=`; stored values are cast while loading.
         cls: The keras-hub class to build (a `Backbone` or `Task` subclass,
             e.g. `keras_hub.models.CausalLM`). None: the preset's backbone.
+            keras-hub folders only; a Hugging Face folder builds the
+            backbone its `config.json` names.
 
     Returns:
         The model, every variable loaded in its sharding, with the
