@@ -2,6 +2,7 @@
 
 The public API, re-exported here (internals live in one module per concept):
 
+- pretrained models: `from_preset` (keras-hub presets, Hugging Face folders);
 - restore: `lazy_init`, `load_sharded` -> `LoadReport`;
 - layouts: `auto_layout` -> `LayoutPlan`, `parallelize`;
 - training: `OrbaxCheckpoint`, `restore_latest` -> `ResumeInfo`;
@@ -47,6 +48,7 @@ from shardckpt.convert import (  # noqa: E402
     verify,
 )
 from shardckpt.layout import LayoutPlan, auto_layout, parallelize  # noqa: E402
+from shardckpt.presets import from_preset  # noqa: E402
 from shardckpt.restore import LoadReport, lazy_init, load_sharded  # noqa: E402
 from shardckpt.training import OrbaxCheckpoint, ResumeInfo, restore_latest  # noqa: E402
 
@@ -62,6 +64,7 @@ __all__ = [
     "auto_layout",
     "convert",
     "errors",
+    "from_preset",
     "inspect",
     "lazy_init",
     "load_sharded",

@@ -72,10 +72,17 @@ get_global_attribute = global_state.get_global_attribute
 set_global_attribute = global_state.set_global_attribute
 
 
-def save_state(model: Any, weights_store: Any) -> None:
-    """Runs Keras' `save_weights` walk over `model` into `weights_store`."""
+def save_state(model: Any, weights_store: Any, *, skip: Any = ()) -> None:
+    """Runs Keras' `save_weights` walk over `model` into `weights_store`.
+
+    `skip` are objects left out, as `save_weights(objects_to_skip=...)` does.
+    """
     saving_lib._save_state(
-        model, weights_store=weights_store, assets_store=None, inner_path="", visited_saveables=set()
+        model,
+        weights_store=weights_store,
+        assets_store=None,
+        inner_path="",
+        visited_saveables={id(o) for o in skip},
     )
 
 

@@ -113,6 +113,10 @@ class ModelRequiredError(ShardckptError, ValueError):
     """
 
 
+class MissingDependencyError(ShardckptError, ImportError):
+    """An optional dependency (keras-hub) is needed for this input and not installed."""
+
+
 class BackendError(ShardckptError, RuntimeError):
     """Keras runs on a backend other than JAX; shardckpt places JAX arrays only."""
 

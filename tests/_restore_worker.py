@@ -25,6 +25,7 @@ expected = dict(np.load(os.path.join(folder, "expected.npz"), allow_pickle=False
 results = {}
 for name, path, mesh_shape in [
     ("h5", "m.weights.h5", (1, 8)),
+    ("sharded", "m.weights.json", (1, 8)),
     ("orbax", "orbax", (2, 4)),
 ]:
     keras.backend.clear_session()

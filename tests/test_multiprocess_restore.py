@@ -23,7 +23,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def test_two_processes_restore_h5_and_resharded_orbax(tmp_path):
+def test_two_processes_restore_h5_sharded_index_and_resharded_orbax(tmp_path):
     keras.backend.clear_session()
     # The Orbax checkpoint is written by Keras on an 8x1 mesh in this process;
     # the workers restore it on a 2x4 mesh spanning two processes.
@@ -36,6 +36,9 @@ def test_two_processes_restore_h5_and_resharded_orbax(tmp_path):
     model.fit(np.zeros((8, 8), "int32"), np.zeros((8, 8, 32)), epochs=1, verbose=0, callbacks=[callback])
     callback.wait_until_finished()
     model.save_weights(tmp_path / "m.weights.h5")  # same values as the Orbax step
+    # Keras' sharded form of the same weights: an index and ~5 KiB shard files.
+    model.save_weights(tmp_path / "m.weights.json", max_shard_size=5e-6)
+    assert len([n for n in os.listdir(tmp_path) if n.startswith("m_0")]) >= 3
     np.savez(tmp_path / "expected.npz", **{v.path: np.asarray(v.value) for v in model.weights})
 
     port = str(_free_port())
@@ -67,6 +70,8 @@ def test_two_processes_restore_h5_and_resharded_orbax(tmp_path):
     for r in results:
         # On the 1x8 mesh each process holds half of every sharded variable,
         # and reads only that half (plus the replicated variables).
-        assert r["h5"]["bytes_read"] < 0.75 * r["h5"]["total"], r
-        assert r["h5"]["shards"] > 0 and r["orbax"]["shards"] > 0
-    assert results[0]["h5"]["bytes_read"] + results[1]["h5"]["bytes_read"] < 1.5 * results[0]["h5"]["total"]
+        for name in ("h5", "sharded"):
+            assert r[name]["bytes_read"] < 0.75 * r[name]["total"], r
+        assert r["h5"]["shards"] > 0 and r["sharded"]["shards"] > 0 and r["orbax"]["shards"] > 0
+    for name in ("h5", "sharded"):
+        assert results[0][name]["bytes_read"] + results[1][name]["bytes_read"] < 1.5 * results[0][name]["total"]

@@ -21,6 +21,7 @@ PUBLIC = {
     "auto_layout",
     "convert",
     "errors",
+    "from_preset",
     "inspect",
     "lazy_init",
     "load_sharded",
@@ -38,7 +39,7 @@ def test_all_lists_exactly_the_public_names():
 
 def test_functions_not_shadowed_by_submodules():
     # `shardckpt.convert` / `shardckpt.inspect` are the functions, not modules.
-    for name in ("convert", "inspect", "verify", "auto_layout", "parallelize", "load_sharded"):
+    for name in ("convert", "inspect", "verify", "auto_layout", "parallelize", "load_sharded", "from_preset"):
         assert callable(getattr(shardckpt, name)) and pyinspect.isfunction(getattr(shardckpt, name)), name
 
 
@@ -51,6 +52,11 @@ def test_signatures_match_the_design():
     assert list(p)[:2] == ["model", "path"]
     for kw, default in (("layout", None), ("strict", True), ("max_inflight_bytes", 256 * 2**20), ("progress", None)):
         assert p[kw].kind is pyinspect.Parameter.KEYWORD_ONLY and p[kw].default == default, kw
+
+    p = _params(shardckpt.from_preset)
+    assert list(p)[:1] == ["preset"]
+    for kw in ("mesh", "layout", "dtype", "cls"):
+        assert p[kw].kind is pyinspect.Parameter.KEYWORD_ONLY and p[kw].default is None, kw
 
     p = _params(shardckpt.auto_layout)
     assert list(p)[:2] == ["model", "mesh"]

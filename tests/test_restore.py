@@ -207,7 +207,8 @@ def test_strict_false_initialises_missing_variables_in_their_sharding(tmp_path):
     with pytest.raises(shardckpt.errors.CheckpointMismatchError, match=dropped):
         shardckpt.load_sharded(model, path)
     report = shardckpt.load_sharded(model, path, strict=False)
-    assert report.initialized == [dropped]
+    # The GRU's seed-generator state is no model weight, so safetensors never holds it.
+    assert report.initialized == [dropped, "seed_generator/seed_generator_state"]
     assert report.missing == [f"{dropped} (key '{dropped}')"]
     for v in model.weights:
         assert v.value.sharding.is_equivalent_to(dist.get_variable_layout(v).backend_layout, v.ndim)

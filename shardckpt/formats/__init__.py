@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import os
+from typing import Any
 
 from shardckpt.budget import CHUNK_CACHE_BYTES
 from shardckpt.errors import CheckpointNotFoundError, UnknownFormatError
 from shardckpt.formats.base import ArraySpec, Box, ChunkedReader, MappedReader, Reader, full_box
 from shardckpt.formats.h5 import H5Reader
+from shardckpt.formats.h5_sharded import ShardedH5Reader, is_sharded_index
 from shardckpt.formats.orbax import OrbaxReader, is_orbax_dir
+from shardckpt.formats.preset import PresetReader, is_preset_dir
 from shardckpt.formats.safetensors import SafetensorsReader
 
 __all__ = [
@@ -18,8 +21,10 @@ __all__ = [
     "H5Reader",
     "MappedReader",
     "OrbaxReader",
+    "PresetReader",
     "Reader",
     "SafetensorsReader",
+    "ShardedH5Reader",
     "detect_format",
     "full_box",
     "open_reader",
@@ -27,7 +32,10 @@ __all__ = [
 
 
 def detect_format(path: str) -> str:
-    """Names the format of `path`: "h5", "keras", "orbax" or "safetensors".
+    """Names the format of `path`.
+
+    One of "h5", "h5-sharded" (a Keras `.weights.json` index), "keras",
+    "orbax", "preset" (a keras-hub preset folder) or "safetensors".
 
     Raises:
         CheckpointNotFoundError: `path` does not exist.
@@ -36,18 +44,24 @@ def detect_format(path: str) -> str:
     path = os.fspath(path)
     if not os.path.exists(path):
         raise CheckpointNotFoundError(
-            f"No checkpoint at {path!r}. Fix: check the path (a .weights.h5, .keras, "
-            ".safetensors, *.safetensors.index.json file or an Orbax folder)."
+            f"No checkpoint at {path!r}. Fix: check the path (a .weights.h5, .weights.json, "
+            ".keras, .safetensors, *.safetensors.index.json file, an Orbax folder or a "
+            "keras-hub preset folder)."
         )
     if os.path.isdir(path):
         if is_orbax_dir(path):
             return "orbax"
+        if is_preset_dir(path):
+            return "preset"
     elif path.endswith((".h5", ".hdf5")):
         return "h5"
     elif path.endswith(".keras"):
         return "keras"
     elif path.endswith((".safetensors", ".safetensors.index.json")):
         return "safetensors"
+    elif path.endswith(".json"):
+        if is_sharded_index(path):
+            return "h5-sharded"
     else:
         with open(path, "rb") as f:
             magic = f.read(8)
@@ -57,22 +71,32 @@ def detect_format(path: str) -> str:
             return "keras"
     raise UnknownFormatError(
         f"{path!r} is not a checkpoint shardckpt reads. Supported: Keras "
-        "`.weights.h5` / `.keras` files, Orbax checkpoint folders, `.safetensors` "
-        "files and `*.safetensors.index.json` sets."
+        "`.weights.h5` / `.keras` files, sharded `.weights.json` indexes, Orbax "
+        "checkpoint folders, keras-hub preset folders, `.safetensors` files and "
+        "`*.safetensors.index.json` sets."
     )
 
 
-def open_reader(path: str, *, cache_bytes: int = CHUNK_CACHE_BYTES) -> Reader:
+def open_reader(path: str, *, cache_bytes: int = CHUNK_CACHE_BYTES, model: Any = None) -> Reader:
     """Opens `path` with the reader for its format (see `detect_format`).
 
     Args:
         path: The checkpoint.
         cache_bytes: Decoded-chunk cache of compressed formats (Orbax); see
             `shardckpt.budget.chunk_cache_bytes`.
+        model: The model the checkpoint is read for, if known. A keras-hub
+            preset folder's task weights (`task.weights.h5`) are read for a
+            task only; without a model, whenever the folder has them.
     """
     fmt = detect_format(path)
     if fmt in ("h5", "keras"):
         return H5Reader(path)
+    if fmt == "h5-sharded":
+        return ShardedH5Reader(path)
+    if fmt == "preset":
+        from shardckpt.restore.keys import is_task  # Keras-aware, imported only here
+
+        return PresetReader(path, task=None if model is None else is_task(model))
     if fmt == "orbax":
         return OrbaxReader(path, cache_bytes=cache_bytes)
     return SafetensorsReader(path)

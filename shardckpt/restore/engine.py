@@ -54,8 +54,9 @@ class LoadReport:
         skipped: Optimizer/metric keys left unread because the model has no
             such variables (e.g. a full-state checkpoint into a fresh model).
         casts: "path: stored -> variable dtype" for every cast made.
-        initialized: Lazily built variables initialised because the
-            checkpoint lacked them (`strict=False` only).
+        initialized: Lazily built variables given their own initial value:
+            the checkpoint lacked them (`strict=False` only), or the format
+            never stores them (Keras h5: seed-generator states, LoRA factors).
     """
 
     path: str
@@ -115,9 +116,11 @@ def load_sharded(
 
     Args:
         model: A Keras 3 model (JAX backend).
-        path: A `.weights.h5` or `.keras` file, an Orbax root (its latest
-            committed step) or step folder, a `.safetensors` file or a
-            `*.safetensors.index.json`.
+        path: A `.weights.h5` or `.keras` file, a sharded `.weights.json`
+            index (Keras' `save_weights(..., max_shard_size=...)`), a keras-hub
+            preset folder (the backbone's weights, and `task.weights.h5` when
+            `model` is a task), an Orbax root (its latest committed step) or
+            step folder, a `.safetensors` file or a `*.safetensors.index.json`.
         layout: Where variables go. None: the active Keras distribution, else
             each variable's current sharding (or device 0 for a lazy one). Also
             a `keras.distribution.LayoutMap`, a `Distribution`, or a plan with
@@ -153,7 +156,7 @@ def load_sharded(
     start = time.perf_counter()
     if max_inflight_bytes < 1:
         raise ValueError(f"max_inflight_bytes must be positive. Received: {max_inflight_bytes}")
-    reader = open_reader(os.fspath(path), cache_bytes=chunk_cache_bytes(max_inflight_bytes))
+    reader = open_reader(os.fspath(path), cache_bytes=chunk_cache_bytes(max_inflight_bytes), model=model)
     try:
         report = LoadReport(path=reader.path, format=reader.format)
         jobs, to_init = match_jobs(model, reader, report, strict, resolve_layout(layout))
@@ -178,7 +181,8 @@ def match_jobs(
     layout_of: Callable[[Any], TargetLayout],
 ) -> tuple[list[Job], list[tuple[Any, TargetLayout]]]:
     """Pairs keys with variables and checks everything before any I/O."""
-    found = naming.match(naming.keys_for(model, reader.format), reader)
+    wanted = naming.keys_for(model, reader.format)
+    found = naming.match(wanted, reader)
     report.missing = found.missing_lines()
     report.unexpected = found.unexpected
     report.skipped = found.skipped
@@ -195,9 +199,19 @@ def match_jobs(
     found.raise_if_mismatched(reader.path, strict=strict)
     missing_vars = [variable for _, variable in found.missing]
     to_init = [(v, layout_of(v)) for v in missing_vars if is_unloaded(v)]
+    # Variables the format never stores (Keras h5 keeps no seed-generator
+    # state and no LoRA factors): a lazily built one gets its own initial
+    # value, which is what Keras' build + load_weights leaves there.
+    named = {id(v) for v in wanted.values()}
+    to_init += [(v, layout_of(v)) for v in _unique(model.variables) if id(v) not in named and is_unloaded(v)]
     for variable, target in to_init:
         _check_divisible(variable, target)
     return jobs, to_init
+
+
+def _unique(variables: list[Any]) -> list[Any]:
+    seen: set[int] = set()
+    return [v for v in variables if not (id(v) in seen or seen.add(id(v)))]
 
 
 def _check_divisible(variable: Any, target: TargetLayout) -> None:

@@ -9,6 +9,22 @@
   where collection is trainable_variables, non_trainable_variables,
   optimizer_variables or metrics_variables and path is `variable.path`.
 - safetensors: `variable.path` (what `{v.path: v for v in model.weights}` gives).
+- keras-hub preset folders: `model/<h5 key>` for the backbone's weights file,
+  `task/<h5 key>` for `task.weights.h5` (a task's weights outside its
+  backbone, named with the backbone's layers skipped, as keras-hub saves them).
+
+Two adjustments to what Keras names:
+- LoRA: Keras saves a LoRA-enabled layer's merged kernel (`kernel` property:
+  base + A @ B * scale) under the kernel's key, and never the factors. The
+  key maps to the base kernel variable, so a lazily built model receives the
+  merged kernel there; its factors are not in the checkpoint and keep their
+  `enable_lora` initialisation (A random, B zeros), so the model computes
+  exactly the saved function and LoRA training can go on. (Keras'
+  `load_weights` zeroes both factors, which leaves them with zero gradients.)
+- Optimizer: Orbax keys hold the optimizer's generated name
+  (`optimizer_variables/adam/...`), which becomes `adam_1` in a process that
+  created another optimizer first. `align_optimizer_keys` matches by the path
+  under the optimizer when model and checkpoint each have one optimizer.
 
 Keras' `_save_state` walk and `H5IOStore` are private (see `shardckpt._keras`):
 there is no public way to ask Keras which key a variable is saved under.
@@ -17,8 +33,9 @@ there is no public way to ask Keras which key a variable is saved under.
 from __future__ import annotations
 
 import contextlib
+import re
 import dataclasses
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import keras
@@ -31,6 +48,10 @@ from shardckpt.formats.base import Reader
 # them, and a model without a built optimizer has nothing to put there.
 # ("optimizer/" is where Keras' h5 files keep optimizer variables.)
 OPTIONAL_PREFIXES = (*(f"{c}/" for c in state.OPTIONAL_COLLECTIONS), "optimizer/")
+# Keras makes object names unique by appending `_<n>` (`adam`, `adam_1`).
+_UNIQUIFIED = re.compile(r"_\d+$")
+# The roles of a preset's weights files (see `preset_keys`).
+PRESET_PREFIXES = ("model/", "task/")
 
 
 class _RecordingStore(_keras.H5IOStore):
@@ -56,6 +77,26 @@ class _RecordingStore(_keras.H5IOStore):
 
 
 @contextlib.contextmanager
+def _lora_saves_base_kernel(model: Any) -> Iterator[None]:
+    # A LoRA-enabled layer saves its merged kernel, computed from variables a
+    # lazily built model has no value for. With `lora_enabled` off for the
+    # walk, the same `save_own_variables` stores the base kernel variable
+    # under the same key (see the module docstring).
+    layers = [
+        layer
+        for layer in getattr(model, "_flatten_layers", list)()
+        if getattr(layer, "lora_enabled", False) is True
+    ]
+    for layer in layers:
+        layer.lora_enabled = False
+    try:
+        yield
+    finally:
+        for layer in layers:
+            layer.lora_enabled = True
+
+
+@contextlib.contextmanager
 def _optimizers_record_variables(model: Any) -> Iterator[None]:
     # BaseOptimizer.save_own_variables stores `variable.numpy()` (a host copy of
     # the whole optimizer state, and an error for unloaded variables); record
@@ -76,16 +117,70 @@ def _optimizers_record_variables(model: Any) -> Iterator[None]:
         del optimizer.save_own_variables
 
 
-def h5_keys(model: Any) -> dict[str, Any]:
+def h5_keys(model: Any, *, skip: Iterable[Any] = ()) -> dict[str, Any]:
     """Returns `{h5 key: variable}` exactly as Keras' `save_weights` names them.
 
     A value that is not a variable (a quantized layer's merged kernel, say)
     is recorded as given; `load_sharded` reports such keys as unsupported.
+
+    Args:
+        model: The model.
+        skip: Objects left out of the walk, as Keras' `objects_to_skip`
+            (keras-hub saves a task's own weights with its backbone's layers
+            skipped).
     """
     store = _RecordingStore()
-    with _optimizers_record_variables(model):
-        _keras.save_state(model, store)
+    with _optimizers_record_variables(model), _lora_saves_base_kernel(model):
+        _keras.save_state(model, store, skip=skip)
     return store.records
+
+
+def is_task(model: Any) -> bool:
+    """True for a keras-hub task: a model holding a `backbone` model."""
+    backbone = getattr(model, "backbone", None)
+    return isinstance(backbone, keras.Model) and backbone is not model
+
+
+def preset_keys(model: Any) -> dict[str, Any]:
+    """Returns `{preset key: variable}` for a keras-hub preset folder.
+
+    A backbone's keys are its h5 keys behind `model/`; a task's are its
+    backbone's behind `model/` and its other weights (named as keras-hub's
+    `save_task_weights` does, backbone layers skipped) behind `task/`.
+    """
+    if not is_task(model):
+        return {f"model/{k}": v for k, v in h5_keys(model).items()}
+    backbone = model.backbone
+    out = {f"model/{k}": v for k, v in h5_keys(backbone).items()}
+    out.update({f"task/{k}": v for k, v in h5_keys(model, skip=list(backbone._flatten_layers())).items()})
+    return out
+
+
+def align_optimizer_keys(wanted: dict[str, Any], stored: Iterable[str]) -> dict[str, Any]:
+    """Renames the model's optimizer keys to the checkpoint's optimizer name.
+
+    Orbax state-tree keys of optimizer variables are
+    `optimizer_variables/<optimizer name>/<variable>`, and the name is
+    generated (`adam`, `adam_1`, ...). When the model's keys and the
+    checkpoint's each hold exactly one optimizer name and the two differ only
+    in Keras' uniquifying suffix (`adam` / `adam_3`), the model's keys take
+    the checkpoint's name, so variables match by their path under the
+    optimizer. Otherwise (another optimizer class: `adam` / `sgd`) `wanted` is
+    returned as is, and the difference is reported key by key.
+    """
+    prefix = "optimizer_variables/"
+
+    def names(keys: Iterable[str]) -> set[str]:
+        return {k[len(prefix) :].split("/", 1)[0] for k in keys if k.startswith(prefix) and "/" in k[len(prefix) :]}
+
+    ours, theirs = names(wanted), names(stored)
+    if len(ours) != 1 or len(theirs) != 1 or ours == theirs:
+        return wanted
+    mine, saved = ours.pop(), theirs.pop()
+    if _UNIQUIFIED.sub("", mine) != _UNIQUIFIED.sub("", saved):
+        return wanted
+    old, new = f"{prefix}{mine}/", f"{prefix}{saved}/"
+    return {(new + k[len(old) :] if k.startswith(old) else k): v for k, v in wanted.items()}
 
 
 def state_keys(model: Any) -> dict[str, Any]:
@@ -106,6 +201,8 @@ def keys_for(model: Any, fmt: str) -> dict[str, Any]:
     """Returns the key -> variable map for checkpoint format `fmt`."""
     if fmt in ("h5", "keras"):
         return h5_keys(model)
+    if fmt == "preset":
+        return preset_keys(model)
     if fmt == "orbax":
         return state_keys(model)
     return path_keys(model)
@@ -115,9 +212,25 @@ def is_variable(value: Any) -> bool:
     return isinstance(value, keras.Variable)
 
 
-def is_optional_key(key: str) -> bool:
+def _in_file(key: str) -> str:
+    """`key` without a preset's `model/` / `task/` part: the key inside its h5 file."""
+    for prefix in PRESET_PREFIXES:
+        if key.startswith(prefix):
+            return key[len(prefix) :]
+    return key
+
+
+def collection(key: str, fmt: str = "") -> str:
+    """The group a key belongs to (`optimizer`, `trainable_variables`, `task/optimizer`...)."""
+    if fmt == "preset":
+        head, _, rest = key.partition("/")
+        return f"{head}/{rest.split('/', 1)[0]}"
+    return key.split("/", 1)[0]
+
+
+def is_optional_key(key: str, fmt: str = "") -> bool:
     """True for optimizer/metric keys, which a model may legitimately lack."""
-    return key.startswith(OPTIONAL_PREFIXES)
+    return (_in_file(key) if fmt == "preset" else key).startswith(OPTIONAL_PREFIXES)
 
 
 @dataclasses.dataclass
@@ -166,10 +279,13 @@ def match(wanted: dict[str, Any], reader: Reader) -> KeyMatch:
     """Pairs the model's keys (`keys_for`, or a subset) with the checkpoint's.
 
     Reads metadata only (`reader.spec`). A variable saved under two keys (a
-    shared layer) is loaded once.
+    shared layer) is loaded once. Optimizer keys match whatever name the
+    optimizer was given (`align_optimizer_keys`).
     """
+    fmt = reader.format
     stored = set(reader.keys())
-    collections_stored = {k.split("/", 1)[0] for k in stored}
+    wanted = align_optimizer_keys(wanted, stored)
+    collections_stored = {collection(k, fmt) for k in stored}
     result = KeyMatch()
     seen: set[int] = set()
     for key, variable in wanted.items():
@@ -181,7 +297,7 @@ def match(wanted: dict[str, Any], reader: Reader) -> KeyMatch:
             )
             continue
         if key not in stored:
-            if is_optional_key(key) and key.split("/", 1)[0] not in collections_stored:
+            if is_optional_key(key, fmt) and collection(key, fmt) not in collections_stored:
                 continue
             if id(variable) not in seen:
                 result.missing.append((key, variable))
@@ -199,8 +315,8 @@ def match(wanted: dict[str, Any], reader: Reader) -> KeyMatch:
             continue
         result.pairs.append((key, variable))
     for key in sorted(stored):
-        collection = key.split("/", 1)[0] + "/"
-        if is_optional_key(key) and not any(k.startswith(collection) for k in wanted):
+        group = collection(key, fmt)
+        if is_optional_key(key, fmt) and not any(collection(k, fmt) == group for k in wanted):
             result.skipped.append(key)
         else:
             result.unexpected.append(key)

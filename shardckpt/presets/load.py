@@ -1,0 +1,224 @@
+"""`from_preset(preset)`: detect the folder's kind, build lazily, plan, load sharded.
+
+keras-hub's own `from_preset` under `ModelParallel` builds the model with
+random weights on their devices, then `load_weights` reads each full tensor
+onto the default device before it is placed (keras#21634, keras-hub#1341).
+Here nothing is initialised: the model is built under `lazy_init()`, the
+layout is planned on the unloaded model, and `load_sharded` reads each
+device's piece straight into its sharding.
+
+Kinds of folder (`preset_kind`), as keras-hub's own loader tells them apart
+by `config.json`:
+- "keras-hub": `registered_name` (a serialised Keras object) and the
+  backbone's weights; built by `shardckpt.presets.kerashub`;
+- "hf": `model_type` (a Hugging Face transformers config) and safetensors;
+  built by `shardckpt.presets.hf.build(folder, dtype=...)`.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from shardckpt.errors import CheckpointNotFoundError, UnknownFormatError
+from shardckpt.formats.preset import CONFIG_FILE, is_preset_dir
+from shardckpt.presets import kerashub
+
+
+def preset_kind(folder: str) -> str:
+    """Returns "keras-hub" or "hf" for a local preset folder.
+
+    Raises:
+        CheckpointNotFoundError: no folder, or no `config.json` in it.
+        UnknownFormatError: `config.json` is neither kind.
+    """
+    if not os.path.isdir(folder):
+        raise CheckpointNotFoundError(
+            f"No preset folder at {folder!r}. Fix: pass a local keras-hub preset folder "
+            "(config.json + model.weights.h5 / model.weights.json), a Hugging Face "
+            "folder, or a keras-hub handle such as kaggle://... or hf://..."
+        )
+    if not os.path.isfile(os.path.join(folder, CONFIG_FILE)):
+        raise CheckpointNotFoundError(
+            f"The folder {folder!r} has no {CONFIG_FILE}, so it is no preset. Fix: pass "
+            "a folder written by keras-hub's save_to_preset or a Hugging Face model folder."
+        )
+    config = kerashub.read_json(folder, CONFIG_FILE)
+    if "registered_name" in config or "class_name" in config:
+        if not is_preset_dir(folder):
+            raise CheckpointNotFoundError(
+                f"The keras-hub preset {folder!r} has no model.weights.h5 or "
+                "model.weights.json. Fix: copy the preset's weights files into it."
+            )
+        return "keras-hub"
+    if "model_type" in config:
+        return "hf"
+    raise UnknownFormatError(
+        f"{os.path.join(folder, CONFIG_FILE)!r} has neither 'registered_name' (keras-hub "
+        "preset) nor 'model_type' (Hugging Face config). Fix: pass a folder written by "
+        f"keras-hub's save_to_preset or a Hugging Face model folder. Received keys: {sorted(config)[:12]}"
+    )
+
+
+def from_preset(
+    preset: str | os.PathLike,
+    *,
+    mesh: Any = None,
+    layout: Any = None,
+    dtype: Any = None,
+    cls: Any = None,
+) -> Any:
+    """Builds a pretrained model and loads every variable straight into its sharding.
+
+    The model is built under `shardckpt.lazy_init()` from the preset's config
+    (no initializer runs, no weight memory), the layout is planned
+    (`shardckpt.auto_layout`) unless `layout` is given, the Keras
+    distribution is set to it, and `shardckpt.load_sharded` reads each
+    device's piece of every variable. No full tensor is assembled on one
+    device unless the layout replicates it.
+
+    Example:
+
+    ```python
+    model = shardckpt.from_preset("llama3_preset/")          # all devices on "model"
+    model = shardckpt.from_preset("gemma_preset/", mesh=(2, 4), dtype="bfloat16")
+    lm = shardckpt.from_preset("preset/", cls=keras_hub.models.CausalLM)
+    ```
+
+    Args:
+        preset: A local keras-hub preset folder (`config.json`,
+            `metadata.json`, `model.weights.h5` or a sharded
+            `model.weights.json` + shards; for a task `task.json` and
+            `task.weights.h5`), a Hugging Face model folder (`config.json`
+            with `model_type`, safetensors), or a keras-hub handle
+            (`kaggle://...`, `hf://...`, a built-in preset name), fetched
+            through keras-hub's download cache.
+        mesh: The device mesh to plan on: a `keras.distribution.DeviceMesh`,
+            a shape such as `(2, 4)` over ("data", "model"), or None for every
+            device on the "model" axis. Ignored when `layout` is given.
+        layout: Where variables go, instead of `auto_layout`: a `LayoutPlan`,
+            a `keras.distribution.LayoutMap` or a `Distribution`.
+        dtype: The model's dtype policy (e.g. "bfloat16"), as keras-hub's
+            `dtype=`; stored values are cast while loading.
+        cls: The keras-hub class to build (a `Backbone` or `Task` subclass,
+            e.g. `keras_hub.models.CausalLM`). None: the preset's backbone.
+            keras-hub folders only; a Hugging Face folder builds the
+            backbone its `config.json` names.
+
+    Returns:
+        The model, every variable loaded in its sharding, with the
+        distribution set (`keras.distribution.distribution()`).
+
+    Raises:
+        CheckpointNotFoundError: no preset at `preset`, or a file it needs.
+        UnknownFormatError: the folder is no preset shardckpt reads.
+        MissingDependencyError: keras-hub is needed and not installed.
+        CheckpointMismatchError, CorruptCheckpointError, LayoutError, ...:
+            see `load_sharded` and `auto_layout`.
+    """
+    from shardckpt.restore import load_sharded
+
+    source = os.fspath(preset)
+    task = cls is not None and kerashub.is_task_class(cls)
+    folder = _local_folder(source, task=task)
+    kind = preset_kind(folder)
+    if kind == "hf":
+        hf = _hf_module(folder)
+        model = hf.build(folder, dtype=dtype)
+    else:
+        # A handle is given to keras-hub itself, which fetches what the build
+        # needs (tokenizer assets of a task's preprocessor, say).
+        model = kerashub.build(folder if os.path.isdir(source) else source, dtype=dtype, cls=cls)
+    distribution = _distribution(model, mesh, layout)
+    import keras
+
+    keras.distribution.set_distribution(distribution)
+    # A task whose preset carries no task weights (a backbone preset loaded as
+    # a task) gets its own layers' initial values, as keras-hub gives them.
+    strict = not (task and not _has_task_weights(folder))
+    report = load_sharded(model, folder, layout=distribution, strict=strict)
+    if not strict:
+        _check_only_task_layers_missing(model, report)
+    if task and kind == "keras-hub":
+        model.compile()  # keras-hub's default compilation, deferred by `kerashub.build`
+    return model
+
+
+def _has_task_weights(folder: str) -> bool:
+    from shardckpt.formats.preset import TASK_WEIGHTS
+
+    return os.path.isfile(os.path.join(folder, TASK_WEIGHTS))
+
+
+def _check_only_task_layers_missing(model: Any, report: Any) -> None:
+    from shardckpt.errors import CheckpointMismatchError
+
+    backbone = {id(v) for v in model.backbone.weights}
+    paths = {v.path: id(v) for v in model.weights}
+    missing_backbone = [m for m in report.missing if paths.get(m.split(" (key")[0]) in backbone]
+    if missing_backbone or report.unexpected:
+        raise CheckpointMismatchError(report.path, missing=missing_backbone, unexpected=report.unexpected)
+
+
+def _hf_module(folder: str) -> Any:
+    try:
+        from shardckpt.presets import hf
+    except ImportError as e:
+        raise UnknownFormatError(
+            f"{folder!r} is a Hugging Face model folder (config.json has 'model_type'), "
+            f"which this shardckpt build cannot load ({e}). Fix: convert it with keras-hub "
+            "(keras_hub.models.Backbone.from_preset(folder).save_to_preset(out)) and pass "
+            "the keras-hub preset."
+        ) from e
+    return hf
+
+
+def _local_folder(source: str, *, task: bool) -> str:
+    """The local folder of `source`: itself, or keras-hub's download of a handle."""
+    if os.path.isdir(source):
+        return source
+    scheme = source.split("://", 1)[0].lower() if "://" in source else None
+    if scheme in kerashub.HANDLE_SCHEMES or (scheme is None and not os.path.exists(source) and _is_builtin(source)):
+        return kerashub.download(source, task=task)
+    if scheme is not None:
+        raise UnknownFormatError(
+            f"from_preset cannot read {scheme}:// URLs. Supported: local folders and "
+            f"keras-hub handles ({', '.join(s + '://' for s in kerashub.HANDLE_SCHEMES)}). "
+            f"Received: preset={source!r}"
+        )
+    return source  # preset_kind names what is missing
+
+
+def _is_builtin(name: str) -> bool:
+    try:
+        from keras_hub.src.utils.preset_utils import BUILTIN_PRESETS
+    except ImportError:
+        return False
+    return name in BUILTIN_PRESETS
+
+
+def _distribution(model: Any, mesh: Any, layout: Any) -> Any:
+    """The Keras distribution to load into: `layout`'s, or `auto_layout`'s on `mesh`."""
+    import jax
+    import keras
+
+    if layout is None:
+        from shardckpt.layout import auto_layout
+
+        if mesh is None:
+            mesh = keras.distribution.DeviceMesh((1, jax.device_count()), ["data", "model"])
+        return auto_layout(model, mesh).distribution()
+    if isinstance(layout, keras.distribution.LayoutMap):
+        return keras.distribution.ModelParallel(layout_map=layout)
+    if hasattr(layout, "distribution") and callable(layout.distribution):
+        return layout.distribution()
+    from keras.src.distribution.distribution_lib import (
+        Distribution,  # no public base class
+    )
+
+    if isinstance(layout, Distribution):
+        return layout
+    raise TypeError(
+        "layout must be a shardckpt LayoutPlan, a keras.distribution.LayoutMap or a "
+        f"Distribution. Received: layout={layout!r}"
+    )
