@@ -111,3 +111,14 @@ class ModelRequiredError(ShardckptError, ValueError):
     which variable (or whether trainable) each one is; a `.keras` file carries
     its architecture, other sources need `model=` / `--model`.
     """
+
+
+class MissingDependencyError(ShardckptError, ImportError):
+    """An optional dependency (keras-hub) is needed for this input and not installed."""
+
+
+class UnsupportedModelError(ShardckptError, ValueError):
+    """A Hugging Face folder whose architecture (or one conversion step) shardckpt cannot map.
+
+    Names the `model_type` or the variable and the step, and what is supported.
+    """

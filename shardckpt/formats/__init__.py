@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import os
+from typing import Any
 
-from shardckpt.errors import CheckpointNotFoundError, UnknownFormatError
+from shardckpt.errors import CheckpointNotFoundError, ModelRequiredError, UnknownFormatError
 from shardckpt.formats.base import ArraySpec, Box, Reader, full_box
 from shardckpt.formats.h5 import H5Reader
+from shardckpt.formats.hf import is_hf_folder
 from shardckpt.formats.orbax import OrbaxReader, is_orbax_dir
 from shardckpt.formats.safetensors import SafetensorsReader
 
@@ -24,7 +26,8 @@ __all__ = [
 
 
 def detect_format(path: str) -> str:
-    """Names the format of `path`: "h5", "keras", "orbax" or "safetensors".
+    """Names the format of `path`: "h5", "keras", "orbax", "safetensors" or "hf"
+    (a Hugging Face folder: config.json with a model_type, and safetensors).
 
     Raises:
         CheckpointNotFoundError: `path` does not exist.
@@ -34,11 +37,13 @@ def detect_format(path: str) -> str:
     if not os.path.exists(path):
         raise CheckpointNotFoundError(
             f"No checkpoint at {path!r}. Fix: check the path (a .weights.h5, .keras, "
-            ".safetensors, *.safetensors.index.json file or an Orbax folder)."
+            ".safetensors, *.safetensors.index.json file, an Orbax folder or a Hugging Face folder)."
         )
     if os.path.isdir(path):
         if is_orbax_dir(path):
             return "orbax"
+        if is_hf_folder(path):
+            return "hf"
     elif path.endswith((".h5", ".hdf5")):
         return "h5"
     elif path.endswith(".keras"):
@@ -55,18 +60,33 @@ def detect_format(path: str) -> str:
     raise UnknownFormatError(
         f"{path!r} is not a checkpoint shardckpt reads. Supported: Keras "
         "`.weights.h5` / `.keras` files, Orbax checkpoint folders, `.safetensors` "
-        "files and `*.safetensors.index.json` sets."
+        "files, `*.safetensors.index.json` sets and Hugging Face folders (config.json "
+        "with a model_type beside model.safetensors or model.safetensors.index.json)."
     )
 
 
-def open_reader(path: str, *, cache_bytes: int = 256 * 1024 * 1024) -> Reader:
+def open_reader(path: str, *, cache_bytes: int = 256 * 1024 * 1024, model: Any = None) -> Reader:
     """Opens `path` with the reader for its format (see `detect_format`).
 
     Args:
         path: The checkpoint.
         cache_bytes: Decoded-chunk cache of compressed formats (Orbax).
+        model: The model to read a Hugging Face folder as (its tensors are
+            named for another framework; the model says what to read).
+
+    Raises:
+        ModelRequiredError: a Hugging Face folder and no `model`.
     """
     fmt = detect_format(path)
+    if fmt == "hf":
+        if model is None:
+            raise ModelRequiredError(
+                f"{path!r} is a Hugging Face folder; reading it as Keras variables needs the "
+                "model. Fix: pass model= (shardckpt.presets.hf.build(folder) builds it)."
+            )
+        from shardckpt.presets import hf  # keras-hub's name maps, imported only here
+
+        return hf.open_reader(path, model)
     if fmt in ("h5", "keras"):
         return H5Reader(path)
     if fmt == "orbax":

@@ -129,7 +129,9 @@ def load_sharded(
         model: A Keras 3 model (JAX backend).
         path: A `.weights.h5` or `.keras` file, an Orbax root (its latest
             committed step) or step folder, a `.safetensors` file or a
-            `*.safetensors.index.json`.
+            `*.safetensors.index.json`, or a Hugging Face folder (config.json
+            with a model_type and safetensors) into the keras-hub model
+            `shardckpt.presets.hf.build(folder)` builds.
         layout: Where variables go. None: the active Keras distribution, else
             each variable's current sharding (or device 0 for a lazy one). Also
             a `keras.distribution.LayoutMap`, a `Distribution`, or a plan with
@@ -166,7 +168,7 @@ def load_sharded(
     start = time.perf_counter()
     if max_inflight_bytes < 1:
         raise ValueError(f"max_inflight_bytes must be positive. Received: {max_inflight_bytes}")
-    reader = open_reader(os.fspath(path), cache_bytes=_chunk_cache_bytes(max_inflight_bytes))
+    reader = open_reader(os.fspath(path), cache_bytes=_chunk_cache_bytes(max_inflight_bytes), model=model)
     try:
         report = LoadReport(path=reader.path, format=reader.format)
         jobs, to_init = _match(model, reader, report, strict, resolve_layout(layout))
