@@ -30,6 +30,7 @@ import ml_dtypes
 import numpy as np
 
 from shardckpt.formats.base import DTYPE_NAMES, DTYPES, ArraySpec
+from shardckpt import lazy_init
 from shardckpt.presets import hf
 from shardckpt.presets.hf_record import record
 
@@ -104,9 +105,14 @@ KERAS_HUB_CASTS = {"mistral"}  # its converter casts every tensor to float16
 
 
 def randomize(model: Any, seed: int = 0) -> None:
+    """Distinct values for every variable (of a model built lazily or not)."""
     rng = np.random.default_rng(seed)
-    for v in model.weights:
-        v.assign(rng.standard_normal(v.shape).astype(np.float32).astype(np.dtype(v.dtype)))
+    for v in model.variables:  # seed-generator states too (they are not weights)
+        dtype = np.dtype(v.dtype)
+        if dtype.kind in "iu":
+            v.assign(np.zeros(v.shape, dtype))
+        else:
+            v.assign(rng.standard_normal(v.shape).astype(np.float32).astype(dtype))
 
 
 def write_safetensors(path: str, tensors: dict[str, np.ndarray]) -> None:
@@ -132,7 +138,8 @@ def make_folder(name: str, folder: str, *, dtype: str = "float32", shards: int =
     if factory is not None:
         from keras_hub.src.utils.transformers.export.hf_exporter import export_backbone
 
-        source = factory(dtype=dtype)  # the exporter writes each variable's dtype
+        with lazy_init():  # no initializers: randomize gives every value
+            source = factory(dtype=dtype)  # the exporter writes each variable's dtype
         randomize(source, seed)
         export_backbone(source, folder, include_lm_head=not getattr(source, "tie_word_embeddings", False))
         with open(os.path.join(folder, "config.json")) as f:
@@ -146,7 +153,8 @@ def make_folder(name: str, folder: str, *, dtype: str = "float32", shards: int =
     with open(os.path.join(folder, "config.json"), "w") as f:
         json.dump(config, f)
     loader = hf.preset_loader(folder, config)
-    source = loader.load_backbone(loader.check_backbone_class(), load_weights=False, dtype=None)
+    with lazy_init():
+        source = loader.load_backbone(loader.check_backbone_class(), load_weights=False, dtype=None)
     randomize(source, seed)
     stored_dtype = DTYPES["BF16"] if dtype == "bfloat16" else np.dtype(dtype)
     shapes = _stored_shapes(source, loader)

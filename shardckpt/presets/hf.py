@@ -29,7 +29,7 @@ from typing import Any
 from shardckpt.errors import MissingDependencyError, UnsupportedModelError
 from shardckpt.formats.hf import HFReader, is_hf_folder, open_tensors, read_config, safetensors_index
 from shardckpt.presets.hf_remap import Unsupported
-from shardckpt.restore.lazy import lazy_init
+from shardckpt.restore.lazy import is_unloaded, lazy_init, original_initializer
 
 __all__ = ["build", "is_hf_folder", "open_reader", "preset_loader"]
 
@@ -87,7 +87,17 @@ def build(folder: str | os.PathLike, *, dtype: Any = None) -> Any:
     folder = os.fspath(folder)
     loader = preset_loader(folder)
     with lazy_init():
-        return loader.load_backbone(loader.check_backbone_class(), load_weights=False, dtype=dtype)
+        model = loader.load_backbone(loader.check_backbone_class(), load_weights=False, dtype=dtype)
+    # Seed-generator states (dropout) are variables but not weights: no
+    # checkpoint holds them. They get their initial value, as in keras-hub's
+    # own build, so training the model does not meet an unloaded variable.
+    weights = {id(v) for v in model.weights}
+    for variable in model.variables:
+        if id(variable) not in weights and is_unloaded(variable):
+            initializer = original_initializer(variable)
+            variable._initializer = None
+            variable._initialize_with_initializer(initializer)
+    return model
 
 
 def remaps(model: Any, folder: str, tensors: Any) -> dict[str, Any]:

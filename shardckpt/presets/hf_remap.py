@@ -63,6 +63,15 @@ class Tensor:
     def __array__(self, *args: Any, **kwargs: Any) -> Any:
         raise Unsupported("a hook needs the values of a stored tensor (arithmetic), not only their positions")
 
+    def __array_ufunc__(self, ufunc: Any, method: str, *inputs: Any, **kwargs: Any) -> Any:
+        raise Unsupported(f"numpy.{ufunc.__name__} computes on the values of a stored tensor")
+
+    def _arithmetic(self, *args: Any) -> Any:
+        raise Unsupported("a hook computes on the values of a stored tensor (arithmetic)")
+
+    __add__ = __radd__ = __sub__ = __rsub__ = __mul__ = __rmul__ = _arithmetic
+    __truediv__ = __rtruediv__ = __pow__ = __neg__ = __matmul__ = __rmatmul__ = _arithmetic
+
     @property
     def ndim(self) -> int:
         return len(self.shape)
@@ -90,6 +99,12 @@ class Tensor:
         if len(shape) == 1 and isinstance(shape[0], (tuple, list)):
             shape = tuple(shape[0])
         return self._reshape(_resolve_shape(shape, self.size))
+
+    def squeeze(self, axis: Any = None) -> Tensor:
+        return _squeeze(self, axis)
+
+    def swapaxes(self, axis1: int, axis2: int) -> Tensor:
+        return _swapaxes(self, axis1, axis2)
 
     def astype(self, dtype: Any, copy: bool = True) -> Tensor:
         dtype = np.dtype(dtype)
