@@ -31,7 +31,7 @@ from shardckpt.formats.hf import HFReader, is_hf_folder, open_tensors, read_conf
 from shardckpt.presets.hf_remap import Unsupported
 from shardckpt.restore.lazy import is_unloaded, lazy_init, original_initializer
 
-__all__ = ["build", "is_hf_folder", "open_reader", "preset_loader"]
+__all__ = ["build", "initialize_states", "is_hf_folder", "open_reader", "preset_loader"]
 
 
 def preset_loader(folder: str, config: dict | None = None) -> Any:
@@ -88,16 +88,23 @@ def build(folder: str | os.PathLike, *, dtype: Any = None) -> Any:
     loader = preset_loader(folder)
     with lazy_init():
         model = loader.load_backbone(loader.check_backbone_class(), load_weights=False, dtype=dtype)
-    # Seed-generator states (dropout) are variables but not weights: no
-    # checkpoint holds them. They get their initial value, as in keras-hub's
-    # own build, so training the model does not meet an unloaded variable.
+    initialize_states(model)
+    return model
+
+
+def initialize_states(model: Any) -> None:
+    """Gives lazily built variables that are not weights their initial value.
+
+    Seed-generator states (dropout) are variables but not weights: no
+    checkpoint holds them. They get their initial value, as in keras-hub's
+    own build, so training the model does not meet an unloaded variable.
+    """
     weights = {id(v) for v in model.weights}
     for variable in model.variables:
         if id(variable) not in weights and is_unloaded(variable):
             initializer = original_initializer(variable)
-            variable._initializer = None
+            variable._initializer = None  # lazy_init's sentinel; see restore.lazy
             variable._initialize_with_initializer(initializer)
-    return model
 
 
 def remaps(model: Any, folder: str, tensors: Any) -> dict[str, Any]:
