@@ -29,7 +29,7 @@ import keras
 import ml_dtypes
 import numpy as np
 
-from shardckpt.formats.base import DTYPE_NAMES, DTYPES, ArraySpec
+from shardckpt.formats.base import DTYPES, ArraySpec
 from shardckpt import lazy_init
 from shardckpt.presets import hf
 from shardckpt.presets.hf_record import record
@@ -115,12 +115,15 @@ def randomize(model: Any, seed: int = 0) -> None:
             v.assign(rng.standard_normal(v.shape).astype(np.float32).astype(dtype))
 
 
+_NAMES = {dtype: name for name, dtype in DTYPES.items()}
+
+
 def write_safetensors(path: str, tensors: dict[str, np.ndarray]) -> None:
     """A `.safetensors` file (the format's header + raw bytes; bfloat16 included)."""
     header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
     offset = 0
     for key, arr in tensors.items():
-        header[key] = {"dtype": DTYPE_NAMES[arr.dtype], "shape": list(arr.shape), "data_offsets": [offset, offset + arr.nbytes]}
+        header[key] = {"dtype": _NAMES[arr.dtype], "shape": list(arr.shape), "data_offsets": [offset, offset + arr.nbytes]}
         offset += arr.nbytes
     raw = json.dumps(header).encode()
     raw += b" " * (-len(raw) % 8)

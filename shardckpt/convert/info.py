@@ -14,9 +14,7 @@ import os
 from typing import Any
 
 from shardckpt.formats import open_reader
-from shardckpt.formats.orbax import committed_steps
-
-_TMP_MARK = ".orbax-checkpoint-tmp"
+from shardckpt.formats.orbax import ondisk
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -147,20 +145,14 @@ def inspect(path: str | os.PathLike) -> CheckpointInfo:
 
 
 def _describe_orbax(info: CheckpointInfo) -> None:
-    # Imported here: the training package pulls in Keras callbacks, which a
-    # plain inspection of an h5 file does not need.
-    from shardckpt.training import resume
-
     step_dir = info.path
     root = os.path.dirname(step_dir)
     name = os.path.basename(step_dir)
     if name.isdigit():
         info.step = int(name)
-        info.steps = committed_steps(root)
-        info.incomplete = sorted(n for n in os.listdir(root) if _TMP_MARK in n)
-    info.items = sorted(
-        n for n in os.listdir(step_dir) if os.path.isdir(os.path.join(step_dir, n)) and not n.startswith((".", "_"))
-    )
-    info.metadata = resume.read_json_item(step_dir, resume.METADATA_ITEM)
-    item = resume.read_json_item(step_dir, resume.ITERATOR_ITEM)
+        info.steps = ondisk.committed_steps(root)
+        info.incomplete = ondisk.incomplete_steps(root)
+    info.items = ondisk.items(step_dir)
+    info.metadata = ondisk.read_json_item(step_dir, ondisk.METADATA_ITEM)
+    item = ondisk.read_json_item(step_dir, ondisk.ITERATOR_ITEM)
     info.iterator_state = None if item is None else list(item.get("process_states") or [])

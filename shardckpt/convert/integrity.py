@@ -22,13 +22,13 @@ from typing import Any
 
 import numpy as np
 
+from shardckpt.budget import DEFAULT_MAX_INFLIGHT_BYTES, chunk_cache_bytes
 from shardckpt.errors import ChecksumMismatchError, CorruptCheckpointError
 from shardckpt.formats import open_reader
 from shardckpt.formats.base import Box
 
 METADATA_KEY = "shardckpt"
 ALGORITHM = "crc32"
-DEFAULT_MAX_INFLIGHT = 256 * 1024 * 1024
 
 
 def c_order_boxes(shape: tuple[int, ...], itemsize: int, max_bytes: int, *, rows: int | None = None) -> list[Box]:
@@ -151,7 +151,7 @@ class VerifyReport:
 def verify(
     path: str | os.PathLike,
     *,
-    max_inflight_bytes: int = DEFAULT_MAX_INFLIGHT,
+    max_inflight_bytes: int = DEFAULT_MAX_INFLIGHT_BYTES,
     advance: Callable[[int], None] | None = None,
 ) -> VerifyReport:
     """Re-reads every array of a checkpoint and checks it.
@@ -182,7 +182,7 @@ def verify(
         CorruptCheckpointError: the checkpoint's index or metadata is damaged
             (no array can be located).
     """
-    reader = open_reader(os.fspath(path), cache_bytes=max_inflight_bytes)
+    reader = open_reader(os.fspath(path), cache_bytes=chunk_cache_bytes(max_inflight_bytes))
     try:
         report = VerifyReport(path=reader.path, format=reader.format)
         expected = read_checksums(reader.path) if reader.format == "orbax" else None

@@ -1,12 +1,13 @@
-"""On-disk formats behind one `Reader` Protocol, and `open_reader(path)`."""
+"""On-disk formats behind one `Reader` contract (`base`), and `open_reader(path)`."""
 
 from __future__ import annotations
 
 import os
 from typing import Any
 
+from shardckpt.budget import CHUNK_CACHE_BYTES
 from shardckpt.errors import CheckpointNotFoundError, ModelRequiredError, UnknownFormatError
-from shardckpt.formats.base import ArraySpec, Box, Reader, full_box
+from shardckpt.formats.base import ArraySpec, Box, ChunkedReader, MappedReader, Reader, full_box
 from shardckpt.formats.h5 import H5Reader
 from shardckpt.formats.hf import is_hf_folder
 from shardckpt.formats.orbax import OrbaxReader, is_orbax_dir
@@ -15,7 +16,9 @@ from shardckpt.formats.safetensors import SafetensorsReader
 __all__ = [
     "ArraySpec",
     "Box",
+    "ChunkedReader",
     "H5Reader",
+    "MappedReader",
     "OrbaxReader",
     "Reader",
     "SafetensorsReader",
@@ -65,12 +68,13 @@ def detect_format(path: str) -> str:
     )
 
 
-def open_reader(path: str, *, cache_bytes: int = 256 * 1024 * 1024, model: Any = None) -> Reader:
+def open_reader(path: str, *, cache_bytes: int = CHUNK_CACHE_BYTES, model: Any = None) -> Reader:
     """Opens `path` with the reader for its format (see `detect_format`).
 
     Args:
         path: The checkpoint.
-        cache_bytes: Decoded-chunk cache of compressed formats (Orbax).
+        cache_bytes: Decoded-chunk cache of compressed formats (Orbax); see
+            `shardckpt.budget.chunk_cache_bytes`.
         model: The model to read a Hugging Face folder as (its tensors are
             named for another framework; the model says what to read).
 

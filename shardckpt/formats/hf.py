@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 
 from shardckpt.errors import CheckpointNotFoundError, CorruptCheckpointError
-from shardckpt.formats.base import ArraySpec, Box, full_box
+from shardckpt.formats.base import ArraySpec, Box, MappedReader, full_box
 from shardckpt.formats.safetensors import SafetensorsReader
 
 CONFIG = "config.json"
@@ -80,8 +80,14 @@ def safetensors_index(folder: str) -> Any:
         return json.load(f)
 
 
-class HFReader:
+class HFReader(MappedReader):
     """Reader of a Hugging Face folder as the variables of one model.
+
+    A `MappedReader`: a variable that is a transpose, reshape or slice of one
+    stored tensor comes back from `view` as a strided view of the memory map
+    (restore copies each device's part straight from it); one made of several
+    tensors (stacked experts) or cast inside keras-hub's hook is a fresh
+    array of just the box, read from each source tensor's own bytes.
 
     Args:
         folder: The folder.

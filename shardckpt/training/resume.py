@@ -11,15 +11,15 @@ import dataclasses
 import os
 from typing import Any
 
-import orbax.checkpoint.experimental.v1 as ocp
-
 from shardckpt.errors import CheckpointNotFoundError, CorruptCheckpointError
-from shardckpt.formats.orbax import committed_steps
+from shardckpt.formats.orbax.ondisk import (  # noqa: F401  (the callback's names for them)
+    ARRAYS_ITEM,
+    ITERATOR_ITEM,
+    METADATA_ITEM,
+    latest_step_dir,
+    read_json_item,
+)
 from shardckpt.restore import LoadReport, load_sharded
-
-METADATA_ITEM = "shardckpt_metadata"
-ITERATOR_ITEM = "data_iterator"
-ARRAYS_ITEM = "pytree"  # the name Keras' callback and `model.load_weights` use
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -55,31 +55,6 @@ class ResumeInfo:
         if self.epoch is None:
             return 0
         return self.epoch + 1 if self.epoch_complete else self.epoch
-
-
-def latest_step_dir(directory: str) -> str | None:
-    """Returns the latest committed step folder under `directory`, or None.
-
-    Half-written steps (`*.orbax-checkpoint-tmp*`) are never returned.
-    """
-    directory = os.fspath(directory)
-    if not os.path.isdir(directory):
-        return None
-    steps = committed_steps(directory)
-    return os.path.join(directory, str(steps[-1])) if steps else None
-
-
-def read_json_item(step_dir: str, name: str) -> Any:
-    """Returns JSON checkpointable `name` of a step, or None if it has none."""
-    if not os.path.isdir(os.path.join(step_dir, name)):
-        return None
-    try:
-        return ocp.load_checkpointables(step_dir, {name: None})[name]
-    except (ValueError, KeyError, FileNotFoundError) as e:
-        raise CorruptCheckpointError(
-            f"Cannot read item {name!r} of checkpoint step {step_dir!r}: {e}. Fix: "
-            "delete this step folder to resume from the previous one."
-        ) from e
 
 
 def iterator_state_for_process(item: Any, process_index: int) -> Any:

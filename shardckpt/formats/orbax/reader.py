@@ -1,12 +1,6 @@
-"""Orbax checkpoints (as written by `keras.callbacks.OrbaxCheckpoint` or shardckpt).
+"""Reading one step of an Orbax checkpoint (written by Keras' `OrbaxCheckpoint` or shardckpt).
 
-Layout: a root folder of step folders (`0/`, `100/`, ...); a step holds
-checkpointables, of which `pytree/` is the state tree of arrays in an OCDBT
-key-value store with one zarr3 array per leaf. Orbax writes a step into a
-`*.orbax-checkpoint-tmp*` folder and renames it when complete, so only
-integer-named folders are committed steps.
-
-Shapes and dtypes come from Orbax's public metadata API; each box is read with
+The on-disk layout and its names are in `ondisk`. Shapes and dtypes come from Orbax's public metadata API; each box is read with
 tensorstore through the read spec Orbax itself builds
 (`orbax.checkpoint.type_handlers.get_json_tspec_read`), so only the chunks a
 device needs are fetched and decoded.
@@ -27,93 +21,16 @@ import threading
 
 import jax
 import numpy as np
-import tensorstore as ts
-from etils import epath
-from orbax.checkpoint import type_handlers
 import orbax.checkpoint.experimental.v1 as ocp
+import tensorstore as ts
+from orbax.checkpoint import type_handlers
 
-from shardckpt.errors import (
-    CheckpointNotFoundError,
-    CorruptCheckpointError,
-    IncompleteCheckpointError,
-)
-from shardckpt.formats.base import ArraySpec, Box
+from shardckpt.budget import CHUNK_CACHE_BYTES
+from shardckpt.errors import CorruptCheckpointError
+from shardckpt.formats.base import ArraySpec, Box, ChunkedReader
+from shardckpt.formats.orbax import ondisk
 
-_TMP_MARK = ".orbax-checkpoint-tmp"
-_STEP_METADATA = "_CHECKPOINT_METADATA"
-_TREE_METADATA = "_METADATA"
-# Where the array tree lives inside a step: Keras' callback and shardckpt use
-# "pytree"; Orbax v0 CheckpointManager defaults used "default"/"state".
-_TREE_ITEMS = ("pytree", "default", "state")
-
-
-def committed_steps(root: str) -> list[int]:
-    """Returns the committed step numbers under an Orbax root, ascending."""
-    steps = []
-    for name in os.listdir(root):
-        full = os.path.join(root, name)
-        if name.isdigit() and os.path.isdir(full):
-            steps.append(int(name))
-    return sorted(steps)
-
-
-def is_orbax_dir(path: str) -> bool:
-    """True for an Orbax root or step folder (committed or not)."""
-    if not os.path.isdir(path):
-        return False
-    names = os.listdir(path)
-    if _STEP_METADATA in names or _TREE_METADATA in names or _TMP_MARK in path:
-        return True
-    return any(n.isdigit() or _TMP_MARK in n for n in names) or any(
-        os.path.isfile(os.path.join(path, n, _TREE_METADATA)) for n in names
-    )
-
-
-def resolve_step(path: str) -> str:
-    """Maps an Orbax root to its latest committed step; checks a step folder.
-
-    Raises:
-        CheckpointNotFoundError: no committed step under the root.
-        IncompleteCheckpointError: the path is a half-written step, or the root
-            holds only half-written steps.
-    """
-    path = os.path.abspath(os.fspath(path))
-    if _TMP_MARK in os.path.basename(path):
-        raise IncompleteCheckpointError(
-            f"{path!r} is a step Orbax never committed (its save was interrupted). "
-            "Fix: load the checkpoint root or a committed step; shardckpt ignores "
-            "and OrbaxCheckpoint cleans such folders."
-        )
-    names = os.listdir(path)
-    if _STEP_METADATA in names or any(n in names for n in _TREE_ITEMS) or _TREE_METADATA in names:
-        return path
-    steps = committed_steps(path)
-    if steps:
-        return os.path.join(path, str(steps[-1]))
-    if any(_TMP_MARK in n for n in names):
-        raise IncompleteCheckpointError(
-            f"{path!r} holds only half-written steps ({sorted(names)}); no save "
-            "finished. Fix: let a save complete, or restore from another checkpoint."
-        )
-    raise CheckpointNotFoundError(f"No committed Orbax step under {path!r}.")
-
-
-def _tree_dir(step: str) -> str:
-    for name in _TREE_ITEMS:
-        if os.path.isdir(os.path.join(step, name)):
-            tree = os.path.join(step, name)
-            break
-    else:
-        tree = step
-    if not os.path.isfile(os.path.join(tree, _TREE_METADATA)):
-        raise IncompleteCheckpointError(
-            f"{tree!r} has no {_TREE_METADATA} file: the step is incomplete or not "
-            "an Orbax pytree checkpoint. Fix: restore from another step."
-        )
-    return tree
-
-
-class OrbaxReader:
+class OrbaxReader(ChunkedReader):
     """Reader for one step of an Orbax checkpoint.
 
     Args:
@@ -123,20 +40,17 @@ class OrbaxReader:
             `file_io_mode`); False reads them as Orbax itself does.
 
     Raises:
-        CheckpointNotFoundError, IncompleteCheckpointError: see `resolve_step`.
+        CheckpointNotFoundError, IncompleteCheckpointError: see `ondisk.resolve_step`.
         CorruptCheckpointError: the metadata cannot be parsed.
     """
 
     format = "orbax"
 
     def __init__(
-        self, path: str, *, cache_bytes: int = 256 * 1024 * 1024, memmap: bool = True
+        self, path: str, *, cache_bytes: int = CHUNK_CACHE_BYTES, memmap: bool = True
     ) -> None:
-        self.root = os.fspath(path)
-        self.cache_bytes = cache_bytes
-        self.path = resolve_step(self.root)
-        self.step_dir = self.path
-        self.tree_dir = _tree_dir(self.path)
+        self.path = ondisk.resolve_step(os.fspath(path))
+        self.tree_dir = ondisk.tree_dir(self.path)
         try:
             tree = ocp.metadata(self.path, checkpointable_name=os.path.basename(self.tree_dir))
             leaves = jax.tree_util.tree_flatten_with_path(tree.metadata)[0]
@@ -152,10 +66,10 @@ class OrbaxReader:
                 continue  # a non-array leaf (string, None): not a variable
             parts = [_key_str(k) for k in key_path]
             key = "/".join(parts)
-            self._names[key] = ".".join(parts)  # Orbax's parameter name in OCDBT
+            self._names[key] = ondisk.param_name(parts)
             self._specs[key] = ArraySpec(shape=tuple(leaf.shape), dtype=np.dtype(leaf.dtype))
         self._check_all_listed()
-        context = type_handlers.get_ts_context(use_ocdbt=True).spec.to_json()
+        context = ondisk.ts_context().spec.to_json()
         context["cache_pool"] = {"total_bytes_limit": cache_bytes}
         if memmap:
             # Read chunks straight out of the page cache instead of read()ing
@@ -174,7 +88,7 @@ class OrbaxReader:
         # open (a damaged OCDBT node), returning a smaller tree; compare with
         # the tree Orbax recorded at save time so damage is not read as
         # "missing keys".
-        with open(os.path.join(self.tree_dir, _TREE_METADATA)) as f:
+        with open(os.path.join(self.tree_dir, ondisk.TREE_METADATA)) as f:
             recorded = json.load(f).get("tree_metadata", {})
         expected = {
             "/".join(str(k["key"]) for k in entry["key_metadata"])
@@ -196,12 +110,9 @@ class OrbaxReader:
             store = self._stores.get(key)
         if store is not None:
             return store
-        info = type_handlers.ParamInfo(
-            name=self._names[key],
-            parent_dir=epath.Path(self.tree_dir),
-            is_ocdbt_checkpoint=True,
-            use_zarr3=self._is_zarr3(key),
-            ts_context=self._context,
+        name = self._names[key]
+        info = ondisk.param_info(
+            name, self.tree_dir, context=self._context, use_zarr3=ondisk.is_zarr3(self.tree_dir, name)
         )
         spec = type_handlers.get_json_tspec_read(info, use_ocdbt=True)
         try:
@@ -221,10 +132,6 @@ class OrbaxReader:
             self._stores[key] = store
         return store
 
-    def _is_zarr3(self, key: str) -> bool:
-        # Orbax >= 0.9 writes zarr3; older checkpoints used zarr v2 (`.zarray`).
-        return not os.path.exists(os.path.join(self.tree_dir, self._names[key], ".zarray"))
-
     def keys(self) -> list[str]:
         return list(self._specs)
 
@@ -232,7 +139,6 @@ class OrbaxReader:
         return self._specs[key]
 
     def chunk_rows(self, key: str) -> int | None:
-        """Rows of one stored chunk along axis 0 (reads align to them)."""
         spec = self._specs[key]
         if not spec.shape:
             return None
@@ -240,7 +146,6 @@ class OrbaxReader:
         return int(chunk[0]) if chunk and chunk[0] else None
 
     def chunk_bytes(self, key: str) -> int:
-        """Decoded bytes of one stored chunk of `key`."""
         spec = self._specs[key]
         if not spec.shape:
             return spec.dtype.itemsize
@@ -248,11 +153,7 @@ class OrbaxReader:
         return int(np.prod([c or n for c, n in zip(chunk, spec.shape)])) * spec.dtype.itemsize
 
     def is_chunk(self, key: str, box: Box) -> bool:
-        """True when `box` is exactly one stored chunk of `key`.
-
-        `read` of such a box hands back tensorstore's decoded chunk itself,
-        with no copy into a second buffer.
-        """
+        # `read` of such a box hands back tensorstore's decoded chunk itself.
         spec = self._specs[key]
         if not spec.shape:
             return True
@@ -264,7 +165,6 @@ class OrbaxReader:
         return True
 
     def read_pieces(self, key: str, boxes: list[Box], outs: list[np.ndarray]) -> None:
-        """Fills `outs[i]` with `boxes[i]` of `key`, all pieces read concurrently."""
         store = self._store(key)
         # One batch: the pieces' reads of a shared chunk join one decode. Issued
         # one by one, late pieces often found the chunk already evicted from

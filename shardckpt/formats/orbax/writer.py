@@ -32,17 +32,18 @@ from typing import Any
 
 import numpy as np
 import tensorstore as ts
-from etils import epath
 from orbax.checkpoint import type_handlers
 
 from shardckpt.formats.base import Box
+from shardckpt.formats.orbax import ondisk
 
-ARRAYS_ITEM = "pytree"  # the checkpointable Keras' callback and load_weights use
-# The handler Orbax records for a pytree item (Keras reads the item by name).
-_PYTREE_HANDLER = "orbax.checkpoint.experimental.v1._src.handlers.pytree_handler.PyTreeHandler"
 _DICT_KEY = 2  # Orbax's KeyType.DICT in `key_metadata`
 
 COMPRESSIONS = ("none", "zstd")
+"""Array compressions shardckpt writes: none, or Orbax's zstd (level 3) per chunk."""
+DEFAULT_COMPRESSION = "none"
+"""Float weights barely compress, and zstd makes writing and reading slower
+(see README, "Compression")."""
 
 
 class OrbaxStepWriter:
@@ -69,11 +70,11 @@ class OrbaxStepWriter:
         if compression not in COMPRESSIONS:
             raise ValueError(f"compression must be one of {COMPRESSIONS}. Received: compression={compression!r}")
         self.step_dir = os.path.abspath(step_dir)
-        self.tree_dir = os.path.join(self.step_dir, ARRAYS_ITEM)
+        self.tree_dir = os.path.join(self.step_dir, ondisk.ARRAYS_ITEM)
         self.compression = compression
         self.chunk_byte_size = chunk_byte_size
         os.makedirs(self.tree_dir)
-        self._context = type_handlers.get_ts_context(use_ocdbt=True)
+        self._context = ondisk.ts_context()
         self._keys: list[tuple[str, ...]] = []
         self._init_ns = time.time_ns()
 
@@ -99,13 +100,9 @@ class OrbaxStepWriter:
     ) -> ts.Future:
         parts = tuple(key.split("/"))
         self._keys.append(parts)
-        info = type_handlers.ParamInfo(
-            name=".".join(parts),  # Orbax's parameter name for a nested dict path
-            parent_dir=epath.Path(self.tree_dir),
-            is_ocdbt_checkpoint=True,
+        info = ondisk.param_info(
+            ondisk.param_name(parts), self.tree_dir, context=self._context,
             use_compression=self.compression == "zstd",
-            use_zarr3=True,
-            ts_context=self._context,
         )
         spec = type_handlers.get_json_tspec_write(
             info,
@@ -152,20 +149,18 @@ class OrbaxStepWriter:
             "store_array_data_equal_to_fill_value": True,
             "custom_metadata": None,
         }
-        _write_json(os.path.join(self.tree_dir, "_METADATA"), tree_meta)
+        _write_json(os.path.join(self.tree_dir, ondisk.TREE_METADATA), tree_meta)
         step_meta = {
-            "item_handlers": {ARRAYS_ITEM: _PYTREE_HANDLER},
+            "item_handlers": {ondisk.ARRAYS_ITEM: ondisk.PYTREE_HANDLER},
             "metrics": {},
             "performance_metrics": {},
             "init_timestamp_nsecs": self._init_ns,
             "commit_timestamp_nsecs": time.time_ns(),
             "custom_metadata": custom_metadata,
         }
-        _write_json(os.path.join(self.step_dir, "_CHECKPOINT_METADATA"), step_meta)
-        # Orbax's indicator that this folder is a checkpoint (empty file), and
-        # its commit marker for file systems without atomic rename.
-        open(os.path.join(self.step_dir, "orbax.checkpoint"), "w").close()
-        with open(os.path.join(self.step_dir, "commit_success.txt"), "w") as f:
+        _write_json(os.path.join(self.step_dir, ondisk.STEP_METADATA), step_meta)
+        open(os.path.join(self.step_dir, ondisk.CHECKPOINT_INDICATOR), "w").close()
+        with open(os.path.join(self.step_dir, ondisk.COMMIT_MARKER), "w") as f:
             f.write(f"Checkpoint commit was successful to {final_dir or self.step_dir}")
 
 
