@@ -8,14 +8,15 @@ Two writers, never a per-model table of names:
   `use_sliding_window` / `sliding_window`, Gemma3 needs the post-norms real
   Gemma3 models have).
 - For the rest (Llama without tied embeddings, Gemma2, Mixtral, Qwen3, Qwen2-MoE,
-  Qwen3-MoE, BERT): the HF config below (as transformers writes it, tiny),
+  Qwen3-MoE, Phi-3, BERT): the HF config below (as transformers writes it, tiny),
   and the weights of a keras-hub model built from it written under Hugging
   Face names by running keras-hub's converter in reverse through the same
   recorded remaps shardckpt reads with (`hf_remap.Tensor.write`). Stored
   shapes follow PyTorch's Linear layout, (out_features, in_features), taken
   from the Keras layer's own structure (an EinsumDense equation's input axes
-  are `in`); stacked experts get theirs by undoing the converter's
-  transposes and stacks.
+  are `in`; a weight several variables read is their outputs fused along
+  dim 0); stacked experts get theirs by undoing the converter's transposes
+  and stacks.
 """
 
 from __future__ import annotations
@@ -69,6 +70,12 @@ CONFIGS: dict[str, dict[str, Any]] = {
         "moe_intermediate_size": 16, "num_experts": 4, "num_experts_per_tok": 2, "norm_topk_prob": True,
         "decoder_sparse_step": 1, "sliding_window": None, "router_aux_loss_coef": 0.001,
     },
+    "phi3": {
+        "model_type": "phi3", "architectures": ["Phi3ForCausalLM"], "vocab_size": V, "hidden_size": H,
+        "num_hidden_layers": L, "intermediate_size": I, "num_attention_heads": 4, "num_key_value_heads": 2,
+        "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "max_position_embeddings": 64,
+        "original_max_position_embeddings": 64, "rope_scaling": None, "tie_word_embeddings": False,
+    },
     "bert": {
         "model_type": "bert", "architectures": ["BertModel"], "vocab_size": V, "hidden_size": H,
         "num_hidden_layers": L, "num_attention_heads": 4, "intermediate_size": I, "max_position_embeddings": 32,
@@ -102,6 +109,7 @@ def _exported(name: str) -> Any:
 
 ARCHITECTURES = ["gemma", "llama3", "mistral", "qwen2", "gpt2", "gemma3", *CONFIGS]
 KERAS_HUB_CASTS = {"mistral"}  # its converter casts every tensor to float16
+NO_KERAS_HUB_CONVERTER = {"phi3"}  # keras-hub has the backbone, shardckpt the converter
 
 
 def randomize(model: Any, seed: int = 0) -> None:
@@ -271,7 +279,10 @@ class _ShapeFinder:
 
     def port_weight(self, keras_variable: Any, hf_weight_key: str, hook_fn: Any = None) -> None:
         shape = _torch_shape(keras_variable, self.owners.get(id(keras_variable)))
-        self.shapes.setdefault(hf_weight_key, shape)
+        if hf_weight_key in self.shapes:  # a fused weight (Phi-3 qkv_proj): outputs stacked
+            known = self.shapes[hf_weight_key]
+            shape = (known[0] + shape[0],) + known[1:]
+        self.shapes[hf_weight_key] = shape
 
     def assign(self, variable: Any, value: Any) -> None:
         value.solve(tuple(variable.shape), self.shapes)

@@ -18,7 +18,8 @@ checkpoint into float32 or bfloat16 variables).
 Supported: every `model_type` keras-hub 0.32 converts whose hooks are index
 remaps; tested with small folders for Llama/Llama3 (`llama`), Mistral,
 Mixtral, Gemma, Gemma2, Gemma3 (text), Qwen2, Qwen3, Qwen2-MoE, Qwen3-MoE,
-GPT-2 and BERT.
+GPT-2 and BERT. Phi-3 (`phi3`), for which keras-hub has a backbone but no
+converter, maps through `hf_phi3`, a converter in keras-hub's interface.
 """
 
 from __future__ import annotations
@@ -32,6 +33,25 @@ from shardckpt.presets.hf_remap import Unsupported
 from shardckpt.restore.lazy import is_unloaded, lazy_init, original_initializer
 
 __all__ = ["build", "initialize_states", "is_hf_folder", "open_reader", "preset_loader"]
+
+
+# model_types keras-hub has a backbone for but no converter: shardckpt's own
+# converter modules, in keras-hub's converter interface.
+_DATA_CONVERTERS = {"phi3": "shardckpt.presets.hf_phi3"}
+
+
+def _DataLoader(folder: str, config: dict, converter: Any) -> Any:
+    from keras_hub.src.utils.preset_utils import PresetLoader
+    from keras_hub.src.utils.transformers.preset_loader import TransformersPresetLoader
+
+    class Loader(TransformersPresetLoader):
+        # keras-hub's loader (config conversion, backbone construction) with
+        # the converter chosen here instead of by keras-hub's dispatch.
+        def __init__(self) -> None:
+            PresetLoader.__init__(self, folder, config)
+            self.converter = converter
+
+    return Loader()
 
 
 def preset_loader(folder: str, config: dict | None = None) -> Any:
@@ -49,6 +69,11 @@ def preset_loader(folder: str, config: dict | None = None) -> Any:
             f"and name maps): {e}. Fix: pip install keras-hub."
         ) from e
     config = read_config(folder) if config is None else config
+    data_converter = _DATA_CONVERTERS.get(config.get("model_type"))
+    if data_converter is not None:
+        import importlib
+
+        return _DataLoader(folder, config, importlib.import_module(data_converter))
     try:
         # keras-hub's own dispatch on model_type (a private module: keras-hub
         # exposes it only through from_preset, which also loads weights).
