@@ -30,8 +30,8 @@ import keras
 import ml_dtypes
 import numpy as np
 
-from shardckpt.formats.base import DTYPES, ArraySpec
 from shardckpt import lazy_init
+from shardckpt.formats.base import DTYPES, ArraySpec
 from shardckpt.presets import hf
 from shardckpt.presets.hf_record import record
 
@@ -89,7 +89,7 @@ def _exported(name: str) -> Any:
     import keras_hub
 
     m = keras_hub.models
-    tiny = dict(vocabulary_size=V, num_layers=L, hidden_dim=H, intermediate_dim=I)
+    tiny = {"vocabulary_size": V, "num_layers": L, "hidden_dim": H, "intermediate_dim": I}
     factories = {
         # Gemma's exporter writes one key/value head (keras-hub 0.32).
         "gemma": lambda **kw: m.GemmaBackbone(**tiny, num_query_heads=4, num_key_value_heads=1, head_dim=8, **kw),

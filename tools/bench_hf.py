@@ -39,10 +39,10 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 SIZES = {
     # ~394M parameters: 1.58 GB float32.
-    "full": dict(vocabulary_size=16384, num_layers=8, hidden_dim=2048, intermediate_dim=5632,
-                 num_query_heads=16, num_key_value_heads=8),
-    "smoke": dict(vocabulary_size=256, num_layers=2, hidden_dim=64, intermediate_dim=128,
-                  num_query_heads=8, num_key_value_heads=8),
+    "full": {"vocabulary_size": 16384, "num_layers": 8, "hidden_dim": 2048, "intermediate_dim": 5632,
+             "num_query_heads": 16, "num_key_value_heads": 8},
+    "smoke": {"vocabulary_size": 256, "num_layers": 2, "hidden_dim": 64, "intermediate_dim": 128,
+              "num_query_heads": 8, "num_key_value_heads": 8},
 }
 DTYPES = ("float32", "bfloat16")
 
@@ -50,7 +50,7 @@ DTYPES = ("float32", "bfloat16")
 def _setup_jax() -> None:
     os.environ.setdefault("KERAS_BACKEND", "jax")
     if os.environ.get("JAX_PLATFORMS", "cpu") == "cpu" and "--xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
-        os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count=8"
+        os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
         os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 
@@ -90,12 +90,11 @@ def run(args) -> dict:
     _setup_jax()
     sys.path.insert(0, HERE)
     sys.path.insert(0, os.path.dirname(HERE))
-    from _memory import PeakSampler, rss_anon
-
     import jax
     import keras
     import keras_hub
     import numpy as np
+    from _memory import PeakSampler, rss_anon
 
     import shardckpt
     from shardckpt.presets import hf
@@ -136,7 +135,7 @@ def run(args) -> dict:
 def _child(args, *extra) -> dict:
     os.sync()
     cmd = [sys.executable, os.path.abspath(__file__), "--workdir", args.workdir, *(["--smoke"] if args.smoke else []), *extra]
-    proc = subprocess.run(cmd, capture_output=True, text=True)
+    proc = subprocess.run(cmd, check=False, capture_output=True, text=True)
     if proc.returncode != 0:
         raise SystemExit(f"child {extra} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
     line = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")][-1]

@@ -28,7 +28,13 @@ import os
 from typing import Any
 
 from shardckpt.errors import MissingDependencyError, UnsupportedModelError
-from shardckpt.formats.hf import HFReader, is_hf_folder, open_tensors, read_config, safetensors_index
+from shardckpt.formats.hf import (
+    HFReader,
+    is_hf_folder,
+    open_tensors,
+    read_config,
+    safetensors_index,
+)
 from shardckpt.presets.hf_remap import Unsupported
 from shardckpt.restore.lazy import is_unloaded, lazy_init, original_initializer
 
@@ -62,7 +68,9 @@ def preset_loader(folder: str, config: dict | None = None) -> Any:
         UnsupportedModelError: keras-hub has no converter for the `model_type`.
     """
     try:
-        from keras_hub.src.utils.transformers.preset_loader import TransformersPresetLoader
+        from keras_hub.src.utils.transformers.preset_loader import (
+            TransformersPresetLoader,
+        )
     except ImportError as e:
         raise MissingDependencyError(
             f"Loading the Hugging Face folder {folder!r} needs keras-hub (its model classes "
@@ -137,7 +145,7 @@ def remaps(model: Any, folder: str, tensors: Any) -> dict[str, Any]:
     from shardckpt.presets.hf_record import MissingTensorError, record
 
     loader = preset_loader(folder)
-    stored = {k: tensors.spec(k) for k in tensors.keys()}
+    stored = {k: tensors.spec(k) for k in tensors.keys()}  # noqa: SIM118 (a Reader, not a dict)
     try:
         recorded = record(model, loader.converter, folder, loader.config, stored, safetensors_index(folder))
     except Unsupported as e:

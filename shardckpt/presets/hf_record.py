@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator, Mapping
-from typing import Any
+from typing import Any, Self
 
 from shardckpt.formats.base import ArraySpec
 from shardckpt.presets.hf_remap import Strided, Tensor, Unsupported
@@ -77,10 +77,10 @@ class RecordingLoader:
         self.used.update(value.sources())
 
     # keras-hub's loader is a context manager (an ExitStack of open files).
-    def __enter__(self) -> RecordingLoader:
+    def __enter__(self) -> Self:
         return self
 
-    def __exit__(self, *exc: Any) -> None:
+    def __exit__(self, *exc: object) -> None:
         return None
 
 

@@ -81,7 +81,7 @@ class Tensor:
         return math.prod(self.shape)
 
     @property
-    def T(self) -> Tensor:  # noqa: N802 (numpy's name)
+    def T(self) -> Tensor:
         return self.transpose()
 
     def __len__(self) -> int:
@@ -158,7 +158,7 @@ def _fake(shape: tuple[int, ...], strides: tuple[int, ...], offset: int) -> np.n
     """A data-less uint8 array: numpy's view arithmetic, in elements, never read."""
 
     class _Interface:
-        __array_interface__ = {
+        __array_interface__ = {  # noqa: RUF012 (numpy's protocol: a class attribute)
             "shape": shape,
             "typestr": "|u1",
             "data": (_BASE + offset, True),
