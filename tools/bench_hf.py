@@ -23,20 +23,19 @@ compared bit for bit on one variable per kind as a correctness check.
 The machine is shared: run with --repeat 3 (best of) for figures to quote.
 
 Usage:
-    python tools/bench_hf.py [--smoke] [--repeat 1] [--workdir DIR] [--reuse]
+    python tools/bench_hf.py [--repeat 1] [--workdir DIR] [--reuse]
+    python tools/bench_hf.py --smoke      # a tiny model: checks the script runs
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import subprocess
-import sys
 import tempfile
 import time
 
-HERE = os.path.dirname(os.path.abspath(__file__))
+from _bench import PeakSampler, emit, rss_anon, run_child, setup_jax
+
 SIZES = {
     # ~394M parameters: 1.58 GB float32.
     "full": {"vocabulary_size": 16384, "num_layers": 8, "hidden_dim": 2048, "intermediate_dim": 5632,
@@ -47,16 +46,8 @@ SIZES = {
 DTYPES = ("float32", "bfloat16")
 
 
-def _setup_jax() -> None:
-    os.environ.setdefault("KERAS_BACKEND", "jax")
-    if os.environ.get("JAX_PLATFORMS", "cpu") == "cpu" and "--xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
-        os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
-        os.environ.setdefault("JAX_PLATFORMS", "cpu")
-
-
 def prepare(args) -> dict:
-    _setup_jax()
-    sys.path.insert(0, os.path.dirname(HERE))
+    setup_jax(8)
     import keras_hub
     import numpy as np
     from keras_hub.src.utils.transformers.export.hf_exporter import export_backbone
@@ -87,14 +78,11 @@ def distribution():
 
 
 def run(args) -> dict:
-    _setup_jax()
-    sys.path.insert(0, HERE)
-    sys.path.insert(0, os.path.dirname(HERE))
+    setup_jax(8)
     import jax
     import keras
     import keras_hub
     import numpy as np
-    from _memory import PeakSampler, rss_anon
 
     import shardckpt
     from shardckpt.presets import hf
@@ -133,18 +121,12 @@ def run(args) -> dict:
 
 
 def _child(args, *extra) -> dict:
-    os.sync()
-    cmd = [sys.executable, os.path.abspath(__file__), "--workdir", args.workdir, *(["--smoke"] if args.smoke else []), *extra]
-    proc = subprocess.run(cmd, check=False, capture_output=True, text=True)
-    if proc.returncode != 0:
-        raise SystemExit(f"child {extra} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
-    line = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")][-1]
-    return json.loads(line.removeprefix("RESULT "))
+    return run_child(os.path.abspath(__file__), "--workdir", args.workdir, *(["--smoke"] if args.smoke else []), *extra)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--smoke", action="store_true", help="a tiny model (seconds), for tests")
+    parser.add_argument("--smoke", action="store_true", help="a tiny model, float32 only (checks the script)")
     parser.add_argument("--workdir", default=None)
     parser.add_argument("--repeat", type=int, default=1, help="runs per cell; the fastest is shown")
     parser.add_argument("--reuse", action="store_true", help="reuse the folders already in --workdir")
@@ -153,12 +135,14 @@ def main() -> None:
     parser.add_argument("--_run", nargs=2, metavar=("MODE", "DTYPE"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     args.size = "smoke" if args.smoke else "full"
+    if args.smoke and not args._run:
+        args.dtypes = "float32"  # keras-hub's from_preset alone takes ~10 s per cell
     if args._prepare:
-        print("RESULT " + json.dumps(prepare(args)))
+        emit(prepare(args))
         return
     if args._run:
         args.mode, args.dtype = args._run
-        print("RESULT " + json.dumps(run(args)))
+        emit(run(args))
         return
     cleanup = None
     if args.workdir is None:
@@ -189,6 +173,7 @@ def main() -> None:
             ok = False
     print("devices: " + ", ".join(sorted({r["devices"] for _, _, r in rows})))
     print("values and shardings: " + ("equal" if ok else "DIFFER"))
+    emit({"rows": [{"dtype": d, "loader": m, **r} for d, m, r in rows], "equal": ok})
     if cleanup:
         cleanup.cleanup()
     if not ok:
