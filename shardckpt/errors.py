@@ -117,6 +117,13 @@ class MissingDependencyError(ShardckptError, ImportError):
     """An optional dependency (keras-hub) is needed for this input and not installed."""
 
 
+class UnsupportedModelError(ShardckptError, ValueError):
+    """A Hugging Face folder whose architecture (or one conversion step) shardckpt cannot map.
+
+    Names the `model_type` or the variable and the step, and what is supported.
+    """
+
+
 class BackendError(ShardckptError, RuntimeError):
     """Keras runs on a backend other than JAX; shardckpt places JAX arrays only."""
 

@@ -62,3 +62,12 @@ def test_bench_convert_smoke(tmp_path):
     for compression in ("none", "zstd"):
         assert result["convert"][compression]["disk_bytes"] > 0
         assert result["restore"][compression]["seconds"] > 0
+
+
+@pytest.mark.slow
+def test_bench_hf_smoke(tmp_path):
+    result = _smoke("bench_hf.py", tmp_path)
+    assert result["equal"] is True  # keras-hub's and shardckpt's values and shardings
+    assert {(r["dtype"], r["loader"]) for r in result["rows"]} == {("float32", "keras-hub"), ("float32", "shardckpt")}
+    for row in result["rows"]:
+        assert row["ready_s"] > 0 and row["sharding"] == "P('model', 'batch', None)", row

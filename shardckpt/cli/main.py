@@ -36,8 +36,12 @@ def _parser() -> argparse.ArgumentParser:
     )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    p = sub.add_parser("convert", help="convert .keras / .weights.h5 / safetensors to an Orbax checkpoint")
-    p.add_argument("src", help=".keras, .weights.h5, .safetensors or *.safetensors.index.json")
+    p = sub.add_parser(
+        "convert", help="convert .keras / .weights.h5 / safetensors / a Hugging Face folder to an Orbax checkpoint"
+    )
+    p.add_argument(
+        "src", help=".keras, .weights.h5, .safetensors, *.safetensors.index.json or a Hugging Face folder"
+    )
     p.add_argument("dst", help="Orbax checkpoint folder to create")
     p.add_argument("--model", help="architecture for .weights.h5/safetensors: package.module:function or a .keras file")
     p.add_argument("--mesh", help="align chunks to the auto layout on this mesh, e.g. 1x8")

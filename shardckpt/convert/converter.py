@@ -49,7 +49,7 @@ from shardckpt.errors import (
     ModelRequiredError,
     UnknownFormatError,
 )
-from shardckpt.formats import open_reader
+from shardckpt.formats import detect_format, open_reader
 from shardckpt.formats.base import MappedReader, Reader
 from shardckpt.formats.orbax.writer import COMPRESSIONS, DEFAULT_COMPRESSION, OrbaxStepWriter
 from shardckpt.progress import ByteProgress
@@ -153,12 +153,16 @@ def convert(
     ```
 
     Args:
-        src: A `.keras` file, a `.weights.h5` file, a `.safetensors` file or
-            a `*.safetensors.index.json` set.
+        src: A `.keras` file, a `.weights.h5` file, a `.safetensors` file,
+            a `*.safetensors.index.json` set, or a Hugging Face folder
+            (config.json with a model_type and safetensors: the keras-hub
+            backbone keras-hub's converter maps it to, names and layouts
+            converted on the way).
         dst: The Orbax step folder to create.
         model: The architecture (a Keras model, ideally built under
             `shardckpt.lazy_init()`); needed for `.weights.h5` and
-            safetensors sources, optional for `.keras` (its config is used).
+            safetensors sources, optional for `.keras` (its config is used)
+            and Hugging Face folders (`shardckpt.presets.hf.build`).
         layout: Target layout (a `LayoutPlan`, `LayoutMap` or Distribution);
             chunks are aligned to its shards. Values are not placed anywhere.
         mesh: A mesh shape such as `(1, 8)` or a `DeviceMesh`; without
@@ -194,7 +198,11 @@ def convert(
             "force=True (--force) to replace it once the new checkpoint is complete."
         )
     target_dtype = dtypes.float_dtype(dtype)
-    reader = open_reader(src)
+    if model is None and detect_format(src) == "hf":
+        from shardckpt.presets import hf  # a Hugging Face folder names its architecture
+
+        model = hf.build(src)
+    reader = open_reader(src, model=model)
     try:
         if reader.format == "orbax":
             raise UnknownFormatError(

@@ -6,10 +6,11 @@ import os
 from typing import Any
 
 from shardckpt.budget import CHUNK_CACHE_BYTES
-from shardckpt.errors import CheckpointNotFoundError, UnknownFormatError
+from shardckpt.errors import CheckpointNotFoundError, ModelRequiredError, UnknownFormatError
 from shardckpt.formats.base import ArraySpec, Box, ChunkedReader, MappedReader, Reader, full_box
 from shardckpt.formats.h5 import H5Reader
 from shardckpt.formats.h5_sharded import ShardedH5Reader, is_sharded_index
+from shardckpt.formats.hf import is_hf_folder
 from shardckpt.formats.orbax import OrbaxReader, is_orbax_dir
 from shardckpt.formats.preset import PresetReader, is_preset_dir
 from shardckpt.formats.safetensors import SafetensorsReader
@@ -35,7 +36,8 @@ def detect_format(path: str) -> str:
     """Names the format of `path`.
 
     One of "h5", "h5-sharded" (a Keras `.weights.json` index), "keras",
-    "orbax", "preset" (a keras-hub preset folder) or "safetensors".
+    "orbax", "preset" (a keras-hub preset folder), "safetensors" or "hf" (a
+    Hugging Face folder: config.json with a model_type, and safetensors).
 
     Raises:
         CheckpointNotFoundError: `path` does not exist.
@@ -45,14 +47,16 @@ def detect_format(path: str) -> str:
     if not os.path.exists(path):
         raise CheckpointNotFoundError(
             f"No checkpoint at {path!r}. Fix: check the path (a .weights.h5, .weights.json, "
-            ".keras, .safetensors, *.safetensors.index.json file, an Orbax folder or a "
-            "keras-hub preset folder)."
+            ".keras, .safetensors, *.safetensors.index.json file, an Orbax folder, a "
+            "keras-hub preset folder or a Hugging Face folder)."
         )
     if os.path.isdir(path):
         if is_orbax_dir(path):
             return "orbax"
         if is_preset_dir(path):
             return "preset"
+        if is_hf_folder(path):
+            return "hf"
     elif path.endswith((".h5", ".hdf5")):
         return "h5"
     elif path.endswith(".keras"):
@@ -72,8 +76,9 @@ def detect_format(path: str) -> str:
     raise UnknownFormatError(
         f"{path!r} is not a checkpoint shardckpt reads. Supported: Keras "
         "`.weights.h5` / `.keras` files, sharded `.weights.json` indexes, Orbax "
-        "checkpoint folders, keras-hub preset folders, `.safetensors` files and "
-        "`*.safetensors.index.json` sets."
+        "checkpoint folders, keras-hub preset folders, `.safetensors` files, "
+        "`*.safetensors.index.json` sets and Hugging Face folders (config.json "
+        "with a model_type beside model.safetensors or model.safetensors.index.json)."
     )
 
 
@@ -86,9 +91,23 @@ def open_reader(path: str, *, cache_bytes: int = CHUNK_CACHE_BYTES, model: Any =
             `shardckpt.budget.chunk_cache_bytes`.
         model: The model the checkpoint is read for, if known. A keras-hub
             preset folder's task weights (`task.weights.h5`) are read for a
-            task only; without a model, whenever the folder has them.
+            task only; without a model, whenever the folder has them. A
+            Hugging Face folder needs it: its tensors are named for another
+            framework, and the model says what to read.
+
+    Raises:
+        ModelRequiredError: a Hugging Face folder and no `model`.
     """
     fmt = detect_format(path)
+    if fmt == "hf":
+        if model is None:
+            raise ModelRequiredError(
+                f"{path!r} is a Hugging Face folder; reading it as Keras variables needs the "
+                "model. Fix: pass model= (shardckpt.presets.hf.build(folder) builds it)."
+            )
+        from shardckpt.presets import hf  # keras-hub's name maps, imported only here
+
+        return hf.open_reader(path, model)
     if fmt in ("h5", "keras"):
         return H5Reader(path)
     if fmt == "h5-sharded":

@@ -201,3 +201,36 @@ DTYPES: dict[str, np.dtype] = {
     "U8": np.dtype(np.uint8),
     "BOOL": np.dtype(np.bool_),
 }
+
+
+# Tile of a transposing copy, in elements along the source's contiguous axis
+# and the destination's: small enough that a tile's source lines and
+# destination lines stay in cache. A 46 MB float32 (5632, 2048) transpose
+# took 0.17-0.20 s element-ordered and 0.08 s in 128 x 512 tiles.
+_TILE = (128, 512)
+
+
+def copy_into(dst: np.ndarray, src: np.ndarray) -> None:
+    """`dst[...] = src`, in cache-sized tiles when `src` is a transposed view.
+
+    A view whose contiguous axis is not the last one (a Hugging Face weight
+    read as a Keras kernel, see `shardckpt.presets.hf_remap`) copied element
+    by element in `dst`'s order reads one element per cache line; tiling the
+    two contiguous axes reads each line once.
+    """
+    axes = [d for d in range(src.ndim) if src.shape[d] > 1]
+    last = dst.ndim - 1
+    if dst.size < _TILE[0] * _TILE[1] or len(axes) < 2 or src.shape[last] <= 1:
+        dst[...] = src
+        return
+    fast = min(axes, key=lambda d: abs(src.strides[d]))
+    if fast == last or abs(src.strides[last]) == src.itemsize:
+        dst[...] = src
+        return
+    index = [slice(None)] * src.ndim
+    for i in range(0, src.shape[fast], _TILE[0]):
+        index[fast] = slice(i, i + _TILE[0])
+        for j in range(0, src.shape[last], _TILE[1]):
+            index[last] = slice(j, j + _TILE[1])
+            box = tuple(index)
+            dst[box] = src[box]

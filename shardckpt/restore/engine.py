@@ -120,7 +120,10 @@ def load_sharded(
             index (Keras' `save_weights(..., max_shard_size=...)`), a keras-hub
             preset folder (the backbone's weights, and `task.weights.h5` when
             `model` is a task), an Orbax root (its latest committed step) or
-            step folder, a `.safetensors` file or a `*.safetensors.index.json`.
+            step folder, a `.safetensors` file or a `*.safetensors.index.json`,
+            or a Hugging Face folder (config.json with a model_type and
+            safetensors) into the keras-hub model `shardckpt.presets.hf.build`
+            builds.
         layout: Where variables go. None: the active Keras distribution, else
             each variable's current sharding (or device 0 for a lazy one). Also
             a `keras.distribution.LayoutMap`, a `Distribution`, or a plan with

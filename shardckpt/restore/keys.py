@@ -205,7 +205,7 @@ def keys_for(model: Any, fmt: str) -> dict[str, Any]:
         return preset_keys(model)
     if fmt == "orbax":
         return state_keys(model)
-    return path_keys(model)
+    return path_keys(model)  # safetensors; "hf" readers key variables by path too
 
 
 def is_variable(value: Any) -> bool:

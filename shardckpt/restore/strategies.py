@@ -29,7 +29,15 @@ import jax
 import numpy as np
 
 from shardckpt import _keras
-from shardckpt.formats.base import ALIGNMENT, ArraySpec, ChunkedReader, MappedReader, Reader, aligned_empty
+from shardckpt.formats.base import (
+    ALIGNMENT,
+    ArraySpec,
+    ChunkedReader,
+    MappedReader,
+    Reader,
+    aligned_empty,
+    copy_into,
+)
 from shardckpt.restore import hostmem, readplan
 from shardckpt.restore.lazy import is_unloaded
 from shardckpt.restore.targets import TargetLayout
@@ -234,7 +242,7 @@ def by_slabs(load: Load, reader: Reader, budget: Budget, advance: Advance) -> tu
                 buffer = buffers[copy.piece]
                 if buffer is None:
                     buffer = buffers[copy.piece] = aligned_empty(load.parts[copy.piece].shape, load.dtype)
-                buffer[copy.dst] = data[copy.src]
+                copy_into(buffer[copy.dst], data[copy.src])
             del data
             nbytes = readplan.volume(read.box) * itemsize
             done += nbytes

@@ -1,0 +1,172 @@
+"""Hugging Face folders into keras-hub models, each device reading its own piece.
+
+`build(folder)` builds the keras-hub backbone of a Hugging Face folder under
+`shardckpt.lazy_init()`, its config converted by keras-hub's own converter
+(`TransformersPresetLoader.load_backbone(..., load_weights=False)`), so the
+model is exactly the one keras-hub's `Backbone.from_preset(folder)` builds,
+without random weights. `load_sharded(model, folder)` then fills it.
+
+How each variable is made of stored tensors is not typed here: keras-hub's
+`convert_weights` runs against `hf_record.RecordingLoader`, whose tensors
+(`hf_remap`) carry positions, not data. Every transpose, reshape, slice,
+stack, concatenation and cast a converter hook performs becomes an index
+remap, and a device's box of a variable is read from the bytes its elements
+live in (see `hf_remap`). Casts follow keras-hub: a hook's own `astype`
+first, then the variable's dtype, as `Variable.assign` casts (a bfloat16
+checkpoint into float32 or bfloat16 variables).
+
+Supported: every `model_type` keras-hub 0.32 converts whose hooks are index
+remaps; tested with small folders for Llama/Llama3 (`llama`), Mistral,
+Mixtral, Gemma, Gemma2, Gemma3 (text), Qwen2, Qwen3, Qwen2-MoE, Qwen3-MoE,
+GPT-2 and BERT. Phi-3 (`phi3`), for which keras-hub has a backbone but no
+converter, maps through `hf_phi3`, a converter in keras-hub's interface.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from shardckpt.errors import MissingDependencyError, UnsupportedModelError
+from shardckpt.formats.hf import (
+    HFReader,
+    is_hf_folder,
+    open_tensors,
+    read_config,
+    safetensors_index,
+)
+from shardckpt.presets.hf_remap import Unsupported
+from shardckpt.restore.lazy import is_unloaded, lazy_init, original_initializer
+
+__all__ = ["build", "initialize_states", "is_hf_folder", "open_reader", "preset_loader"]
+
+
+# model_types keras-hub has a backbone for but no converter: shardckpt's own
+# converter modules, in keras-hub's converter interface.
+_DATA_CONVERTERS = {"phi3": "shardckpt.presets.hf_phi3"}
+
+
+def _DataLoader(folder: str, config: dict, converter: Any) -> Any:
+    from keras_hub.src.utils.preset_utils import PresetLoader
+    from keras_hub.src.utils.transformers.preset_loader import TransformersPresetLoader
+
+    class Loader(TransformersPresetLoader):
+        # keras-hub's loader (config conversion, backbone construction) with
+        # the converter chosen here instead of by keras-hub's dispatch.
+        def __init__(self) -> None:
+            PresetLoader.__init__(self, folder, config)
+            self.converter = converter
+
+    return Loader()
+
+
+def preset_loader(folder: str, config: dict | None = None) -> Any:
+    """keras-hub's `TransformersPresetLoader` for `folder` (its converter by `model_type`).
+
+    Raises:
+        MissingDependencyError: keras-hub is not installed.
+        UnsupportedModelError: keras-hub has no converter for the `model_type`.
+    """
+    try:
+        from keras_hub.src.utils.transformers.preset_loader import (
+            TransformersPresetLoader,
+        )
+    except ImportError as e:
+        raise MissingDependencyError(
+            f"Loading the Hugging Face folder {folder!r} needs keras-hub (its model classes "
+            f"and name maps): {e}. Fix: pip install keras-hub."
+        ) from e
+    config = read_config(folder) if config is None else config
+    data_converter = _DATA_CONVERTERS.get(config.get("model_type"))
+    if data_converter is not None:
+        import importlib
+
+        return _DataLoader(folder, config, importlib.import_module(data_converter))
+    try:
+        # keras-hub's own dispatch on model_type (a private module: keras-hub
+        # exposes it only through from_preset, which also loads weights).
+        return TransformersPresetLoader(folder, config)
+    except ValueError as e:
+        raise UnsupportedModelError(
+            f"{folder!r}: {e} Fix: use a model_type keras-hub converts (llama, mistral, "
+            "mixtral, gemma, gemma2, gemma3, qwen2, qwen3, qwen2_moe, qwen3_moe, gpt2, bert, ...)."
+        ) from e
+
+
+def build(folder: str | os.PathLike, *, dtype: Any = None) -> Any:
+    """Builds the keras-hub backbone of a Hugging Face folder, with no weights.
+
+    The config is converted as keras-hub's `Backbone.from_preset(folder)`
+    converts it; the model is built under `shardckpt.lazy_init()` (no
+    initializer runs, no weight memory). Fill it with
+    `shardckpt.load_sharded(model, folder)`.
+
+    Example:
+
+    ```python
+    model = shardckpt.presets.hf.build("Llama-3.2-1B/")
+    keras.distribution.set_distribution(my_model_parallel)
+    shardckpt.load_sharded(model, "Llama-3.2-1B/")
+    ```
+
+    Args:
+        folder: A folder with `config.json` (with `model_type`) and safetensors.
+        dtype: The backbone's dtype (e.g. "bfloat16"); None: Keras' default,
+            as in keras-hub's `from_preset`.
+
+    Returns:
+        The keras-hub backbone, its variables unloaded.
+    """
+    folder = os.fspath(folder)
+    loader = preset_loader(folder)
+    with lazy_init():
+        model = loader.load_backbone(loader.check_backbone_class(), load_weights=False, dtype=dtype)
+    initialize_states(model)
+    return model
+
+
+def initialize_states(model: Any) -> None:
+    """Gives lazily built variables that are not weights their initial value.
+
+    Seed-generator states (dropout) are variables but not weights: no
+    checkpoint holds them. They get their initial value, as in keras-hub's
+    own build, so training the model does not meet an unloaded variable.
+    """
+    weights = {id(v) for v in model.weights}
+    for variable in model.variables:
+        if id(variable) not in weights and is_unloaded(variable):
+            initializer = original_initializer(variable)
+            variable._initializer = None  # lazy_init's sentinel; see restore.lazy
+            variable._initialize_with_initializer(initializer)
+
+
+def remaps(model: Any, folder: str, tensors: Any) -> dict[str, Any]:
+    """`variable.path -> hf_remap.Tensor` for `model` from keras-hub's converter."""
+    from shardckpt.presets.hf_record import MissingTensorError, record
+
+    loader = preset_loader(folder)
+    stored = {k: tensors.spec(k) for k in tensors.keys()}  # noqa: SIM118 (a Reader, not a dict)
+    try:
+        recorded = record(model, loader.converter, folder, loader.config, stored, safetensors_index(folder))
+    except Unsupported as e:
+        raise UnsupportedModelError(
+            f"{folder!r} ({loader.config['model_type']}): keras-hub's converter does a step that is "
+            f"not an index remap of stored tensors: {e}. Fix: load it with keras-hub's from_preset, "
+            "or convert it there and save with save_to_preset."
+        ) from e
+    except MissingTensorError as e:
+        from shardckpt.errors import CheckpointMismatchError
+
+        raise CheckpointMismatchError(folder, missing=[str(e.args[0])]) from e
+    return {variable.path: value for variable, value in recorded.assigned.values()}
+
+
+def open_reader(folder: str | os.PathLike, model: Any) -> HFReader:
+    """The `Reader` of a Hugging Face folder as `model`'s variables."""
+    folder = os.fspath(folder)
+    tensors = open_tensors(folder)
+    try:
+        return HFReader(folder, tensors, remaps(model, folder, tensors))
+    except BaseException:
+        tensors.close()
+        raise

@@ -1,0 +1,280 @@
+"""Hugging Face folders into keras-hub models: names, remaps, casts, shardings, reads.
+
+Each architecture's folder (tests/hf_fixtures.py) is loaded by shardckpt
+(`presets.hf.build` + `load_sharded`, under a ModelParallel distribution on
+a (2, 4) mesh of 8 CPU devices) and by keras-hub's own
+`Backbone.from_preset`: every variable must be bit-equal and in the sharding
+the layout asks for, and one compiled forward pass bit-equal on both.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+
+import hf_fixtures as fx
+import jax
+import keras
+import ml_dtypes
+import numpy as np
+import pytest
+from jax.sharding import PartitionSpec
+
+import shardckpt
+from shardckpt.cli.main import main
+from shardckpt.errors import (
+    CheckpointMismatchError,
+    ModelRequiredError,
+    UnsupportedModelError,
+)
+from shardckpt.formats import detect_format, open_reader
+from shardckpt.presets import hf
+from shardckpt.presets.hf_remap import Strided, Unsupported
+
+keras_hub = pytest.importorskip("keras_hub")
+
+
+def _distribution(model: keras.Model) -> keras.distribution.ModelParallel:
+    """Shards each matrix's largest dimension divisible by 4 over "model" and
+    another one divisible by 2 over "data": remaps are read in 2-D boxes."""
+    mesh = keras.distribution.DeviceMesh((2, 4), ["data", "model"])
+    layout_map = keras.distribution.LayoutMap(mesh)
+    for v in model.weights:
+        spec: list[str | None] = [None] * len(v.shape)
+        if len(v.shape) >= 2:
+            dims = sorted(range(len(v.shape)), key=lambda d: -v.shape[d])
+            model_dim = next((d for d in dims if v.shape[d] % 4 == 0), None)
+            if model_dim is not None:
+                spec[model_dim] = "model"
+            data_dim = next((d for d in dims if d != model_dim and v.shape[d] % 2 == 0), None)
+            if data_dim is not None:
+                spec[data_dim] = "data"
+        layout_map["^" + re.escape(v.path) + "$"] = tuple(spec)
+    return keras.distribution.ModelParallel(layout_map=layout_map, batch_dim_name="data")
+
+
+def _inputs(model: keras.Model) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(1)
+    out = {}
+    for name in model.input:
+        if name == "token_ids":
+            out[name] = rng.integers(0, fx.V, size=(2, 8)).astype("int32")
+        elif name == "padding_mask":
+            out[name] = np.ones((2, 8), "int32")
+        else:
+            out[name] = np.zeros((2, 8), "int32")
+    return out
+
+
+def _expected_spec(dist: keras.distribution.ModelParallel, variable) -> PartitionSpec:
+    return PartitionSpec(*dist.get_variable_layout(variable).axes)
+
+
+def _keras_hub_load(folder: str, dtype=None) -> keras.Model:
+    """keras-hub's `Backbone.from_preset(folder)` minus its random initializers:
+    its loader's `load_backbone(load_weights=True)` steps, the build lazy."""
+    from keras_hub.src.utils.transformers.safetensor_utils import SafetensorLoader
+
+    loader = hf.preset_loader(folder)
+    with shardckpt.lazy_init():
+        backbone = loader.load_backbone(loader.check_backbone_class(), load_weights=False, dtype=dtype)
+    hf.initialize_states(backbone)
+    with SafetensorLoader(folder) as tensors:
+        loader.converter.convert_weights(backbone, tensors, loader.config)
+    return backbone
+
+
+@pytest.mark.parametrize("arch", fx.ARCHITECTURES)
+def test_folder_loads_bit_equal_to_keras_hub_in_its_sharding(arch, tmp_path):
+    folder = str(tmp_path / arch)
+    source = fx.make_folder(arch, folder, shards=2 if arch == "mixtral" else 1)
+    assert detect_format(folder) == "hf"
+    keras.backend.clear_session()
+    model = hf.build(folder)
+    assert type(model).__name__ == type(source).__name__
+    assert all(v._value is None for v in model.weights)  # built lazily
+    dist = _distribution(model)
+    keras.distribution.set_distribution(dist)
+    report = shardckpt.load_sharded(model, folder)
+    assert report.format == "hf" and report.arrays == len(model.weights), report
+    assert not report.missing and not report.unexpected
+
+    # keras-hub's own load (its converter reading with numpy and assigning),
+    # on one device and with its random initializers skipped: they cost 5-11 s
+    # per tiny model here and are all overwritten. A fresh session names
+    # auto-named layers (mixtral_sparse_moe_block) as ours.
+    keras.backend.clear_session()
+    reference = _keras_hub_load(folder)
+    assert [v.path for v in reference.weights] == [v.path for v in model.weights]
+    if arch in fx.NO_KERAS_HUB_CONVERTER:
+        reference = source  # keras-hub cannot load it: the model whose weights were written
+    for ours, theirs, src in zip(model.weights, reference.weights, source.weights):
+        assert ours.value.sharding.spec == _expected_spec(dist, ours), ours.path
+        np.testing.assert_array_equal(np.asarray(ours.value), np.asarray(theirs.value), err_msg=ours.path)
+        if arch not in fx.KERAS_HUB_CASTS:  # mistral: keras-hub rounds through float16
+            np.testing.assert_array_equal(np.asarray(ours.value), np.asarray(src.value), err_msg=ours.path)
+    # One compiled forward: ours as loaded, and keras-hub's values put in the
+    # same shardings. Outputs bit-equal.
+    forward = jax.jit(lambda tv, ntv, x: model.stateless_call(tv, ntv, x)[0])
+    inputs = _inputs(model)
+
+    def values(m, variables):
+        return [jax.device_put(v.value, o.value.sharding) for v, o in zip(variables(m), variables(model))]
+
+    outputs = [
+        forward(values(m, lambda x: x.trainable_variables), values(m, lambda x: x.non_trainable_variables), inputs)
+        for m in (model, reference)
+    ]
+    for a, b in zip(keras.tree.flatten(outputs[0]), keras.tree.flatten(outputs[1])):
+        assert np.isfinite(np.asarray(a)).all()
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+@pytest.mark.parametrize("model_dtype", ["float32", "bfloat16"])
+def test_bfloat16_folder_casts_as_keras_hub(model_dtype, tmp_path):
+    folder = str(tmp_path / "llama")
+    fx.make_folder("llama", folder, dtype="bfloat16")
+    with open(os.path.join(folder, "model.safetensors"), "rb") as f:
+        assert b'"BF16"' in f.read(4096)
+    keras.backend.clear_session()
+    model = hf.build(folder, dtype=model_dtype)
+    report = shardckpt.load_sharded(model, folder)
+    reference = _keras_hub_load(folder, dtype=model_dtype)
+    assert bool(report.casts) == (model_dtype == "float32")
+    for ours, theirs in zip(model.weights, reference.weights):
+        assert np.dtype(ours.dtype) == np.dtype(theirs.dtype) == np.dtype(model_dtype)
+        np.testing.assert_array_equal(np.asarray(ours.value), np.asarray(theirs.value), err_msg=ours.path)
+
+
+def _span(view: np.ndarray, base: np.ndarray) -> tuple[int, int]:
+    lo, hi = np.lib.array_utils.byte_bounds(view)
+    start = np.lib.array_utils.byte_bounds(base)[0]
+    return lo - start, hi - start
+
+
+def test_each_device_box_is_a_view_of_only_its_bytes(tmp_path):
+    folder = str(tmp_path / "llama")
+    fx.make_folder("llama", folder)
+    keras.backend.clear_session()
+    model = hf.build(folder)
+    reader = open_reader(folder, model=model)
+    try:
+        # q_proj (heads*head_dim, hidden) is the kernel (hidden, heads, head_dim)
+        # transposed and split: a box of 2 of its 4 heads is the stored rows of those heads.
+        key = "transformer_layer_0/self_attention/query/kernel"
+        assert reader.sources(key) == ["model.layers.0.self_attn.q_proj.weight"]
+        stored = reader._tensors.view("model.layers.0.self_attn.q_proj.weight", (slice(None),) * 2)
+        row = stored.shape[1] * stored.itemsize
+        view = reader.view(key, (slice(0, fx.H), slice(2, 4), slice(0, 8)))
+        assert np.shares_memory(view, stored)  # no copy: the memory map itself
+        assert _span(view, stored) == (2 * 8 * row, 4 * 8 * row)
+        np.testing.assert_array_equal(view, np.asarray(stored).T.reshape(fx.H, 4, 8)[:, 2:4])
+        # The down projection's column block: only those stored rows.
+        key = "transformer_layer_0/feedforward_output_dense/kernel"
+        stored = reader._tensors.view("model.layers.0.mlp.down_proj.weight", (slice(None),) * 2)
+        view = reader.view(key, (slice(0, fx.I), slice(8, 16)))
+        row = stored.shape[1] * stored.itemsize
+        assert _span(view, stored)[0] == 8 * row and _span(view, stored)[1] <= 16 * row
+    finally:
+        reader.close()
+
+
+def test_stacked_experts_read_only_their_source_tensors(tmp_path):
+    folder = str(tmp_path / "qwen2_moe")
+    source = fx.make_folder("qwen2_moe", folder)
+    keras.backend.clear_session()
+    model = hf.build(folder)
+    reader = open_reader(folder, model=model)
+    try:
+        key = next(k for k in reader.keys() if k.endswith("experts/expert_feedforward_gate_dense"))  # noqa: SIM118
+        assert len(reader.sources(key)) == 2 * 4  # gate and up of 4 experts, concatenated then stacked
+        shape = reader.spec(key).shape
+        reader._stored_cache.clear()
+        box = (slice(2, 3), slice(0, shape[1]), slice(shape[2] // 2, shape[2]))  # expert 2's up half
+        piece = reader.read(key, box)
+        assert sorted(reader._stored_cache) == ["model.layers.0.mlp.experts.2.up_proj.weight"]
+        expected = np.asarray(next(v for v in source.weights if v.path == key).value)[box]
+        np.testing.assert_array_equal(piece, expected)
+    finally:
+        reader.close()
+
+
+def test_convert_cli_writes_orbax_from_a_hf_folder(tmp_path, capsys):
+    folder = str(tmp_path / "qwen3")
+    source = fx.make_folder("qwen3", folder)
+    dst = str(tmp_path / "orbax")
+    assert main(["convert", folder, dst, "--quiet"]) == 0  # the architecture from config.json
+    out = capsys.readouterr().out
+    assert "Converted 25 arrays" in out and "from hf" in out, out
+    keras.backend.clear_session()
+    model = hf.build(folder)
+    shardckpt.load_sharded(model, dst)
+    for ours, src in zip(model.weights, source.weights):
+        np.testing.assert_array_equal(np.asarray(ours.value), np.asarray(src.value), err_msg=ours.path)
+
+
+def test_folder_errors_are_typed(tmp_path):
+    folder = str(tmp_path / "gemma")
+    fx.make_folder("gemma", folder)
+    with pytest.raises(ModelRequiredError, match="Hugging Face folder"):
+        open_reader(folder)
+    keras.backend.clear_session()
+    model = hf.build(folder)
+    # A tensor the converter needs is gone: named, nothing loaded.
+    tensors = open_reader(os.path.join(folder, "model.safetensors"))
+    kept = {k: np.asarray(tensors.read(k, tuple(slice(0, n) for n in tensors.spec(k).shape)))
+            for k in tensors.keys() if k != "model.norm.weight"}  # noqa: SIM118
+    tensors.close()
+    fx.write_safetensors(os.path.join(folder, "model.safetensors"), kept)
+    with pytest.raises(CheckpointMismatchError, match="model.norm.weight"):
+        shardckpt.load_sharded(model, folder)
+    assert all(v._value is None for v in model.weights)
+    with open(os.path.join(folder, "config.json")) as f:
+        config = json.load(f)
+    with open(os.path.join(folder, "config.json"), "w") as f:
+        json.dump({**config, "model_type": "not_a_model"}, f)
+    with pytest.raises(UnsupportedModelError, match="not_a_model"):
+        hf.build(folder)
+
+
+@pytest.mark.parametrize(
+    "hook",
+    [
+        lambda x: np.reshape(np.transpose(x), (6, 2, 2)),
+        lambda x: np.transpose(np.reshape(x, (2, 2, 6)), axes=(0, 2, 1)),
+        lambda x: np.reshape(x[:, 2:4], (2, 2, 2))[::-1, 1],
+        lambda x: np.stack([x.T, x.T[:, ::-1]], axis=1),
+        lambda x: np.concatenate([np.transpose(x), np.transpose(x)], axis=-1).astype(np.float16),
+        lambda x: np.expand_dims(x.T, 0).squeeze(0),
+    ],
+)
+def test_remap_matches_numpy_on_every_box(hook):
+    stored = np.arange(24, dtype=np.float32).reshape(4, 6)
+    expected = hook(stored)
+    remap = hook(Strided.stored("w", stored.dtype, stored.shape))
+    assert remap.shape == expected.shape and remap.dtype == expected.dtype
+    rng = np.random.default_rng(0)
+    for _ in range(20):
+        box = []
+        for n in expected.shape:
+            a = int(rng.integers(0, n))
+            box.append(slice(a, int(rng.integers(a + 1, n + 1))))
+        np.testing.assert_array_equal(remap.read(tuple(box), lambda key: stored), expected[tuple(box)])
+
+
+def test_remap_refuses_what_is_not_an_index_remap():
+    t = Strided.stored("w", np.dtype(np.float32), (4, 6))
+    with pytest.raises(Unsupported, match="reorders"):
+        np.reshape(np.transpose(t), (3, 8))  # would need a copy: not a view of the stored tensor
+    with pytest.raises(Unsupported):
+        t * 2  # arithmetic on values
+    with pytest.raises(Unsupported, match="advanced"):
+        t[[0, 2]]
+
+
+def test_bfloat16_values_round_trip_unchanged():
+    x = np.array([1.5, -2.25, 3e-3], ml_dtypes.bfloat16)
+    t = Strided.stored("w", x.dtype, x.shape)
+    np.testing.assert_array_equal(t.read((slice(0, 3),), lambda k: x), x)
+
