@@ -50,7 +50,7 @@ from shardckpt.errors import (
     ModelRequiredError,
     UnknownFormatError,
 )
-from shardckpt.formats import open_reader
+from shardckpt.formats import open_reader, storage
 from shardckpt.formats.base import Box, Reader
 from shardckpt.progress import ByteProgress
 from shardckpt.formats.orbax.writer import COMPRESSIONS, OrbaxStepWriter
@@ -190,7 +190,15 @@ def convert(
         DtypeMismatchError: `dtype` is not a floating-point dtype.
     """
     start = time.perf_counter()
-    src, dst = os.fspath(src), os.path.abspath(os.fspath(dst))
+    # Classify both paths before anything touches the disk: a URL of an
+    # unsupported scheme must never become a local folder.
+    src_location = storage.parse(src, what="src")
+    dst_location = storage.parse(dst, what="dst")
+    storage.refuse_remote(
+        dst_location, what="dst", reason="writing to buckets is not supported yet. Fix: convert "
+        "to a local folder."
+    )
+    src, dst = src_location.url, dst_location.path
     if compression not in COMPRESSIONS:
         raise ValueError(f"compression must be one of {COMPRESSIONS}. Received: compression={compression!r}")
     if max_inflight_bytes < 4096:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 
 from shardckpt.errors import CheckpointNotFoundError, UnknownFormatError
+from shardckpt.formats import storage
 from shardckpt.formats.base import ArraySpec, Box, Reader, full_box
 from shardckpt.formats.h5 import H5Reader
 from shardckpt.formats.orbax import OrbaxReader, is_orbax_dir
@@ -29,8 +30,14 @@ def detect_format(path: str) -> str:
     Raises:
         CheckpointNotFoundError: `path` does not exist.
         UnknownFormatError: `path` exists but is no format shardckpt reads.
+        UnsupportedURLError: `path` is a URL of a scheme shardckpt does not read.
     """
-    path = os.fspath(path)
+    location = storage.parse(path)
+    storage.refuse_remote(
+        location, what="path", reason="reading checkpoints from buckets is not supported yet. "
+        "Fix: copy the checkpoint to a local folder first."
+    )
+    path = location.path
     if not os.path.exists(path):
         raise CheckpointNotFoundError(
             f"No checkpoint at {path!r}. Fix: check the path (a .weights.h5, .keras, "

@@ -40,6 +40,7 @@ from keras.src.callbacks.monitor_callback import MonitorCallback
 from keras.src.saving import saving_lib
 
 from shardckpt.errors import BackgroundSaveError
+from shardckpt.formats import storage
 from shardckpt.training import iterators, metadata as metadata_lib, resume, retention, snapshot
 
 _log = logging.getLogger("shardckpt")
@@ -142,7 +143,12 @@ class OrbaxCheckpoint(MonitorCallback):
             max_to_keep=max_to_keep, keep_best=keep_best, monitor=monitor,
             higher_is_better=False, keep_period=keep_period,
         )
-        self.directory = str(directory)
+        location = storage.parse(directory, what="directory")
+        storage.refuse_remote(
+            location, what="directory", reason="OrbaxCheckpoint does not save to buckets yet. "
+            "Fix: save to a local folder and copy steps to the bucket."
+        )
+        self.directory = location.path
         self.verbose = verbose
         self.save_best_only = save_best_only
         self.save_freq = save_freq

@@ -14,6 +14,7 @@ from typing import Any
 import orbax.checkpoint.experimental.v1 as ocp
 
 from shardckpt.errors import CheckpointNotFoundError, CorruptCheckpointError
+from shardckpt.formats import storage
 from shardckpt.formats.orbax import committed_steps
 from shardckpt.restore import LoadReport, load_sharded
 
@@ -161,7 +162,12 @@ def restore_latest(model: Any, directory: str | os.PathLike, *, data_iterator: A
         CheckpointNotFoundError: `directory` holds no committed step.
         CheckpointMismatchError, ShapeMismatchError, ...: see `load_sharded`.
     """
-    step_dir = latest_step_dir(os.fspath(directory))
+    location = storage.parse(directory, what="directory")
+    storage.refuse_remote(
+        location, what="directory", reason="restore_latest does not read buckets yet. Fix: "
+        "copy the checkpoint to a local folder first."
+    )
+    step_dir = latest_step_dir(location.path)
     if step_dir is None:
         raise CheckpointNotFoundError(
             f"No committed checkpoint step under {os.fspath(directory)!r} (half-written "

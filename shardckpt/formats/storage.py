@@ -1,0 +1,229 @@
+"""Where a checkpoint lives: a local path, a `gs://` or an `s3://` URL.
+
+Every public entry point passes its path arguments through `parse` (or
+`check_path`) first. A `scheme://` other than `gs`, `s3` and `file` is
+refused with `UnsupportedURLError`: taken for a local path, `s3://bucket/ck`
+became the local folder `s3:/bucket/ck` and a user who believed the
+checkpoint was in the bucket lost it with the machine.
+
+Buckets are reached through TensorStore's own `gcs` and `s3` key-value stores,
+so credentials and endpoints are found the way TensorStore (and the clouds'
+SDKs) find them:
+
+- `gs://`: Application Default Credentials (`GOOGLE_APPLICATION_CREDENTIALS`,
+  `gcloud auth application-default login`, the metadata server);
+  `TENSORSTORE_GCS_HTTP_URL` points at another endpoint (an emulator).
+- `s3://`: `AWS_ACCESS_KEY_ID` / `AWS_SECRET_ACCESS_KEY` /
+  `AWS_SESSION_TOKEN`, `AWS_PROFILE` and `~/.aws/credentials`, instance
+  metadata; `AWS_REGION` / `AWS_DEFAULT_REGION`; `AWS_ENDPOINT_URL` for
+  S3-compatible stores (MinIO, moto, ...).
+
+Failures of bucket requests are turned into typed errors by `translate`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+from typing import Any
+
+from shardckpt.errors import (
+    BucketNotFoundError,
+    CheckpointNotFoundError,
+    StorageAccessDeniedError,
+    StorageCredentialsError,
+    UnsupportedURLError,
+)
+
+REMOTE_SCHEMES = ("gs", "s3")
+"""URL schemes of object stores shardckpt reads and writes."""
+SUPPORTED_SCHEMES = ("gs", "s3", "file")
+_URL = re.compile(r"^([A-Za-z][A-Za-z0-9+.\-]*)://(.*)$", re.DOTALL)
+_DRIVERS = {"gs": "gcs", "s3": "s3"}
+
+
+@dataclasses.dataclass(frozen=True)
+class Location:
+    """A classified path argument.
+
+    Attributes:
+        scheme: "local", "gs" or "s3".
+        path: For "local": the absolute local path. For buckets: the key
+            prefix inside the bucket, without leading or trailing "/".
+        bucket: The bucket name (None for local paths).
+    """
+
+    scheme: str
+    path: str
+    bucket: str | None = None
+
+    @property
+    def is_remote(self) -> bool:
+        return self.scheme in REMOTE_SCHEMES
+
+    @property
+    def url(self) -> str:
+        """The path as the user would write it (`gs://b/k` or `/abs/path`)."""
+        if not self.is_remote:
+            return self.path
+        return f"{self.scheme}://{self.bucket}/{self.path}".rstrip("/")
+
+    @property
+    def name(self) -> str:
+        """The last path component."""
+        return self.path.rstrip("/").rsplit("/", 1)[-1]
+
+    @property
+    def parent(self) -> Location:
+        if not self.is_remote:
+            return dataclasses.replace(self, path=os.path.dirname(self.path))
+        head = self.path.rsplit("/", 1)[0] if "/" in self.path else ""
+        return dataclasses.replace(self, path=head)
+
+    def join(self, *names: str) -> Location:
+        if not self.is_remote:
+            return dataclasses.replace(self, path=os.path.join(self.path, *names))
+        parts = [p for p in (self.path, *names) if p]
+        return dataclasses.replace(self, path="/".join(p.strip("/") for p in parts))
+
+    def kvstore(self, *, directory: bool = True) -> dict[str, Any]:
+        """TensorStore's kvstore spec of this location (a "directory" ends in "/")."""
+        if not self.is_remote:
+            return {"driver": "file", "path": self.path + ("/" if directory else "")}
+        path = self.path + ("/" if directory and self.path else "")
+        return {"driver": _DRIVERS[self.scheme], "bucket": self.bucket, "path": path}
+
+    def __str__(self) -> str:
+        return self.url
+
+
+def parse(path: str | os.PathLike, *, what: str = "path") -> Location:
+    """Classifies a path argument: local, `gs://`, `s3://`, or refused.
+
+    Args:
+        path: A local path, `file://` URL, or `gs://bucket/...` / `s3://bucket/...`.
+        what: The argument's name, for error messages ("dst", "directory").
+
+    Returns:
+        A `Location`; local paths are made absolute.
+
+    Raises:
+        UnsupportedURLError: any other `scheme://`, or a bucket URL without a
+            bucket name.
+    """
+    text = os.fspath(path)
+    if isinstance(text, bytes):
+        text = os.fsdecode(text)
+    match = _URL.match(text)
+    if match is None:
+        return Location("local", os.path.abspath(text))
+    scheme, rest = match.group(1).lower(), match.group(2)
+    if scheme == "file":
+        return Location("local", os.path.abspath("/" + rest.lstrip("/")))
+    if scheme not in REMOTE_SCHEMES:
+        raise UnsupportedURLError(
+            f"{what}={text!r} is a {scheme}:// URL, which shardckpt does not read or write; "
+            f"it is not taken for a local folder. Fix: use a local path, a file:// URL, or a "
+            f"gs://bucket/... or s3://bucket/... URL. Supported schemes: "
+            f"{', '.join(s + '://' for s in SUPPORTED_SCHEMES)}. Received: {what}={text!r}"
+        )
+    bucket, _, key = rest.partition("/")
+    if not bucket:
+        raise UnsupportedURLError(
+            f"{what}={text!r} names no bucket. Fix: write {scheme}://BUCKET/path. "
+            f"Received: {what}={text!r}"
+        )
+    key = "/".join(p for p in key.split("/") if p and p != ".")
+    return Location(scheme, key, bucket)
+
+
+def check_path(path: str | os.PathLike, *, what: str = "path") -> str:
+    """Returns `path` as a string after refusing unsupported `scheme://` URLs.
+
+    For entry points that hand the path on (`from_preset`): a local path or a
+    `gs://` / `s3://` URL comes back unchanged (local ones absolute).
+
+    Raises:
+        UnsupportedURLError: see `parse`.
+    """
+    return parse(path, what=what).url
+
+
+def refuse_remote(location: Location, *, what: str, reason: str) -> None:
+    """Raises `UnsupportedURLError` where a bucket URL is not supported (yet).
+
+    Args:
+        location: The classified path.
+        what: The argument ("src", "directory").
+        reason: What is not supported, and the way around it.
+    """
+    if location.is_remote:
+        raise UnsupportedURLError(f"{what}={location.url!r}: {reason} Received: {what}={location.url!r}")
+
+
+def translate(error: BaseException, location: Location, *, action: str = "reading") -> BaseException:
+    """Maps a failed bucket request to a typed shardckpt error naming the URL and the fix.
+
+    TensorStore reports HTTP failures as `ValueError` with an absl status
+    text ("NOT_FOUND: ... HTTP response code: 404 ..."); the codes and
+    statuses below are the ones its `gcs` and `s3` drivers report.
+
+    Returns:
+        The typed error (to `raise ... from error`), or `error` itself when
+        it is no storage failure.
+    """
+    text = str(error)
+    url = location.url
+    cloud = "GCS" if location.scheme == "gs" else "S3"
+    if re.search(r"NoSuchBucket|[Bb]ucket.{0,40}(does not exist|not found)|The specified bucket", text):
+        return BucketNotFoundError(
+            f"The bucket {location.bucket!r} of {url!r} does not exist ({action}). Fix: create it "
+            f"or correct the bucket name. {cloud} said: {_short(text)}"
+        )
+    if re.search(r"response code: 403|PERMISSION_DENIED|AccessDenied|Forbidden", text):
+        return StorageAccessDeniedError(
+            f"Access to {url!r} was denied (HTTP 403) while {action}. Fix: grant the "
+            f"credentials in use {_permission(location, action)}, or use other credentials "
+            f"({_credential_hint(location)}). {cloud} said: {_short(text)}"
+        )
+    if re.search(
+        r"response code: 401|UNAUTHENTICATED|[Cc]redentials|No credentials|metadata server|"
+        r"InvalidAccessKeyId|SignatureDoesNotMatch|ExpiredToken",
+        text,
+    ):
+        return StorageCredentialsError(
+            f"No valid credentials for {url!r} ({action}). Fix: {_credential_hint(location)}. "
+            f"{cloud} said: {_short(text)}"
+        )
+    if re.search(r"response code: 404|NOT_FOUND|NoSuchKey", text):
+        return CheckpointNotFoundError(
+            f"Nothing at {url!r} (HTTP 404, {action}). Fix: check the URL; list it with "
+            f"{'gcloud storage ls' if location.scheme == 'gs' else 'aws s3 ls'} {url}/. "
+            f"{cloud} said: {_short(text)}"
+        )
+    return error
+
+
+def _short(text: str) -> str:
+    return " ".join(text.split())[:300]
+
+
+def _permission(location: Location, action: str) -> str:
+    writing = action.startswith(("writing", "deleting"))
+    if location.scheme == "gs":
+        return "roles/storage.objectAdmin on the bucket" if writing else "roles/storage.objectViewer on the bucket"
+    return "s3:PutObject, s3:DeleteObject and s3:ListBucket" if writing else "s3:GetObject and s3:ListBucket"
+
+
+def _credential_hint(location: Location) -> str:
+    if location.scheme == "gs":
+        return (
+            "run `gcloud auth application-default login`, or set GOOGLE_APPLICATION_CREDENTIALS "
+            "to a service-account key file; on Google Cloud machines the attached service "
+            "account is used"
+        )
+    return (
+        "set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY (and AWS_SESSION_TOKEN), or AWS_PROFILE "
+        "with ~/.aws/credentials; on AWS machines the instance role is used"
+    )
