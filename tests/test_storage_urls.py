@@ -22,7 +22,9 @@ from tests.zoo import build_zoo
         ("S3://bkt//a/./b", "s3", "bkt", "a/b"),
     ],
 )
-def test_bucket_urls_are_classified(path, scheme, bucket, key):
+def test_bucket_urls_are_classified(path, scheme, bucket, key, monkeypatch):
+    for name in ("AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3", "AWS_REGION", "AWS_DEFAULT_REGION"):
+        monkeypatch.delenv(name, raising=False)
     location = storage.parse(path)
     assert (location.scheme, location.bucket, location.path) == (scheme, bucket, key)
     assert location.is_remote

@@ -33,10 +33,8 @@ def detect_format(path: str) -> str:
         UnsupportedURLError: `path` is a URL of a scheme shardckpt does not read.
     """
     location = storage.parse(path)
-    storage.refuse_remote(
-        location, what="path", reason="reading checkpoints from buckets is not supported yet. "
-        "Fix: copy the checkpoint to a local folder first."
-    )
+    if location.is_remote:
+        return _detect_remote(location)
     path = location.path
     if not os.path.exists(path):
         raise CheckpointNotFoundError(
@@ -63,6 +61,26 @@ def detect_format(path: str) -> str:
         f"{path!r} is not a checkpoint shardckpt reads. Supported: Keras "
         "`.weights.h5` / `.keras` files, Orbax checkpoint folders, `.safetensors` "
         "files and `*.safetensors.index.json` sets."
+    )
+
+
+def _detect_remote(location: storage.Location) -> str:
+    if location.path.endswith((".h5", ".hdf5", ".keras", ".safetensors", ".json")):
+        storage.refuse_remote(
+            location,
+            what="path",
+            reason="reading .weights.h5, .keras and safetensors files from a bucket is not "
+            "supported yet (Orbax checkpoints in buckets are). Fix: copy the file to local disk, "
+            "or convert it into the bucket once: `shardckpt convert FILE "
+            f"{location.scheme}://BUCKET/PATH` and load that.",
+        )
+    if is_orbax_dir(location.url):
+        return "orbax"
+    if not storage.isdir(location):
+        raise storage.not_found(location)
+    raise UnknownFormatError(
+        f"{location.url!r} holds objects but no Orbax checkpoint. In buckets shardckpt reads "
+        "Orbax checkpoints (a root of step folders, or one step)."
     )
 
 

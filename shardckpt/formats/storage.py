@@ -92,10 +92,27 @@ class Location:
         if not self.is_remote:
             return {"driver": "file", "path": self.path + ("/" if directory else "")}
         path = self.path + ("/" if directory and self.path else "")
-        return {"driver": _DRIVERS[self.scheme], "bucket": self.bucket, "path": path}
+        spec: dict[str, Any] = {"driver": _DRIVERS[self.scheme], "bucket": self.bucket, "path": path}
+        if self.scheme == "s3":
+            spec.update(_s3_settings())
+        return spec
 
     def __str__(self) -> str:
         return self.url
+
+
+def _s3_settings() -> dict[str, str]:
+    # The AWS SDKs' variables. TensorStore's s3 driver finds credentials in
+    # the environment itself, but an endpoint only in its spec: without it,
+    # requests go to AWS even when AWS_ENDPOINT_URL names a local server.
+    settings = {}
+    endpoint = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
+    if endpoint:
+        settings["endpoint"] = endpoint
+    region = os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION")
+    if region:
+        settings["aws_region"] = region
+    return settings
 
 
 def parse(path: str | os.PathLike, *, what: str = "path") -> Location:
@@ -196,6 +213,12 @@ def translate(error: BaseException, location: Location, *, action: str = "readin
             f"No valid credentials for {url!r} ({action}). Fix: {_credential_hint(location)}. "
             f"{cloud} said: {_short(text)}"
         )
+    if action == "writing" and re.search(r"response code: 404|NOT_FOUND", text):
+        # An object write never 404s on its key: the bucket itself is missing.
+        return BucketNotFoundError(
+            f"The bucket {location.bucket!r} of {url!r} does not exist ({action}). Fix: create it "
+            f"or correct the bucket name. {cloud} said: {_short(text)}"
+        )
     if re.search(r"response code: 404|NOT_FOUND|NoSuchKey", text):
         return CheckpointNotFoundError(
             f"Nothing at {url!r} (HTTP 404, {action}). Fix: check the URL; list it with "
@@ -203,6 +226,70 @@ def translate(error: BaseException, location: Location, *, action: str = "readin
             f"{cloud} said: {_short(text)}"
         )
     return error
+
+
+def not_found(location: Location) -> BaseException:
+    """The error for "nothing at `location`": a missing bucket, or a missing path in it.
+
+    TensorStore's `gcs` driver lists a missing bucket as empty, so for
+    `gs://` the bucket is probed (see `bucket_missing`).
+    """
+    if location.is_remote and bucket_missing(location):
+        return BucketNotFoundError(
+            f"The bucket {location.bucket!r} of {location.url!r} does not exist. Fix: create it "
+            "or correct the bucket name."
+        )
+    return CheckpointNotFoundError(
+        f"No checkpoint at {location.url!r}. Fix: check the path (a .weights.h5, .keras, "
+        ".safetensors, *.safetensors.index.json file or an Orbax folder)."
+    )
+
+
+def bucket_missing(location: Location) -> bool:
+    """True only when the store answers that `location`'s bucket does not exist.
+
+    An unauthenticated request is enough: both clouds answer 404 for a bucket
+    that does not exist and 401/403 for one that exists but is private. Only
+    used on error paths; any other outcome (no network, 401, 403) is False.
+    """
+    import urllib.error
+    import urllib.request
+
+    if location.scheme == "gs":
+        base = os.environ.get("TENSORSTORE_GCS_HTTP_URL", "https://storage.googleapis.com").rstrip("/")
+        url = f"{base}/storage/v1/b/{location.bucket}/o?maxResults=1"
+    elif location.scheme == "s3":
+        base = _s3_settings().get("endpoint")
+        url = f"{base.rstrip('/')}/{location.bucket}" if base else f"https://{location.bucket}.s3.amazonaws.com/"
+    else:
+        return False
+    try:
+        with urllib.request.urlopen(urllib.request.Request(url, method="GET"), timeout=10):
+            return False
+    except urllib.error.HTTPError as e:
+        return e.code == 404
+    except (OSError, ValueError):
+        return False
+
+
+PLACEHOLDER_DIR = "/shardckpt-bucket-placeholder"
+"""The local folder Orbax builds a bucket's specs for (never touched: see `ocdbt_kvstore`)."""
+
+
+def ocdbt_kvstore(kvstore: dict[str, Any], tree: Location) -> dict[str, Any]:
+    """Points an OCDBT kvstore spec built by Orbax for a local folder at `tree`.
+
+    Orbax builds its TensorStore specs (`type_handlers.get_json_tspec_read` /
+    `_write`) for local paths and `gs://` only; shardckpt builds them for a
+    placeholder folder and swaps in the bucket here, so codecs, chunking and
+    OCDBT settings stay Orbax's own for every store.
+    """
+    if not tree.is_remote:
+        return kvstore
+    spec = dict(kvstore)
+    spec["base"] = tree.kvstore()
+    spec.pop("manifest", None)  # the local spec's manifest override is a file path
+    return spec
 
 
 def _short(text: str) -> str:
@@ -227,3 +314,102 @@ def _credential_hint(location: Location) -> str:
         "set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY (and AWS_SESSION_TOKEN), or AWS_PROFILE "
         "with ~/.aws/credentials; on AWS machines the instance role is used"
     )
+
+
+# ---- reading and writing objects --------------------------------------------
+# Local paths go to `os`; bucket paths to TensorStore's kvstore of the bucket
+# (the same driver that reads the arrays), so one set of credentials and
+# endpoint settings serves both.
+
+
+def _open_kvstore(location: Location) -> Any:
+    import tensorstore as ts
+
+    try:
+        return ts.KvStore.open(location.kvstore()).result()
+    except ValueError as e:
+        raise translate(e, location, action="opening") from e
+
+
+def list_keys(location: Location) -> list[str]:
+    """Every object key under `location` (a "folder"), relative to it, sorted.
+
+    Local folders are walked; a missing local folder lists as empty.
+    """
+    if not location.is_remote:
+        keys = []
+        for root, _, files in os.walk(location.path):
+            rel = os.path.relpath(root, location.path)
+            keys += [name if rel == "." else f"{rel}/{name}" for name in files]
+        return sorted(keys)
+    store = _open_kvstore(location)
+    try:
+        return sorted(k.decode() for k in store.list().result())
+    except ValueError as e:
+        raise translate(e, location, action="listing") from e
+
+
+def listdir(location: Location) -> list[str]:
+    """Names directly under `location`: files and "folders" (key prefixes)."""
+    if not location.is_remote:
+        return os.listdir(location.path)
+    return sorted({key.split("/", 1)[0] for key in list_keys(location)})
+
+
+def isdir(location: Location) -> bool:
+    """True for a local folder, or a bucket prefix holding at least one object."""
+    if not location.is_remote:
+        return os.path.isdir(location.path)
+    return bool(list_keys(location))
+
+
+def read_bytes(location: Location) -> bytes | None:
+    """The bytes of one file or object, or None if it does not exist."""
+    if not location.is_remote:
+        try:
+            with open(location.path, "rb") as f:
+                return f.read()
+        except FileNotFoundError:
+            return None
+    store = _open_kvstore(location.parent)
+    try:
+        result = store.read(location.name.encode()).result()
+    except ValueError as e:
+        raise translate(e, location, action="reading") from e
+    return None if result.state == "missing" else bytes(result.value)
+
+
+def exists(location: Location) -> bool:
+    """True if `location` is an existing file, folder, object or non-empty prefix."""
+    if not location.is_remote:
+        return os.path.exists(location.path)
+    return read_bytes(location) is not None or isdir(location)
+
+
+def write_bytes(location: Location, data: bytes) -> None:
+    """Writes one file or object (an object write is atomic: all or nothing)."""
+    if not location.is_remote:
+        with open(location.path, "wb") as f:
+            f.write(data)
+        return
+    store = _open_kvstore(location.parent)
+    try:
+        store.write(location.name.encode(), data).result()
+    except ValueError as e:
+        raise translate(e, location, action="writing") from e
+
+
+def delete_tree(location: Location) -> None:
+    """Deletes every object under a bucket prefix (local folders: `shutil.rmtree`)."""
+    if not location.is_remote:
+        import shutil
+
+        shutil.rmtree(location.path, ignore_errors=True)
+        return
+    import tensorstore as ts
+
+    store = _open_kvstore(location)
+    try:
+        store.delete_range(ts.KvStore.KeyRange()).result()
+    except ValueError as e:
+        raise translate(e, location, action="deleting") from e

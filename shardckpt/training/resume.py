@@ -8,6 +8,7 @@ on a different topology is the same call.
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 from typing import Any
 
@@ -72,6 +73,9 @@ def latest_step_dir(directory: str) -> str | None:
 
 def read_json_item(step_dir: str, name: str) -> Any:
     """Returns JSON checkpointable `name` of a step, or None if it has none."""
+    step = storage.parse(step_dir)
+    if step.is_remote:
+        return _read_remote_json_item(step, name)
     if not os.path.isdir(os.path.join(step_dir, name)):
         return None
     try:
@@ -81,6 +85,26 @@ def read_json_item(step_dir: str, name: str) -> Any:
             f"Cannot read item {name!r} of checkpoint step {step_dir!r}: {e}. Fix: "
             "delete this step folder to resume from the previous one."
         ) from e
+
+
+_JSON_ITEM_FILES = ("data.json", "metadata")  # the names Orbax's JsonHandler reads
+
+
+def _read_remote_json_item(step: storage.Location, name: str) -> Any:
+    # Orbax reads items through etils.epath, which has no s3://; a JSON item
+    # is one small object, read as such.
+    for filename in _JSON_ITEM_FILES:
+        data = storage.read_bytes(step.join(name, filename))
+        if data is None:
+            continue
+        try:
+            return json.loads(data)
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise CorruptCheckpointError(
+                f"Cannot read item {name!r} of checkpoint step {step.url!r}: {e}. Fix: "
+                "delete this step to resume from the previous one."
+            ) from e
+    return None
 
 
 def iterator_state_for_process(item: Any, process_index: int) -> Any:

@@ -21,6 +21,12 @@ The JSON files (`_METADATA`, `_CHECKPOINT_METADATA`, the indicator files) have
 no public Orbax writer; their fields are the ones Orbax 0.12 writes for the
 same tree, which `tests/test_convert.py` checks against an `ocp.save` of the
 same arrays.
+
+`step_dir` may be a `gs://` / `s3://` URL: arrays go through TensorStore's
+bucket drivers and the JSON files are single object writes. There is no
+rename in a bucket, so `finish` writes the commit marker
+(`commit_success.txt`) after everything else; readers take a step without it
+for an interrupted save.
 """
 
 from __future__ import annotations
@@ -35,6 +41,7 @@ import tensorstore as ts
 from etils import epath
 from orbax.checkpoint import type_handlers
 
+from shardckpt.formats import storage
 from shardckpt.formats.base import Box
 
 ARRAYS_ITEM = "pytree"  # the checkpointable Keras' callback and load_weights use
@@ -59,7 +66,8 @@ class OrbaxStepWriter:
     ```
 
     Args:
-        step_dir: The step folder to create (must not exist).
+        step_dir: The step folder to create (must not exist), or a bucket URL
+            (`gs://`, `s3://`) under which nothing exists yet.
         compression: "none" or "zstd" (Orbax's zstd level 3 per chunk).
         chunk_byte_size: Target bytes of one stored (read) chunk; Orbax's
             subchunking splits each written block down to it.
@@ -68,11 +76,14 @@ class OrbaxStepWriter:
     def __init__(self, step_dir: str, *, compression: str, chunk_byte_size: int) -> None:
         if compression not in COMPRESSIONS:
             raise ValueError(f"compression must be one of {COMPRESSIONS}. Received: compression={compression!r}")
-        self.step_dir = os.path.abspath(step_dir)
-        self.tree_dir = os.path.join(self.step_dir, ARRAYS_ITEM)
+        self.location = storage.parse(step_dir)
+        self._tree = self.location.join(ARRAYS_ITEM)
+        self.step_dir = self.location.url
+        self.tree_dir = self._tree.url
         self.compression = compression
         self.chunk_byte_size = chunk_byte_size
-        os.makedirs(self.tree_dir)
+        if not self.location.is_remote:
+            os.makedirs(self.tree_dir)
         self._context = type_handlers.get_ts_context(use_ocdbt=True)
         self._keys: list[tuple[str, ...]] = []
         self._init_ns = time.time_ns()
@@ -101,7 +112,9 @@ class OrbaxStepWriter:
         self._keys.append(parts)
         info = type_handlers.ParamInfo(
             name=".".join(parts),  # Orbax's parameter name for a nested dict path
-            parent_dir=epath.Path(self.tree_dir),
+            # A bucket's spec is built for a placeholder folder, then pointed
+            # at the bucket (see storage.ocdbt_kvstore).
+            parent_dir=epath.Path(storage.PLACEHOLDER_DIR if self._tree.is_remote else self.tree_dir),
             is_ocdbt_checkpoint=True,
             use_compression=self.compression == "zstd",
             use_zarr3=True,
@@ -115,6 +128,7 @@ class OrbaxStepWriter:
             dtype=np.dtype(dtype),
             arg=type_handlers.SaveArgs(chunk_byte_size=self.chunk_byte_size),
         )
+        spec["kvstore"] = storage.ocdbt_kvstore(spec["kvstore"], self._tree)
         return ts.open(spec, create=True, open=True, context=self._context)
 
     def transaction(self) -> ts.Transaction:
@@ -152,7 +166,7 @@ class OrbaxStepWriter:
             "store_array_data_equal_to_fill_value": True,
             "custom_metadata": None,
         }
-        _write_json(os.path.join(self.tree_dir, "_METADATA"), tree_meta)
+        _write_json(self._tree.join("_METADATA"), tree_meta)
         step_meta = {
             "item_handlers": {ARRAYS_ITEM: _PYTREE_HANDLER},
             "metrics": {},
@@ -161,14 +175,14 @@ class OrbaxStepWriter:
             "commit_timestamp_nsecs": time.time_ns(),
             "custom_metadata": custom_metadata,
         }
-        _write_json(os.path.join(self.step_dir, "_CHECKPOINT_METADATA"), step_meta)
+        _write_json(self.location.join("_CHECKPOINT_METADATA"), step_meta)
         # Orbax's indicator that this folder is a checkpoint (empty file), and
-        # its commit marker for file systems without atomic rename.
-        open(os.path.join(self.step_dir, "orbax.checkpoint"), "w").close()
-        with open(os.path.join(self.step_dir, "commit_success.txt"), "w") as f:
-            f.write(f"Checkpoint commit was successful to {final_dir or self.step_dir}")
+        # its commit marker for storage without atomic rename: last, so that in
+        # a bucket a step is committed exactly when every other object exists.
+        storage.write_bytes(self.location.join("orbax.checkpoint"), b"")
+        marker = f"Checkpoint commit was successful to {final_dir or self.step_dir}"
+        storage.write_bytes(self.location.join("commit_success.txt"), marker.encode())
 
 
-def _write_json(path: str, value: Any) -> None:
-    with open(path, "w") as f:
-        json.dump(value, f)
+def _write_json(location: storage.Location, value: Any) -> None:
+    storage.write_bytes(location, json.dumps(value).encode())
