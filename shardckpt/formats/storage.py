@@ -198,7 +198,15 @@ def translate(error: BaseException, location: Location, *, action: str = "readin
             f"The bucket {location.bucket!r} of {url!r} does not exist ({action}). Fix: create it "
             f"or correct the bucket name. {cloud} said: {_short(text)}"
         )
-    if re.search(r"response code: 403|PERMISSION_DENIED|AccessDenied|Forbidden", text):
+    denied = re.search(r"response code: 403|PERMISSION_DENIED|AccessDenied|Forbidden", text)
+    if denied and not has_credentials(location):
+        # The request went out unsigned: the fix is credentials, not a role.
+        return StorageCredentialsError(
+            f"Access to {url!r} was denied (HTTP 403) while {action}, and no {cloud} credentials "
+            f"were found in the environment or the SDK's files. Fix: {_credential_hint(location)}. "
+            f"{cloud} said: {_short(text)}"
+        )
+    if denied:
         return StorageAccessDeniedError(
             f"Access to {url!r} was denied (HTTP 403) while {action}. Fix: grant the "
             f"credentials in use {_permission(location, action)}, or use other credentials "
@@ -231,9 +239,13 @@ def translate(error: BaseException, location: Location, *, action: str = "readin
 def not_found(location: Location) -> BaseException:
     """The error for "nothing at `location`": a missing bucket, or a missing path in it.
 
-    TensorStore's `gcs` driver lists a missing bucket as empty, so for
-    `gs://` the bucket is probed (see `bucket_missing`).
+    TensorStore's `gcs` driver lists a missing bucket, and a bucket it may
+    not list (HTTP 403), as empty. So when a listing finds nothing, one
+    object read asks again (a refusal raises its typed error here), then
+    the bucket is probed (see `bucket_missing`).
     """
+    if location.is_remote:
+        read_bytes(location if location.path else location.join(".shardckpt-probe"))
     if location.is_remote and bucket_missing(location):
         return BucketNotFoundError(
             f"The bucket {location.bucket!r} of {location.url!r} does not exist. Fix: create it "
@@ -292,6 +304,34 @@ def ocdbt_kvstore(kvstore: dict[str, Any], tree: Location) -> dict[str, Any]:
     return spec
 
 
+def has_credentials(location: Location) -> bool:
+    """Whether the SDKs' usual places hold credentials for `location`'s cloud.
+
+    Environment variables and the SDKs' files only: credentials of a machine's
+    metadata server (an instance role, an attached service account) cannot be
+    seen without asking it, so on such machines an error may say "none found"
+    although the request was signed; its message names both cases.
+    """
+    env = os.environ
+    home = os.path.expanduser("~")
+    if location.scheme == "gs":
+        config = env.get("CLOUDSDK_CONFIG") or os.path.join(home, ".config", "gcloud")
+        return bool(
+            env.get("GOOGLE_APPLICATION_CREDENTIALS") or env.get("GOOGLE_AUTH_TOKEN_FOR_TESTING")
+        ) or os.path.isfile(os.path.join(config, "application_default_credentials.json"))
+    if location.scheme == "s3":
+        names = (
+            "AWS_ACCESS_KEY_ID", "AWS_PROFILE", "AWS_WEB_IDENTITY_TOKEN_FILE",
+            "AWS_CONTAINER_CREDENTIALS_RELATIVE_URI", "AWS_CONTAINER_CREDENTIALS_FULL_URI",
+        )
+        files = (
+            env.get("AWS_SHARED_CREDENTIALS_FILE") or os.path.join(home, ".aws", "credentials"),
+            env.get("AWS_CONFIG_FILE") or os.path.join(home, ".aws", "config"),
+        )
+        return any(env.get(n) for n in names) or any(os.path.isfile(f) for f in files)
+    return True
+
+
 def _short(text: str) -> str:
     return " ".join(text.split())[:300]
 
@@ -308,11 +348,12 @@ def _credential_hint(location: Location) -> str:
         return (
             "run `gcloud auth application-default login`, or set GOOGLE_APPLICATION_CREDENTIALS "
             "to a service-account key file; on Google Cloud machines the attached service "
-            "account is used"
+            "account is used (check its access scopes)"
         )
     return (
         "set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY (and AWS_SESSION_TOKEN), or AWS_PROFILE "
-        "with ~/.aws/credentials; on AWS machines the instance role is used"
+        "with ~/.aws/credentials; on AWS machines the instance role is used (check that one is "
+        "attached)"
     )
 
 
