@@ -1,4 +1,4 @@
-"""The public surface is a contract (DESIGN.md): pin its names and signatures."""
+"""The public surface is a contract: pin its names and signatures."""
 
 from __future__ import annotations
 

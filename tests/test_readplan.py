@@ -37,7 +37,7 @@ def test_plan_fills_every_piece_once(mesh_shape, spec, budget):
     sharding = NamedSharding(mesh, spec)
     parts = readplan.pieces(sharding.addressable_devices_indices_map(shape), shape)
     assert sum(len(p.devices) for p in parts) == 8
-    reads = readplan.plan(shape, 4, parts, budget=budget)
+    reads = readplan.plan(4, parts, budget=budget)
     source, pieces, counts = _execute(shape, parts, reads)
     for part, piece, count in zip(parts, pieces, counts):
         np.testing.assert_array_equal(piece, source[part.box])
@@ -56,21 +56,20 @@ def test_replicas_are_read_once():
     shape = (8, 8)
     parts = readplan.pieces(NamedSharding(mesh, P(None, "model")).addressable_devices_indices_map(shape), shape)
     assert len(parts) == 4 and all(len(p.devices) == 2 for p in parts)
-    reads = readplan.plan(shape, 4, parts, budget=10**9)
+    reads = readplan.plan(4, parts, budget=10**9)
     assert len(reads) == 1 and readplan.volume(reads[0].box) == 64
 
 
 def test_scattered_pieces_are_read_per_piece():
-    shape = (8, 4)
     parts = [readplan.Piece((slice(0, 2), slice(0, 4)), ("a",)), readplan.Piece((slice(6, 8), slice(0, 4)), ("b",))]
-    reads = readplan.plan(shape, 4, parts, budget=10**9)
+    reads = readplan.plan(4, parts, budget=10**9)
     assert [r.box for r in reads] == [parts[0].box, parts[1].box]
 
 
 def test_slabs_align_to_chunks():
     shape = (100, 10)
     parts = readplan.pieces({"d": (slice(None), slice(None))}, shape)
-    reads = readplan.plan(shape, 4, parts, budget=30 * 10 * 4, chunk_rows=16)
+    reads = readplan.plan(4, parts, budget=30 * 10 * 4, chunk_rows=16)
     starts = [r.box[0].start for r in reads]
     assert all(s % 16 == 0 for s in starts)
     assert sum(r.box[0].stop - r.box[0].start for r in reads) == 100
@@ -78,12 +77,11 @@ def test_slabs_align_to_chunks():
 
 def test_scalar():
     parts = readplan.pieces({"a": (), "b": ()}, ())
-    reads = readplan.plan((), 4, parts, budget=1)
+    reads = readplan.plan(4, parts, budget=1)
     assert reads == [readplan.Read((), (readplan.Copy(0, (), ()),))]
 
 
 def test_per_piece_mode_finishes_pieces_in_order():
-    shape = (8, 8)
     parts = [readplan.Piece((slice(0, 8), slice(4 * i, 4 * i + 4)), (i,)) for i in range(2)]
-    reads = readplan.plan(shape, 4, parts, budget=10**9, per_piece=True)
+    reads = readplan.plan(4, parts, budget=10**9, per_piece=True)
     assert [c.piece for r in reads for c in r.copies] == [0, 1]

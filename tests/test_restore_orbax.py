@@ -118,12 +118,13 @@ def test_training_after_orbax_load_matches_keras(keras_orbax):
 
 
 def test_accelerator_path_sends_whole_chunks_as_decoded(tmp_path):
-    """`restore._load_by_chunk` is what accelerators use when every piece is one
+    """`strategies.by_chunk` is what accelerators use when every piece is one
     stored chunk (a one-device save restored onto one device: the H100 case of
     tools/bench_restore.py). CI has no accelerator, so it runs here on a CPU
     device: same values, same placement."""
-    from shardckpt.restore import engine as restore, readplan
     from shardckpt.formats import open_reader
+    from shardckpt.restore import engine, strategies
+    from shardckpt.budget import DEFAULT_MAX_INFLIGHT_BYTES
     from shardckpt.restore.targets import resolve_layout
 
     _session(None)
@@ -137,23 +138,20 @@ def test_accelerator_path_sends_whole_chunks_as_decoded(tmp_path):
 
     def plan(model):
         reader = open_reader(str(tmp_path / "ck"), cache_bytes=32 << 20)
-        report = restore.LoadReport(path=reader.path, format=reader.format)
-        jobs, _ = restore._match(model, reader, report, True, resolve_layout(None))
-        return reader, [
-            (job, readplan.pieces(job.target.sharding.addressable_devices_indices_map(job.variable.shape), tuple(job.variable.shape)))
-            for job in jobs
-        ]
+        report = engine.LoadReport(path=reader.path, format=reader.format)
+        jobs, _ = engine.match_jobs(model, reader, report, True, resolve_layout(None))
+        return reader, [strategies.Load.of(job, reader) for job in jobs]
 
     _session(None)
     with shardckpt.lazy_init():
         model = build_zoo(rnn=False)
-    reader, jobs = plan(model)
-    budget = restore._Budget(restore.DEFAULT_MAX_INFLIGHT)
-    for job, parts in jobs:
-        assert all(reader.is_chunk(job.key, p.box) for p in parts), job.key
-        restore._load_by_chunk(job, reader, parts, budget, lambda n: None)
+    reader, loads = plan(model)
+    budget = strategies.Budget(DEFAULT_MAX_INFLIGHT_BYTES)
+    for load in loads:
+        assert all(reader.is_chunk(load.job.key, p.box) for p in load.parts), load.job.key
+        strategies.by_chunk(load, reader, budget, lambda n: None)
     reader.close()
-    assert budget.used == 0 and len(jobs) == len(model.weights)
+    assert budget.used == 0 and len(loads) == len(model.weights)
     for v in model.weights:
         np.testing.assert_array_equal(np.asarray(v.value), state[v.path], err_msg=v.path)
         assert v.value.sharding.device_set == {jax.devices()[0]}, v.path
@@ -161,7 +159,7 @@ def test_accelerator_path_sends_whole_chunks_as_decoded(tmp_path):
     _session((1, 8))
     with shardckpt.lazy_init():
         other = build_zoo(rnn=False)
-    reader, jobs = plan(other)
-    cut = [job.key for job, parts in jobs if not all(reader.is_chunk(job.key, p.box) for p in parts)]
+    reader, loads = plan(other)
+    cut = [load.job.key for load in loads if not all(reader.is_chunk(load.job.key, p.box) for p in load.parts)]
     reader.close()
     assert "trainable_variables/block/up/kernel" in cut

@@ -94,3 +94,68 @@ def test_step_without_commit_marker_is_refused(tmp_path, bucket):
     with pytest.raises(errors.IncompleteCheckpointError, match="commit_success.txt"):
         shardckpt.inspect(root.join("5").url)
     assert shardckpt.inspect(root.url).step == 3  # the root skips it
+
+
+def _upload(local: str, url: str) -> None:
+    """Copies a local folder into a bucket object by object, as `gcloud storage cp -r` does."""
+    src, dst = storage.parse(local), storage.parse(url)
+    for key in storage.list_keys(src):
+        storage.write_bytes(dst.join(key), storage.read_bytes(src.join(key)))
+
+
+class _Batches:
+    def __init__(self) -> None:
+        rng = np.random.default_rng(0)
+        self.x = rng.standard_normal((32, 6)).astype("float32")
+        self.y = rng.standard_normal((32, 1)).astype("float32")
+        self.n = 0
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        i = (self.n * 8) % 32
+        self.n += 1
+        return self.x[i : i + 8], self.y[i : i + 8]
+
+    def get_state(self):
+        return {"n": self.n}
+
+    def set_state(self, state):
+        self.n = int(state["n"])
+
+
+def _trainable(seed: int) -> keras.Model:
+    keras.backend.clear_session()
+    keras.utils.set_random_seed(seed)
+    inputs = keras.Input((6,))
+    outputs = keras.layers.Dense(1, name="head")(keras.layers.Dense(16, name="hidden")(inputs))
+    model = keras.Model(inputs, outputs)
+    model.compile(optimizer="adam", loss="mse")
+    return model
+
+
+def test_restore_latest_and_inspect_from_a_bucket(tmp_path, bucket):
+    """A root trained locally by OrbaxCheckpoint and copied into a bucket resumes from there."""
+    model, it = _trainable(3), _Batches()
+    ckpt = shardckpt.OrbaxCheckpoint(str(tmp_path / "ck"), save_freq=3, data_iterator=it, metadata={"run": "b"})
+    model.fit(ckpt.batches(), steps_per_epoch=4, epochs=2, callbacks=[ckpt], verbose=0)
+    ckpt.wait_until_finished()
+    _upload(str(tmp_path / "ck"), f"{bucket}/ck")
+
+    local, remote = shardckpt.inspect(str(tmp_path / "ck")), shardckpt.inspect(f"{bucket}/ck")
+    assert remote.steps == local.steps == [3, 6] and remote.step == 6
+    assert remote.metadata == local.metadata and remote.metadata["user"] == {"run": "b"}
+    assert remote.iterator_state == local.iterator_state == [{"n": 6}]
+    assert remote.items == local.items
+
+    states = []
+    for root in (str(tmp_path / "ck"), f"{bucket}/ck"):
+        fresh, fresh_it = _trainable(11), _Batches()
+        fresh.fit(fresh_it.x[:8], fresh_it.y[:8], epochs=1, verbose=0)  # builds optimizer variables
+        info = shardckpt.restore_latest(fresh, root, data_iterator=fresh_it)
+        assert info.step == 6 and fresh_it.n == 6 and info.path == f"{root}/6"
+        states.append({v.path: np.asarray(v.value) for v in fresh.variables})
+    assert states[0].keys() == states[1].keys()
+    for path, value in states[0].items():
+        np.testing.assert_array_equal(states[1][path], value, err_msg=path)

@@ -1,7 +1,7 @@
 """Peak anonymous memory sampling shared by the benchmarks in tools/.
 
 Counts `RssAnon` from /proc/self/status: pages of memory-mapped checkpoint
-files are reclaimable page cache and would inflate plain RSS (NOTES.md).
+files are reclaimable page cache and would inflate plain RSS.
 """
 
 from __future__ import annotations

@@ -151,9 +151,9 @@ def tensorstore_read(path: str, memmap: bool, warm: int) -> tuple[float, float]:
     _setup_jax(8)
     from _memory import warm_memory
     from shardckpt.formats import OrbaxReader
-    from shardckpt.restore.engine import DEFAULT_MAX_INFLIGHT, _chunk_cache_bytes
+    from shardckpt.budget import DEFAULT_MAX_INFLIGHT_BYTES, chunk_cache_bytes
 
-    reader = OrbaxReader(path, cache_bytes=_chunk_cache_bytes(DEFAULT_MAX_INFLIGHT), memmap=memmap)
+    reader = OrbaxReader(path, cache_bytes=chunk_cache_bytes(DEFAULT_MAX_INFLIGHT_BYTES), memmap=memmap)
     stores = [reader._store(k) for k in reader.keys()]
     if warm:
         warm_memory(warm)

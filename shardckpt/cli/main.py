@@ -22,6 +22,9 @@ from typing import Any
 
 os.environ.setdefault("KERAS_BACKEND", "jax")
 
+from shardckpt.budget import DEFAULT_MAX_INFLIGHT_BYTES  # noqa: E402
+from shardckpt.formats.orbax.writer import COMPRESSIONS, DEFAULT_COMPRESSION  # noqa: E402
+
 _DEVICE_FLAG = "--xla_force_host_platform_device_count"
 
 
@@ -45,8 +48,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--model", help="architecture for .weights.h5/safetensors: package.module:function or a .keras file")
     p.add_argument("--mesh", help="align chunks to the auto layout on this mesh, e.g. 1x8")
     p.add_argument("--dtype", help="cast floating-point arrays, e.g. bfloat16")
-    p.add_argument("--compression", choices=("none", "zstd"), default=None, help="chunk compression (default: none)")
-    p.add_argument("--max-inflight-mb", type=_positive_int, default=256, help="array data in memory at once (MiB)")
+    p.add_argument("--compression", choices=COMPRESSIONS, default=DEFAULT_COMPRESSION,
+                   help=f"chunk compression (default: {DEFAULT_COMPRESSION})")
+    p.add_argument("--max-inflight-mb", type=_positive_int, default=DEFAULT_MAX_INFLIGHT_BYTES // 2**20,
+                   help="array data in memory at once (MiB)")
     p.add_argument("--force", action="store_true", help="replace DST if it exists")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
 
@@ -115,7 +120,7 @@ def _one_line(error: BaseException) -> str:
 
 def _convert(args: argparse.Namespace) -> int:
     from shardckpt.convert.architecture import load_architecture
-    from shardckpt.convert.converter import DEFAULT_COMPRESSION, convert
+    from shardckpt.convert.converter import convert
 
     model = load_architecture(args.model) if args.model else None
     mesh = tuple(int(p) for p in args.mesh.lower().split("x")) if args.mesh else None
@@ -125,7 +130,7 @@ def _convert(args: argparse.Namespace) -> int:
         model=model,
         mesh=mesh,
         dtype=args.dtype,
-        compression=args.compression or DEFAULT_COMPRESSION,
+        compression=args.compression,
         max_inflight_bytes=args.max_inflight_mb * 2**20,
         force=args.force,
         progress=False if args.quiet else None,

@@ -40,31 +40,24 @@ from typing import Any
 
 import numpy as np
 
+from shardckpt import dtypes, state
+from shardckpt.budget import DEFAULT_MAX_INFLIGHT_BYTES
 from shardckpt.convert import integrity
 from shardckpt.restore import keys as naming
 from shardckpt.convert.architecture import load_architecture
 from shardckpt.errors import (
-    CheckpointMismatchError,
     DestinationExistsError,
-    DtypeMismatchError,
     ModelRequiredError,
     UnknownFormatError,
 )
 from shardckpt.formats import open_reader, storage
-from shardckpt.formats.base import Box, Reader
+from shardckpt.formats.base import Box, MappedReader, Reader
 from shardckpt.progress import ByteProgress
-from shardckpt.formats.orbax.writer import COMPRESSIONS, OrbaxStepWriter
+from shardckpt.formats.orbax.writer import COMPRESSIONS, DEFAULT_COMPRESSION, OrbaxStepWriter
 
-DEFAULT_MAX_INFLIGHT = 256 * 1024 * 1024
-DEFAULT_COMPRESSION = "none"
-"""No compression, from tools/bench_convert.py --repeat 3 (1.6 GB float32, 2
-cores): zstd saved 7.6% on disk (1.49 vs 1.61 GB) but made converting 1.6x
-slower (3.72 vs 2.27 s) and the sharded restore of the result 1.4x slower
-(1.75 vs 1.22 s)."""
 CHUNK_BYTES = 1024 * 1024
 """Inner (read) chunk target: Orbax's subchunking warns below 1 MiB; smaller
 shards of a resharded restore are the rest of a read, not a full array."""
-WEIGHT_COLLECTIONS = ("trainable_variables", "non_trainable_variables")
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -137,7 +130,7 @@ def convert(
     mesh: Any = None,
     dtype: Any = None,
     compression: str = DEFAULT_COMPRESSION,
-    max_inflight_bytes: int = DEFAULT_MAX_INFLIGHT,
+    max_inflight_bytes: int = DEFAULT_MAX_INFLIGHT_BYTES,
     force: bool = False,
     progress: bool | None = None,
 ) -> ConvertReport:
@@ -176,7 +169,7 @@ def convert(
             `layout`, `shardckpt.auto_layout(model, mesh)` gives the shards.
         dtype: Cast floating-point arrays to this dtype (e.g. "bfloat16");
             integer and boolean arrays are kept.
-        compression: "none" or "zstd" (see `DEFAULT_COMPRESSION`).
+        compression: "none" or "zstd" (see README, "Compression").
         max_inflight_bytes: Most bytes of array data in memory at once.
         force: Replace an existing `dst` (locally only once the new one is
             complete; in a bucket the old objects are deleted first).
@@ -209,7 +202,7 @@ def convert(
             f"{dst!r} already exists. Fix: choose another destination, remove it, or pass "
             "force=True (--force) to replace it once the new checkpoint is complete."
         )
-    target_dtype = _float_dtype(dtype)
+    target_dtype = dtypes.float_dtype(dtype)
     reader = open_reader(src)
     try:
         if reader.format == "orbax":
@@ -244,32 +237,6 @@ def _model_for(src: str, fmt: str) -> Any:
     )
 
 
-def _float_dtype(dtype: Any) -> np.dtype | None:
-    if dtype is None:
-        return None
-    import ml_dtypes  # noqa: F401  (registers bfloat16 etc. with numpy)
-    from keras import backend
-
-    try:
-        resolved = np.dtype(backend.standardize_dtype(dtype) if isinstance(dtype, str) else dtype)
-    except (TypeError, ValueError) as e:
-        raise DtypeMismatchError(f"Unknown dtype. Fix: use e.g. bfloat16 or float16. Received: dtype={dtype!r}") from e
-    if not _is_float(resolved):
-        raise DtypeMismatchError(
-            "dtype= casts floating-point arrays and must be a floating-point dtype (e.g. "
-            f"bfloat16, float16, float32). Received: dtype={dtype!r}"
-        )
-    return resolved
-
-
-def _is_float(dtype: np.dtype) -> bool:
-    import ml_dtypes
-
-    return np.issubdtype(dtype, np.floating) or dtype in (
-        np.dtype(ml_dtypes.bfloat16), np.dtype(ml_dtypes.float8_e4m3fn), np.dtype(ml_dtypes.float8_e5m2)
-    )
-
-
 def _shard_fn(model: Any, layout: Any, mesh: Any) -> Any:
     """Returns `variable -> shard shape`, or None when no layout was asked for."""
     if layout is None and mesh is None:
@@ -285,54 +252,39 @@ def _shard_fn(model: Any, layout: Any, mesh: Any) -> Any:
 
 
 def _match(reader: Reader, model: Any, report: ConvertReport, target: np.dtype | None, shard_of: Any) -> list[_Item]:
+    """Pairs source keys with the model's weights (`restore.keys.match`, as `load_sharded`).
+
+    Only weights are converted: other keys (optimizer state) are skipped.
+    """
+    dst_of: dict[int, str] = {}  # variable -> its key in the output state tree
+    for name, variables in state.collections(model, weights_only=True).items():
+        for variable in variables:
+            dst_of.setdefault(id(variable), f"{name}/{variable.path}")
     by_key = naming.keys_for(model, reader.format)
-    state = {}
-    for key, variable in naming.state_keys(model).items():
-        collection = key.split("/", 1)[0]
-        if collection in WEIGHT_COLLECTIONS:
-            state.setdefault(id(variable), key)
+    found = naming.match({k: v for k, v in by_key.items() if id(v) in dst_of}, reader)
+    found.raise_if_mismatched(reader.path, strict=True)
+    report.skipped = found.skipped
+    order = {key: i for i, key in enumerate(reader.keys())}
     items: list[_Item] = []
-    unexpected: list[str] = []
-    mismatched: list[str] = []
-    seen: set[int] = set()
-    for key in reader.keys():
-        variable = by_key.get(key)
-        if variable is None or not naming.is_variable(variable) or id(variable) not in state:
-            if naming.is_optional_key(key):
-                report.skipped.append(key)
-            else:
-                unexpected.append(key)
-            continue
+    for key, variable in sorted(found.pairs, key=lambda pair: order[pair[0]]):
         spec = reader.spec(key)
-        if tuple(spec.shape) != tuple(variable.shape):
-            mismatched.append(
-                f"{variable.path}: checkpoint {key!r} has shape {tuple(spec.shape)}, the model "
-                f"expects {tuple(variable.shape)}"
-            )
-            continue
-        seen.add(id(variable))
         stored = np.dtype(spec.dtype)
-        out = target if target is not None and _is_float(stored) else stored
+        out = target if target is not None and dtypes.is_float(stored) else stored
         shard = shard_of(variable) if shard_of is not None else tuple(spec.shape)
-        items.append(_Item(key, state[id(variable)], tuple(spec.shape), stored, out, shard))
+        items.append(_Item(key, dst_of[id(variable)], tuple(spec.shape), stored, out, shard))
     in_format = {id(v) for v in by_key.values()}
-    missing = []
+    done = {id(v) for _, v in found.pairs}
     for variable in [*model.trainable_variables, *model.non_trainable_variables]:
-        if id(variable) in seen or id(variable) not in state:
-            continue
-        if id(variable) in in_format:
-            missing.append(variable.path)
+        if id(variable) in done or id(variable) in in_format:
             continue
         # The source format has no key for this variable at all (Keras' h5
         # never saves seed-generator states): write the value Keras' own path
         # (build, load_weights, save) would save, the variable's initial one.
+        done.add(id(variable))
         value = _initial_value(variable)
-        seen.add(id(variable))
         report.initialized.append(variable.path)
         shape = tuple(value.shape)
-        items.append(_Item(variable.path, state[id(variable)], shape, value.dtype, value.dtype, shape, value))
-    if unexpected or mismatched or missing:
-        raise CheckpointMismatchError(reader.path, missing=missing, unexpected=unexpected, mismatched=mismatched)
+        items.append(_Item(variable.path, dst_of[id(variable)], shape, value.dtype, value.dtype, shape, value))
     return items
 
 
@@ -440,7 +392,7 @@ def _stream(
     # Two batches alive at most (one filling, one committing), each possibly
     # held twice by TensorStore while it encodes: a quarter each.
     batch_bytes = max(1, max_inflight // 4)
-    view = getattr(reader, "view", None)
+    fetch = reader.view if isinstance(reader, MappedReader) else reader.read  # no copy where mapped
     total = sum(int(np.prod(i.shape, dtype=np.int64)) * i.stored.itemsize for i in items if i.value is None)
     crcs: dict[str, int] = {}
     show = sys.stderr.isatty() if progress is None else progress
@@ -465,10 +417,8 @@ def _stream(
             for box in boxes:
                 if item.value is not None:
                     piece = item.value[box] if box else item.value
-                elif view is not None:
-                    piece = view(item.src_key, box)
                 else:
-                    piece = reader.read(item.src_key, box)
+                    piece = fetch(item.src_key, box)
                 if item.target != item.stored:
                     piece = piece.astype(item.target)
                 if staged and staged + piece.nbytes > batch_bytes:

@@ -13,10 +13,9 @@ import json
 import os
 from typing import Any
 
-from shardckpt.formats import open_reader, storage
-from shardckpt.formats.orbax import committed_steps
-
-_TMP_MARK = ".orbax-checkpoint-tmp"
+from shardckpt.formats import open_reader
+from shardckpt.formats import storage
+from shardckpt.formats.orbax import ondisk
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -146,27 +145,15 @@ def inspect(path: str | os.PathLike) -> CheckpointInfo:
     return info
 
 
-def _incomplete(root: storage.Location, committed: list[int]) -> list[str]:
-    names = storage.listdir(root)
-    if root.is_remote:  # no rename in a bucket: a step without its commit marker
-        return sorted(n for n in names if n.isdigit() and int(n) not in committed)
-    return sorted(n for n in names if _TMP_MARK in n)
-
-
 def _describe_orbax(info: CheckpointInfo) -> None:
-    # Imported here: the training package pulls in Keras callbacks, which a
-    # plain inspection of an h5 file does not need.
-    from shardckpt.training import resume
-
     step_dir = info.path
-    step = storage.parse(step_dir)
-    if step.name.isdigit():
-        info.step = int(step.name)
-        info.steps = committed_steps(step.parent.url)
-        info.incomplete = _incomplete(step.parent, info.steps)
-    info.items = sorted(
-        n for n in storage.listdir(step) if storage.isdir(step.join(n)) and not n.startswith((".", "_"))
-    )
-    info.metadata = resume.read_json_item(step_dir, resume.METADATA_ITEM)
-    item = resume.read_json_item(step_dir, resume.ITERATOR_ITEM)
+    step = storage.parse(step_dir)  # a folder or a bucket URL
+    root, name = step.parent.url, step.name
+    if name.isdigit():
+        info.step = int(name)
+        info.steps = ondisk.committed_steps(root)
+        info.incomplete = ondisk.incomplete_steps(root)
+    info.items = ondisk.items(step_dir)
+    info.metadata = ondisk.read_json_item(step_dir, ondisk.METADATA_ITEM)
+    item = ondisk.read_json_item(step_dir, ondisk.ITERATOR_ITEM)
     info.iterator_state = None if item is None else list(item.get("process_states") or [])

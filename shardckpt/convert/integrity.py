@@ -23,13 +23,14 @@ from typing import Any
 
 import numpy as np
 
+from shardckpt.budget import DEFAULT_MAX_INFLIGHT_BYTES, chunk_cache_bytes
 from shardckpt.errors import ChecksumMismatchError, CorruptCheckpointError
 from shardckpt.formats import open_reader, storage
 from shardckpt.formats.base import Box
+from shardckpt.formats.orbax import ondisk
 
 METADATA_KEY = "shardckpt"
 ALGORITHM = "crc32"
-DEFAULT_MAX_INFLIGHT = 256 * 1024 * 1024
 
 
 def c_order_boxes(shape: tuple[int, ...], itemsize: int, max_bytes: int, *, rows: int | None = None) -> list[Box]:
@@ -97,7 +98,7 @@ def read_checksums(step_dir: str) -> dict[str, dict[str, Any]] | None:
     location = storage.parse(step_dir)
     try:
         if location.is_remote:  # Orbax reads metadata through epath, which has no s3://
-            data = storage.read_bytes(location.join("_CHECKPOINT_METADATA"))
+            data = storage.read_bytes(location.join(ondisk.STEP_METADATA))
             if data is None:
                 return None
             meta = json.loads(data).get("custom_metadata") or {}
@@ -159,7 +160,7 @@ class VerifyReport:
 def verify(
     path: str | os.PathLike,
     *,
-    max_inflight_bytes: int = DEFAULT_MAX_INFLIGHT,
+    max_inflight_bytes: int = DEFAULT_MAX_INFLIGHT_BYTES,
     advance: Callable[[int], None] | None = None,
 ) -> VerifyReport:
     """Re-reads every array of a checkpoint and checks it.
@@ -190,7 +191,7 @@ def verify(
         CorruptCheckpointError: the checkpoint's index or metadata is damaged
             (no array can be located).
     """
-    reader = open_reader(os.fspath(path), cache_bytes=max_inflight_bytes)
+    reader = open_reader(os.fspath(path), cache_bytes=chunk_cache_bytes(max_inflight_bytes))
     try:
         report = VerifyReport(path=reader.path, format=reader.format)
         expected = read_checksums(reader.path) if reader.format == "orbax" else None

@@ -1,12 +1,13 @@
-"""On-disk formats behind one `Reader` Protocol, and `open_reader(path)`."""
+"""On-disk formats behind one `Reader` contract (`base`), and `open_reader(path)`."""
 
 from __future__ import annotations
 
 import os
 
+from shardckpt.budget import CHUNK_CACHE_BYTES
 from shardckpt.errors import CheckpointNotFoundError, UnknownFormatError
 from shardckpt.formats import storage
-from shardckpt.formats.base import ArraySpec, Box, Reader, full_box
+from shardckpt.formats.base import ArraySpec, Box, ChunkedReader, MappedReader, Reader, full_box
 from shardckpt.formats.h5 import H5Reader
 from shardckpt.formats.orbax import OrbaxReader, is_orbax_dir
 from shardckpt.formats.safetensors import SafetensorsReader
@@ -14,7 +15,9 @@ from shardckpt.formats.safetensors import SafetensorsReader
 __all__ = [
     "ArraySpec",
     "Box",
+    "ChunkedReader",
     "H5Reader",
+    "MappedReader",
     "OrbaxReader",
     "Reader",
     "SafetensorsReader",
@@ -84,12 +87,13 @@ def _detect_remote(location: storage.Location) -> str:
     )
 
 
-def open_reader(path: str, *, cache_bytes: int = 256 * 1024 * 1024) -> Reader:
+def open_reader(path: str, *, cache_bytes: int = CHUNK_CACHE_BYTES) -> Reader:
     """Opens `path` with the reader for its format (see `detect_format`).
 
     Args:
         path: The checkpoint.
-        cache_bytes: Decoded-chunk cache of compressed formats (Orbax).
+        cache_bytes: Decoded-chunk cache of compressed formats (Orbax); see
+            `shardckpt.budget.chunk_cache_bytes`.
     """
     fmt = detect_format(path)
     if fmt in ("h5", "keras"):

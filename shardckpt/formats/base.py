@@ -1,9 +1,13 @@
-"""The reader Protocol every on-disk format implements.
+"""The reader contract every on-disk format implements, and its capabilities.
 
 A reader knows a checkpoint's keys, the shape and dtype of each array, and can
-read any rectangular box of an array into a fresh host buffer. It knows
-nothing about models, devices or shardings: deciding *which* boxes to read is
-the job of `shardckpt.restore.readplan`; reading them is the reader's only job.
+read any rectangular box of an array into a fresh host buffer (`Reader`).
+Formats whose storage allows it also declare `MappedReader` (zero-copy views
+of memory-mapped files) or `ChunkedReader` (chunk-aligned and batched reads).
+A reader knows nothing about models, devices or shardings: deciding *which*
+boxes to read is the job of `shardckpt.restore.readplan`; reading them is the
+reader's only job. To add a format, implement `Reader` (plus a capability if
+it fits), then add it to `shardckpt.formats.detect_format` / `open_reader`.
 """
 
 from __future__ import annotations
@@ -26,14 +30,10 @@ class ArraySpec:
     Attributes:
         shape: The array's global shape.
         dtype: The array's numpy dtype (bfloat16 etc. through ml_dtypes).
-        chunk_rows: Rows (along axis 0) per storage chunk where reads are
-            cheaper when aligned to them (compressed chunks); None if any
-            row range costs the same.
     """
 
     shape: tuple[int, ...]
     dtype: np.dtype
-    chunk_rows: int | None = None
 
     @property
     def nbytes(self) -> int:
@@ -42,7 +42,29 @@ class ArraySpec:
 
 @runtime_checkable
 class Reader(Protocol):
-    """Read access to the arrays of one checkpoint."""
+    """Read access to the arrays of one checkpoint: what every format implements.
+
+    `load_sharded`, `convert`, `verify` and `inspect` need nothing more. A
+    format whose storage allows faster paths also declares one of the
+    capabilities below by subclassing it (`class H5Reader(MappedReader)`);
+    restore and convert choose their read strategy by `isinstance`:
+
+    - `MappedReader`: arrays are byte ranges of memory-mapped files, so a box
+      is a view with no copy (h5, safetensors);
+    - `ChunkedReader`: arrays are stored in chunks that are decoded whole
+      (compressed zarr chunks in Orbax), so reads align to chunks and may
+      decode straight into the caller's buffers.
+
+    A reader opens its files in `__init__` and raises the typed errors of
+    `shardckpt.errors` there (`CheckpointNotFoundError`,
+    `CorruptCheckpointError` naming the file); `read` raises
+    `CorruptCheckpointError` naming the key when data cannot be decoded.
+
+    Attributes:
+        path: What was opened (for Orbax: the step folder).
+        format: The format's name as `LoadReport.format` shows it; it also
+            selects the key naming (`shardckpt.restore.keys.keys_for`).
+    """
 
     path: str
     format: str
@@ -56,11 +78,67 @@ class Reader(Protocol):
         ...
 
     def read(self, key: str, box: Box) -> np.ndarray:
-        """Returns a new C-contiguous array holding `box` of array `key`."""
+        """Returns a new C-contiguous array holding `box` of array `key`.
+
+        The caller owns the result: restore hands it to devices without a
+        copy where it can, so it must not alias a file mapping or a cache.
+        """
         ...
 
     def close(self) -> None:
         """Releases files and memory maps."""
+        ...
+
+
+@runtime_checkable
+class MappedReader(Reader, Protocol):
+    """A reader whose arrays are byte ranges of memory-mapped files.
+
+    Restore reads such a format through `view` in slabs of whole rows and
+    copies each device's part straight into its buffer (one copy in all);
+    convert streams views into the writer. No budget is held for a view.
+    """
+
+    def view(self, key: str, box: Box) -> np.ndarray:
+        """Returns `box` of `key`, a read-only view of the mapping where possible.
+
+        Arrays stored otherwise (an h5 dataset that is chunked or compressed)
+        may come back as a fresh read.
+        """
+        ...
+
+
+@runtime_checkable
+class ChunkedReader(Reader, Protocol):
+    """A reader whose arrays are stored in chunks that are decoded whole.
+
+    Restore uses these to decode each chunk once: pieces of a variable whose
+    chunks fit the budget are filled by one `read_pieces` call; larger arrays
+    are read in slabs aligned to `chunk_rows`; on accelerators, pieces that
+    are exactly one chunk go to their devices as decoded (`is_chunk`).
+    """
+
+    def chunk_rows(self, key: str) -> int | None:
+        """Rows (along axis 0) of one stored chunk, or None (scalars)."""
+        ...
+
+    def chunk_bytes(self, key: str) -> int:
+        """Decoded bytes of one stored chunk of `key`."""
+        ...
+
+    def is_chunk(self, key: str, box: Box) -> bool:
+        """True when `box` is exactly one stored chunk of `key`.
+
+        `read` of such a box may hand back the decoder's own buffer, with no
+        copy into a second one.
+        """
+        ...
+
+    def read_pieces(self, key: str, boxes: list[Box], outs: list[np.ndarray]) -> None:
+        """Fills `outs[i]` (stored dtype, C order) with `boxes[i]` of `key`.
+
+        All pieces in one call: a chunk they share is decoded once.
+        """
         ...
 
 
@@ -108,7 +186,7 @@ def full_box(shape: tuple[int, ...]) -> Box:
     return tuple(slice(0, n) for n in shape)
 
 
-# Names used by safetensors headers and Keras' h5 `dtype` attribute.
+# Dtype names of safetensors headers.
 DTYPES: dict[str, np.dtype] = {
     "F64": np.dtype(np.float64),
     "F32": np.dtype(np.float32),
@@ -126,4 +204,3 @@ DTYPES: dict[str, np.dtype] = {
     "U8": np.dtype(np.uint8),
     "BOOL": np.dtype(np.bool_),
 }
-DTYPE_NAMES: dict[np.dtype, str] = {v: k for k, v in DTYPES.items()}

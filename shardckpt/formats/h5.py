@@ -3,8 +3,8 @@
 Keras writes every variable as its own contiguous, uncompressed HDF5 dataset
 (bfloat16 as 2-byte opaque data tagged `dtype="bfloat16"`). A contiguous
 dataset is a plain run of bytes at `dataset.id.get_offset()`, so the reader
-memory-maps the file once and serves any box as a numpy slice of that run:
-strided h5py hyperslab reads measured 3-6x slower (NOTES.md). Chunked or
+memory-maps the file once and serves any box as a numpy slice of that run
+(strided h5py hyperslab reads are several times slower). Chunked or
 compressed datasets, which other writers may produce, go through h5py.
 
 A `.keras` archive is a zip whose `model.weights.h5` member Keras stores
@@ -23,7 +23,7 @@ import ml_dtypes
 import numpy as np
 
 from shardckpt.errors import CheckpointNotFoundError, CorruptCheckpointError
-from shardckpt.formats.base import ArraySpec, Box
+from shardckpt.formats.base import ArraySpec, Box, MappedReader
 
 _KERAS_WEIGHTS_MEMBER = "model.weights.h5"
 _ZIP_LOCAL_HEADER = struct.Struct("<IHHHHHIIIHH")  # zip local file header, 30 bytes
@@ -38,7 +38,7 @@ class _Dataset:
         self.offset = offset  # absolute byte offset in the mapped file, or None
 
 
-class H5Reader:
+class H5Reader(MappedReader):
     """Reader for `.weights.h5` and `.keras` files.
 
     Args:
@@ -142,10 +142,6 @@ class H5Reader:
                 "damaged. Fix: re-create it from its source."
             ) from e
         return np.asarray(np.asarray(data).view(spec.dtype), order="C")
-
-    def attrs(self, group: str) -> dict[str, object]:
-        """Returns the HDF5 attributes of `group` (Keras stores layer names there)."""
-        return dict(self._h5[group].attrs) if group in self._h5 else {}
 
     def close(self) -> None:
         self._datasets.clear()

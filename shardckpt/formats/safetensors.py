@@ -18,7 +18,7 @@ import os
 import numpy as np
 
 from shardckpt.errors import CheckpointNotFoundError, CorruptCheckpointError
-from shardckpt.formats.base import DTYPES, ArraySpec, Box
+from shardckpt.formats.base import DTYPES, ArraySpec, Box, MappedReader
 
 _MAX_HEADER = 100 * 1024 * 1024  # the reference implementation's own limit
 
@@ -41,7 +41,7 @@ class _File:
             except (UnicodeDecodeError, json.JSONDecodeError) as e:
                 raise _corrupt(path, f"header is not valid JSON ({e})") from e
             self._fh = open(path, "rb")
-        self.metadata = header.pop("__metadata__", None) or {}
+        header.pop("__metadata__", None)  # free-form strings, not arrays
         self.entries: dict[str, tuple[ArraySpec, int]] = {}
         data_start = 8 + n
         for key, info in header.items():
@@ -74,7 +74,7 @@ def _corrupt(path: str, what: str) -> CorruptCheckpointError:
     )
 
 
-class SafetensorsReader:
+class SafetensorsReader(MappedReader):
     """Reader for one `.safetensors` file or a `*.safetensors.index.json` set.
 
     Args:
@@ -115,7 +115,6 @@ class SafetensorsReader:
         else:
             file = self._open(self.path)
             self._where = {k: file for k in file.entries}
-        self.metadata = {k: v for f in self._files.values() for k, v in f.metadata.items()}
 
     def _open(self, path: str) -> _File:
         if path not in self._files:

@@ -16,6 +16,7 @@ from typing import Any
 import jax
 from keras import distribution as kd
 
+from shardckpt import _keras, state
 from shardckpt.layout.auto import auto_layout
 from shardckpt.layout.mesh import resolve_mesh
 from shardckpt.layout.plan import LayoutPlan
@@ -92,16 +93,12 @@ def parallelize(
     return plan
 
 
-def _all_variables(model: Any) -> list:
+def _all_variables(model: Any) -> list[Any]:
+    # Even an unbuilt optimizer already owns its step counter and learning
+    # rate; left on one device they break the sharded step.
     seen: set[int] = set()
     found = []
-    optimizer = getattr(model, "optimizer", None)
-    groups = [model.variables, list(getattr(model, "metrics_variables", []))]
-    if optimizer is not None:
-        # Even an unbuilt optimizer already owns its step counter and
-        # learning rate; left on one device they break the sharded step.
-        groups.append(list(optimizer.variables))
-    for group in groups:
+    for group in state.collections(model).values():
         for v in group:
             if id(v) not in seen:
                 seen.add(id(v))
@@ -112,16 +109,12 @@ def _all_variables(model: Any) -> list:
 def _place(variable: Any, plan: LayoutPlan) -> None:
     """Moves one variable into its planned sharding and records its layout."""
     layout = kd.TensorLayout(plan.axes_for(variable), plan.mesh)
-    # Keras reads `_layout` when values are assigned later and when an
-    # optimizer makes slots from this variable (`add_variable_from_reference`
-    # copies it), so slots created after this call follow the plan.
-    variable._layout = layout
+    # Recorded even on an unloaded variable: `load_sharded` later fills it
+    # into this layout, and optimizer slots made from it follow it.
+    _keras.set_layout(variable, layout)
     if is_unloaded(variable):
         return
-    old = variable.value
-    new = _device_put(old, layout.backend_layout)
-    # Replace the buffer directly (Keras' `assign` would keep the old value's
-    # dtype path and re-distribute); dropping `old` frees it before the next
-    # variable moves, so the peak is the model plus one variable.
-    variable._value = new
-    del old
+    new = _device_put(variable.value, layout.backend_layout)
+    # Dropping the old value frees it before the next variable moves, so the
+    # peak is the model plus one variable.
+    _keras.set_value(variable, new, layout=layout)

@@ -96,8 +96,8 @@ def trace_model(model: Any) -> Graph | None:
 
     Returns:
         The graph, or None when the model's input shapes are unknown (a
-        subclassed model that was never called); the planner then falls back
-        to per-variable rules.
+        subclassed model that was never called); the planner then replicates
+        every variable, with that reason, unless a user rule places it.
     """
     inputs = _abstract_inputs(model)
     if inputs is None:

@@ -1,4 +1,4 @@
-"""Keras variables <-> checkpoint keys, for each family of formats.
+"""Keras variables <-> checkpoint keys, for each family of formats, and `match`.
 
 - Keras h5 (`.weights.h5`, `.keras`): keys follow Keras' object-graph walk
   (`layers/dense_1/vars/0`), not layer names. Rather than re-deriving that walk,
@@ -10,25 +10,30 @@
   optimizer_variables or metrics_variables and path is `variable.path`.
 - safetensors: `variable.path` (what `{v.path: v for v in model.weights}` gives).
 
-`saving_lib._save_state` and `H5IOStore` are private Keras APIs; there is no
-public way to ask Keras which key a variable is saved under.
+Keras' `_save_state` walk and `H5IOStore` are private (see `shardckpt._keras`):
+there is no public way to ask Keras which key a variable is saved under.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections.abc import Iterator
 from typing import Any
 
-from keras.src.backend.common.variables import Variable
-from keras.src.saving import saving_lib
+import keras
+
+from shardckpt import _keras, state
+from shardckpt.errors import CheckpointMismatchError
+from shardckpt.formats.base import Reader
 
 # Checkpoint collections that are optional: a weights-only checkpoint lacks
 # them, and a model without a built optimizer has nothing to put there.
-OPTIONAL_PREFIXES = ("optimizer_variables/", "metrics_variables/", "optimizer/")
+# ("optimizer/" is where Keras' h5 files keep optimizer variables.)
+OPTIONAL_PREFIXES = (*(f"{c}/" for c in state.OPTIONAL_COLLECTIONS), "optimizer/")
 
 
-class _RecordingStore(saving_lib.H5IOStore):
+class _RecordingStore(_keras.H5IOStore):
     """An `H5IOStore` that opens no file and records `key -> variable`."""
 
     def __init__(self) -> None:  # noqa: D107 (deliberately skips the file open)
@@ -79,24 +84,14 @@ def h5_keys(model: Any) -> dict[str, Any]:
     """
     store = _RecordingStore()
     with _optimizers_record_variables(model):
-        saving_lib._save_state(
-            model, weights_store=store, assets_store=None, inner_path="", visited_saveables=set()
-        )
+        _keras.save_state(model, store)
     return store.records
 
 
 def state_keys(model: Any) -> dict[str, Any]:
     """Returns `{state-tree key: variable}` as `model.get_state_tree()` nests them."""
-    collections = {
-        "trainable_variables": model.trainable_variables,
-        "non_trainable_variables": model.non_trainable_variables,
-        "metrics_variables": list(getattr(model, "metrics_variables", []) or []),
-    }
-    optimizer = getattr(model, "optimizer", None)
-    if optimizer is not None:
-        collections["optimizer_variables"] = list(optimizer.variables)
     out: dict[str, Any] = {}
-    for name, variables in collections.items():
+    for name, variables in state.collections(model).items():
         for variable in variables:
             out.setdefault(f"{name}/{variable.path}", variable)
     return out
@@ -117,9 +112,96 @@ def keys_for(model: Any, fmt: str) -> dict[str, Any]:
 
 
 def is_variable(value: Any) -> bool:
-    return isinstance(value, Variable)
+    return isinstance(value, keras.Variable)
 
 
 def is_optional_key(key: str) -> bool:
     """True for optimizer/metric keys, which a model may legitimately lack."""
     return key.startswith(OPTIONAL_PREFIXES)
+
+
+@dataclasses.dataclass
+class KeyMatch:
+    """How a checkpoint's keys and a model's variables pair up (`match`).
+
+    Attributes:
+        pairs: `(key, variable)` to load, one per variable, shapes equal.
+        missing: `(key, variable)` the checkpoint lacks, except keys of an
+            optional collection the checkpoint has none of (a weights-only
+            checkpoint: the optimizer keeps its state).
+        unexpected: Checkpoint keys no variable wants, sorted.
+        skipped: Optional checkpoint keys whose collection the model lacks
+            entirely (optimizer state into a model without an optimizer).
+        mismatched: One line per variable that cannot be loaded from its key:
+            shapes differ, or the layer saves a computed value.
+    """
+
+    pairs: list[tuple[str, Any]] = dataclasses.field(default_factory=list)
+    missing: list[tuple[str, Any]] = dataclasses.field(default_factory=list)
+    unexpected: list[str] = dataclasses.field(default_factory=list)
+    skipped: list[str] = dataclasses.field(default_factory=list)
+    mismatched: list[str] = dataclasses.field(default_factory=list)
+
+    def missing_lines(self) -> list[str]:
+        """`missing` as `CheckpointMismatchError` lists it."""
+        return [f"{variable.path} (key {key!r})" for key, variable in self.missing]
+
+    def raise_if_mismatched(self, path: str, *, strict: bool) -> None:
+        """Raises one error listing every problem: mismatches always, missing and
+        unexpected keys when `strict`.
+
+        Raises:
+            CheckpointMismatchError: naming each key and variable.
+        """
+        if self.mismatched or (strict and (self.missing or self.unexpected)):
+            raise CheckpointMismatchError(
+                path,
+                missing=self.missing_lines() if strict else (),
+                unexpected=self.unexpected if strict else (),
+                mismatched=self.mismatched,
+            )
+
+
+def match(wanted: dict[str, Any], reader: Reader) -> KeyMatch:
+    """Pairs the model's keys (`keys_for`, or a subset) with the checkpoint's.
+
+    Reads metadata only (`reader.spec`). A variable saved under two keys (a
+    shared layer) is loaded once.
+    """
+    stored = set(reader.keys())
+    collections_stored = {k.split("/", 1)[0] for k in stored}
+    result = KeyMatch()
+    seen: set[int] = set()
+    for key, variable in wanted.items():
+        if not is_variable(variable):
+            result.mismatched.append(
+                f"{key}: the layer saves a computed value here (quantized or LoRA "
+                "layer), which load_sharded cannot place; load it with "
+                "model.load_weights"
+            )
+            continue
+        if key not in stored:
+            if is_optional_key(key) and key.split("/", 1)[0] not in collections_stored:
+                continue
+            if id(variable) not in seen:
+                result.missing.append((key, variable))
+            continue
+        stored.discard(key)
+        if id(variable) in seen:
+            continue
+        seen.add(id(variable))
+        spec = reader.spec(key)
+        if tuple(spec.shape) != tuple(variable.shape):
+            result.mismatched.append(
+                f"{variable.path}: checkpoint {key!r} has shape {tuple(spec.shape)}, "
+                f"the variable {tuple(variable.shape)}"
+            )
+            continue
+        result.pairs.append((key, variable))
+    for key in sorted(stored):
+        collection = key.split("/", 1)[0] + "/"
+        if is_optional_key(key) and not any(k.startswith(collection) for k in wanted):
+            result.skipped.append(key)
+        else:
+            result.unexpected.append(key)
+    return result

@@ -9,8 +9,9 @@ initialises in one go, which would silently fill the model with random weights
 variables off that list and swaps their initializer for a sentinel that raises
 `UnloadedVariableError` naming the variable, so a value is never invented.
 
-`StatelessScope` and the uninitialised-variable list are Keras internals
-(`keras.src.backend.common`); there is no public API for deferred building.
+The uninitialised-variable list and the variables' pending initializers are
+Keras internals (see `shardckpt._keras`); there is no public API for deferred
+building.
 """
 
 from __future__ import annotations
@@ -19,9 +20,9 @@ import contextlib
 from collections.abc import Iterator
 from typing import Any
 
-from keras.src.backend.common import global_state
-from keras.src.backend.common.stateless_scope import StatelessScope
+import keras
 
+from shardckpt import _keras
 from shardckpt.errors import UnloadedVariableError
 
 _PENDING = "uninitialized_variables"  # Keras' global list, see module docstring.
@@ -62,27 +63,26 @@ def lazy_init() -> Iterator[None]:
     Yields:
         None.
     """
-    before = {id(v) for v in global_state.get_global_attribute(_PENDING, []) or []}
+    before = {id(v) for v in _keras.get_global_attribute(_PENDING, []) or []}
     try:
-        with StatelessScope(initialize_variables=False):
+        with keras.StatelessScope(initialize_variables=False):
             yield
     finally:
-        pending = global_state.get_global_attribute(_PENDING, []) or []
+        pending = _keras.get_global_attribute(_PENDING, []) or []
         ours = [v for v in pending if id(v) not in before]
-        global_state.set_global_attribute(
-            _PENDING, [v for v in pending if id(v) in before]
-        )
+        _keras.set_global_attribute(_PENDING, [v for v in pending if id(v) in before])
         for variable in ours:
-            if variable._value is None and not isinstance(variable._initializer, _Unloaded):
-                variable._initializer = _Unloaded(variable.path, variable._initializer)
+            init = _keras.initializer(variable)
+            if _keras.current_value(variable) is None and not isinstance(init, _Unloaded):
+                _keras.set_initializer(variable, _Unloaded(variable.path, init))
 
 
 def is_unloaded(variable: Any) -> bool:
     """Returns True for a variable built lazily that has not received a value."""
-    return variable._value is None and isinstance(variable._initializer, _Unloaded)
+    return _keras.current_value(variable) is None and isinstance(_keras.initializer(variable), _Unloaded)
 
 
 def original_initializer(variable: Any) -> Any:
     """Returns the layer's own initializer of a lazily built variable."""
-    init = variable._initializer
+    init = _keras.initializer(variable)
     return init.initializer if isinstance(init, _Unloaded) else init

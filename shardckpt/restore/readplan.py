@@ -127,7 +127,6 @@ def _slabs(region: Box, itemsize: int, budget: int, chunk_rows: int | None) -> l
 
 
 def plan(
-    shape: tuple[int, ...],
     itemsize: int,
     parts: Sequence[Piece],
     *,
@@ -138,7 +137,6 @@ def plan(
     """Plans the reads that fill every piece.
 
     Args:
-        shape: The array's global shape.
         itemsize: Bytes per element as stored.
         parts: The distinct pieces (see `pieces`).
         budget: Most bytes one read may return (at least one row is read).

@@ -14,9 +14,9 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
-from jax.sharding import NamedSharding, PartitionSpec
 from keras import distribution as kd
-from keras.src.distribution.distribution_lib import Distribution  # no public export of the base class
+
+from shardckpt import _keras
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,7 +47,7 @@ def resolve_layout(layout: Any) -> Callable[[Any], TargetLayout]:
         return _current
     if hasattr(layout, "sharding_for"):
         return lambda v: TargetLayout(layout.sharding_for(v))
-    if isinstance(layout, Distribution):
+    if isinstance(layout, _keras.Distribution):
         return _from_distribution(layout)
     if hasattr(layout, "layout_map") and callable(layout.layout_map):
         layout = layout.layout_map()
@@ -60,10 +60,11 @@ def resolve_layout(layout: Any) -> Callable[[Any], TargetLayout]:
 
 
 def _current(variable: Any) -> TargetLayout:
-    if variable._value is not None and hasattr(variable._value, "sharding"):
-        return TargetLayout(variable._value.sharding, variable._layout)
-    if variable._layout is not None:
-        return _from_keras_layout(variable._layout)
+    value, layout = _keras.current_value(variable), _keras.current_layout(variable)
+    if value is not None and hasattr(value, "sharding"):
+        return TargetLayout(value.sharding, layout)
+    if layout is not None:
+        return _from_keras_layout(layout)
     return TargetLayout(jax.sharding.SingleDeviceSharding(jax.local_devices()[0]))
 
 
@@ -96,7 +97,3 @@ def _from_layout_map(layout_map: Any) -> Callable[[Any], TargetLayout]:
 
     return layout_of
 
-
-def replicated(mesh: jax.sharding.Mesh) -> NamedSharding:
-    """A sharding that puts a full copy on every device of `mesh`."""
-    return NamedSharding(mesh, PartitionSpec())

@@ -36,9 +36,8 @@ import jax
 import numpy as np
 import orbax.checkpoint
 import orbax.checkpoint.experimental.v1 as ocp
-from keras.src.callbacks.monitor_callback import MonitorCallback
-from keras.src.saving import saving_lib
-
+from shardckpt import _keras
+from shardckpt._keras import MonitorCallback
 from shardckpt.errors import BackgroundSaveError
 from shardckpt.formats import storage
 from shardckpt.training import iterators, metadata as metadata_lib, resume, retention, snapshot
@@ -127,9 +126,6 @@ class OrbaxCheckpoint(MonitorCallback):
         resume: bool = True,
         compression: bool = False,
     ) -> None:
-        ocp_init = getattr(ocp, "initialize", None)
-        if callable(ocp_init):
-            ocp_init()
         super().__init__(monitor, mode, initial_value_threshold)
         if save_freq != "epoch" and (not isinstance(save_freq, int) or isinstance(save_freq, bool) or save_freq < 1):
             raise ValueError(f"Unrecognized save_freq: {save_freq}. Expected save_freq are 'epoch' or integer values")
@@ -217,9 +213,8 @@ class OrbaxCheckpoint(MonitorCallback):
 
     def on_train_begin(self, logs: dict | None = None) -> None:
         self._reset_counters()
-        # Keras' trainer reads `_initial_epoch` right after this hook, as
-        # BackupAndRestore relies on (a private attribute, the only hook there is).
-        self._previous_initial_epoch = getattr(self._model, "_initial_epoch", None)
+        # Keras' trainer reads the initial epoch right after this hook (see _keras).
+        self._previous_initial_epoch = _keras.initial_epoch(self._model)
         if self.monitor_op is None and (self.keep_best is not None or self.save_best_only):
             self._set_monitor_op()
         self.checkpointer = self._make_checkpointer()
@@ -228,8 +223,8 @@ class OrbaxCheckpoint(MonitorCallback):
         # Config and assets (vocabularies...) do not change during fit; Keras'
         # callback rebuilds both at every save (tens of ms on the training thread).
         # Private Keras helpers, the ones its callback and load_model use.
-        self._model_config = None if self.save_weights_only else saving_lib._serialize_model_as_json(self.model)[0]
-        self._assets = None if self.save_weights_only else saving_lib._save_assets_to_dict(self.model)
+        self._model_config = None if self.save_weights_only else _keras.serialize_model_config(self.model)
+        self._assets = None if self.save_weights_only else _keras.save_assets(self.model)
         self._layout = metadata_lib.layout_of(self.model)
         step_dir = resume.latest_step_dir(self.directory) if self.resume else None
         if step_dir is not None:
@@ -285,7 +280,7 @@ class OrbaxCheckpoint(MonitorCallback):
         self._save(epoch, logs, epoch_complete=True)
 
     def on_train_end(self, logs: dict | None = None) -> None:
-        self._model._initial_epoch = self._previous_initial_epoch
+        _keras.set_initial_epoch(self._model, self._previous_initial_epoch)
         try:
             self._finish_pending()
         except BackgroundSaveError as failure:
@@ -421,7 +416,7 @@ class OrbaxCheckpoint(MonitorCallback):
             _log.warning("Step %s has no shardckpt metadata (written by Keras?): "
                          "weights restored, epoch not known; fit starts at its initial_epoch.", step_dir)
             return
-        self._model._initial_epoch = info.next_epoch
+        _keras.set_initial_epoch(self._model, info.next_epoch)
         self._total_batches_seen = int(meta.get("total_batches") or 0)
         if meta.get("best") is not None and not isinstance(meta["best"], str):
             self.best = float(meta["best"])

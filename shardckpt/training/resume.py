@@ -8,20 +8,19 @@ on a different topology is the same call.
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 from typing import Any
 
-import orbax.checkpoint.experimental.v1 as ocp
-
 from shardckpt.errors import CheckpointNotFoundError, CorruptCheckpointError
 from shardckpt.formats import storage
-from shardckpt.formats.orbax import committed_steps
+from shardckpt.formats.orbax.ondisk import (  # noqa: F401  (the callback's names for them)
+    ARRAYS_ITEM,
+    ITERATOR_ITEM,
+    METADATA_ITEM,
+    latest_step_dir,
+    read_json_item,
+)
 from shardckpt.restore import LoadReport, load_sharded
-
-METADATA_ITEM = "shardckpt_metadata"
-ITERATOR_ITEM = "data_iterator"
-ARRAYS_ITEM = "pytree"  # the name Keras' callback and `model.load_weights` use
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -57,54 +56,6 @@ class ResumeInfo:
         if self.epoch is None:
             return 0
         return self.epoch + 1 if self.epoch_complete else self.epoch
-
-
-def latest_step_dir(directory: str) -> str | None:
-    """Returns the latest committed step folder under `directory`, or None.
-
-    Half-written steps (`*.orbax-checkpoint-tmp*`) are never returned.
-    """
-    directory = os.fspath(directory)
-    if not os.path.isdir(directory):
-        return None
-    steps = committed_steps(directory)
-    return os.path.join(directory, str(steps[-1])) if steps else None
-
-
-def read_json_item(step_dir: str, name: str) -> Any:
-    """Returns JSON checkpointable `name` of a step, or None if it has none."""
-    step = storage.parse(step_dir)
-    if step.is_remote:
-        return _read_remote_json_item(step, name)
-    if not os.path.isdir(os.path.join(step_dir, name)):
-        return None
-    try:
-        return ocp.load_checkpointables(step_dir, {name: None})[name]
-    except (ValueError, KeyError, FileNotFoundError) as e:
-        raise CorruptCheckpointError(
-            f"Cannot read item {name!r} of checkpoint step {step_dir!r}: {e}. Fix: "
-            "delete this step folder to resume from the previous one."
-        ) from e
-
-
-_JSON_ITEM_FILES = ("data.json", "metadata")  # the names Orbax's JsonHandler reads
-
-
-def _read_remote_json_item(step: storage.Location, name: str) -> Any:
-    # Orbax reads items through etils.epath, which has no s3://; a JSON item
-    # is one small object, read as such.
-    for filename in _JSON_ITEM_FILES:
-        data = storage.read_bytes(step.join(name, filename))
-        if data is None:
-            continue
-        try:
-            return json.loads(data)
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise CorruptCheckpointError(
-                f"Cannot read item {name!r} of checkpoint step {step.url!r}: {e}. Fix: "
-                "delete this step to resume from the previous one."
-            ) from e
-    return None
 
 
 def iterator_state_for_process(item: Any, process_index: int) -> Any:
@@ -175,7 +126,9 @@ def restore_latest(model: Any, directory: str | os.PathLike, *, data_iterator: A
 
     Args:
         model: A compiled, built Keras model (JAX backend).
-        directory: A root written by `OrbaxCheckpoint` (or Keras' callback).
+        directory: A root written by `OrbaxCheckpoint` (or Keras' callback),
+            local or a `gs://` / `s3://` URL (steps there count once their
+            `commit_success.txt` exists).
         data_iterator: Optional iterator with `set_state(state)`.
         strict: Passed to `load_sharded`: refuse missing/unexpected arrays.
 
@@ -186,12 +139,8 @@ def restore_latest(model: Any, directory: str | os.PathLike, *, data_iterator: A
         CheckpointNotFoundError: `directory` holds no committed step.
         CheckpointMismatchError, ShapeMismatchError, ...: see `load_sharded`.
     """
-    location = storage.parse(directory, what="directory")
-    storage.refuse_remote(
-        location, what="directory", reason="restore_latest does not read buckets yet. Fix: "
-        "copy the checkpoint to a local folder first."
-    )
-    step_dir = latest_step_dir(location.path)
+    # Classified first: an unsupported scheme:// is refused, never a local folder.
+    step_dir = latest_step_dir(storage.parse(directory, what="directory").url)
     if step_dir is None:
         raise CheckpointNotFoundError(
             f"No committed checkpoint step under {os.fspath(directory)!r} (half-written "

@@ -16,14 +16,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-# Keras' state-tree collections (`Model.get_state_tree`), in Keras' order.
-FULL_COLLECTIONS = (
-    "trainable_variables",
-    "non_trainable_variables",
-    "optimizer_variables",
-    "metrics_variables",
-)
-WEIGHT_COLLECTIONS = FULL_COLLECTIONS[:2]
+from shardckpt.state import collections
 
 
 def _copy_leaves(values: list[jax.Array]) -> list[jax.Array]:
@@ -32,19 +25,6 @@ def _copy_leaves(values: list[jax.Array]) -> list[jax.Array]:
 
 # One compiled program per distinct list of shapes/dtypes/shardings (jit's cache).
 _copy = jax.jit(_copy_leaves)
-
-
-def collections(model: Any, *, weights_only: bool) -> dict[str, list[Any]]:
-    """Returns `{collection name: [variables]}` as `get_state_tree` groups them."""
-    out = {
-        "trainable_variables": list(model.trainable_variables),
-        "non_trainable_variables": list(model.non_trainable_variables),
-    }
-    if not weights_only:
-        optimizer = getattr(model, "optimizer", None)
-        out["optimizer_variables"] = list(optimizer.variables) if optimizer is not None else []
-        out["metrics_variables"] = list(getattr(model, "metrics_variables", []) or [])
-    return out
 
 
 def nest(paths: list[str], values: list[Any]) -> dict[str, Any]:

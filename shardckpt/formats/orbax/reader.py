@@ -1,12 +1,6 @@
-"""Orbax checkpoints (as written by `keras.callbacks.OrbaxCheckpoint` or shardckpt).
+"""Reading one step of an Orbax checkpoint (written by Keras' `OrbaxCheckpoint` or shardckpt).
 
-Layout: a root folder of step folders (`0/`, `100/`, ...); a step holds
-checkpointables, of which `pytree/` is the state tree of arrays in an OCDBT
-key-value store with one zarr3 array per leaf. Orbax writes a step into a
-`*.orbax-checkpoint-tmp*` folder and renames it when complete, so only
-integer-named folders are committed steps.
-
-Shapes and dtypes come from Orbax's public metadata API; each box is read with
+The on-disk layout and its names are in `ondisk`. Shapes and dtypes come from Orbax's public metadata API; each box is read with
 tensorstore through the read spec Orbax itself builds
 (`orbax.checkpoint.type_handlers.get_json_tspec_read`), so only the chunks a
 device needs are fetched and decoded.
@@ -17,11 +11,9 @@ what a single-device save writes) is decoded once: the pieces are read in one
 `ts.Batch`, so their reads of it join; the reader's context also has a chunk
 cache of `cache_bytes`.
 
-In a bucket (`gs://`, `s3://`) there is no rename: a step counts as committed
-only once its `commit_success.txt` marker exists, the object Orbax itself
-writes last on GCS (and shardckpt's writer last everywhere). Metadata JSON is
-read as single objects and array chunks as byte ranges of the OCDBT data
-files, through TensorStore's `gcs` / `s3` drivers; nothing is downloaded whole.
+In a bucket (`gs://`, `s3://`) metadata JSON is read as single objects and
+array chunks as byte ranges of the OCDBT data files, through TensorStore's
+`gcs` / `s3` drivers; nothing is downloaded whole.
 """
 
 from __future__ import annotations
@@ -33,154 +25,17 @@ import threading
 
 import jax
 import numpy as np
-import tensorstore as ts
-from etils import epath
-from orbax.checkpoint import type_handlers
 import orbax.checkpoint.experimental.v1 as ocp
+import tensorstore as ts
+from orbax.checkpoint import type_handlers
 
-from shardckpt.errors import (
-    CheckpointNotFoundError,
-    CorruptCheckpointError,
-    IncompleteCheckpointError,
-)
+from shardckpt.budget import CHUNK_CACHE_BYTES
+from shardckpt.errors import CorruptCheckpointError
 from shardckpt.formats import storage
-from shardckpt.formats.base import ArraySpec, Box
+from shardckpt.formats.base import ArraySpec, Box, ChunkedReader
+from shardckpt.formats.orbax import ondisk
 
-_TMP_MARK = ".orbax-checkpoint-tmp"
-_STEP_METADATA = "_CHECKPOINT_METADATA"
-_TREE_METADATA = "_METADATA"
-COMMIT_MARKER = "commit_success.txt"
-"""Orbax's commit marker for storage without atomic rename (written last)."""
-# Where the array tree lives inside a step: Keras' callback and shardckpt use
-# "pytree"; Orbax v0 CheckpointManager defaults used "default"/"state".
-_TREE_ITEMS = ("pytree", "default", "state")
-
-
-def committed_steps(root: str) -> list[int]:
-    """Returns the committed step numbers under an Orbax root, ascending.
-
-    In a bucket, a step is committed when its `COMMIT_MARKER` exists.
-    """
-    location = storage.parse(root)
-    if location.is_remote:
-        return _marked_steps(storage.list_keys(location))
-    steps = []
-    for name in os.listdir(root):
-        full = os.path.join(root, name)
-        if name.isdigit() and os.path.isdir(full):
-            steps.append(int(name))
-    return sorted(steps)
-
-
-def _marked_steps(keys: list[str]) -> list[int]:
-    names = {key[: -len(COMMIT_MARKER) - 1] for key in keys if key.endswith("/" + COMMIT_MARKER)}
-    return sorted(int(name) for name in names if name.isdigit())
-
-
-def is_orbax_dir(path: str) -> bool:
-    """True for an Orbax root or step folder (committed or not)."""
-    location = storage.parse(path)
-    if location.is_remote:
-        keys = storage.list_keys(location)
-        names = {key.split("/", 1)[0] for key in keys}
-        return bool(names & {_STEP_METADATA, _TREE_METADATA, *_TREE_ITEMS}) or any(
-            n.isdigit() for n in names
-        ) or any(key.count("/") == 1 and key.endswith("/" + _TREE_METADATA) for key in keys)
-    if not os.path.isdir(path):
-        return False
-    names = os.listdir(path)
-    if _STEP_METADATA in names or _TREE_METADATA in names or _TMP_MARK in path:
-        return True
-    return any(n.isdigit() or _TMP_MARK in n for n in names) or any(
-        os.path.isfile(os.path.join(path, n, _TREE_METADATA)) for n in names
-    )
-
-
-def resolve_step(path: str) -> str:
-    """Maps an Orbax root to its latest committed step; checks a step folder.
-
-    Raises:
-        CheckpointNotFoundError: no committed step under the root.
-        IncompleteCheckpointError: the path is a half-written step, or the root
-            holds only half-written steps.
-    """
-    location = storage.parse(path)
-    if location.is_remote:
-        return _resolve_remote_step(location)
-    path = location.path
-    if _TMP_MARK in os.path.basename(path):
-        raise IncompleteCheckpointError(
-            f"{path!r} is a step Orbax never committed (its save was interrupted). "
-            "Fix: load the checkpoint root or a committed step; shardckpt ignores "
-            "and OrbaxCheckpoint cleans such folders."
-        )
-    names = os.listdir(path)
-    if _STEP_METADATA in names or any(n in names for n in _TREE_ITEMS) or _TREE_METADATA in names:
-        return path
-    steps = committed_steps(path)
-    if steps:
-        return os.path.join(path, str(steps[-1]))
-    if any(_TMP_MARK in n for n in names):
-        raise IncompleteCheckpointError(
-            f"{path!r} holds only half-written steps ({sorted(names)}); no save "
-            "finished. Fix: let a save complete, or restore from another checkpoint."
-        )
-    raise CheckpointNotFoundError(f"No committed Orbax step under {path!r}.")
-
-
-def _resolve_remote_step(location: storage.Location) -> str:
-    keys = storage.list_keys(location)
-    if not keys:
-        raise storage.not_found(location)
-    names = {key.split("/", 1)[0] for key in keys}
-    if _STEP_METADATA in names or names & set(_TREE_ITEMS) or _TREE_METADATA in names:
-        if COMMIT_MARKER not in names:
-            raise IncompleteCheckpointError(
-                f"{location.url!r} is a step that was never committed: it has no "
-                f"{COMMIT_MARKER}, the object written last when a save completes (buckets "
-                "have no atomic rename). Its save was interrupted or is still running. Fix: "
-                "load the checkpoint root or a committed step, or let the save finish."
-            )
-        return location.url
-    steps = _marked_steps(keys)
-    if steps:
-        return location.join(str(steps[-1])).url
-    if any(n.isdigit() for n in names):
-        raise IncompleteCheckpointError(
-            f"{location.url!r} holds only uncommitted steps ({sorted(names)}): none has its "
-            f"{COMMIT_MARKER}, so no save finished. Fix: let a save complete, or restore "
-            "from another checkpoint."
-        )
-    raise CheckpointNotFoundError(f"No committed Orbax step under {location.url!r}.")
-
-
-def _tree_dir(step: str) -> str:
-    location = storage.parse(step)
-    if location.is_remote:
-        names = storage.listdir(location)
-        item = next((n for n in _TREE_ITEMS if n in names), None)
-        tree = location.join(item) if item else location
-        if _TREE_METADATA not in storage.listdir(tree):
-            raise IncompleteCheckpointError(
-                f"{tree.url!r} has no {_TREE_METADATA} object: the step is incomplete or not "
-                "an Orbax pytree checkpoint. Fix: restore from another step."
-            )
-        return tree.url
-    for name in _TREE_ITEMS:
-        if os.path.isdir(os.path.join(step, name)):
-            tree = os.path.join(step, name)
-            break
-    else:
-        tree = step
-    if not os.path.isfile(os.path.join(tree, _TREE_METADATA)):
-        raise IncompleteCheckpointError(
-            f"{tree!r} has no {_TREE_METADATA} file: the step is incomplete or not "
-            "an Orbax pytree checkpoint. Fix: restore from another step."
-        )
-    return tree
-
-
-class OrbaxReader:
+class OrbaxReader(ChunkedReader):
     """Reader for one step of an Orbax checkpoint.
 
     Args:
@@ -190,24 +45,21 @@ class OrbaxReader:
             `file_io_mode`); False reads them as Orbax itself does.
 
     Raises:
-        CheckpointNotFoundError, IncompleteCheckpointError: see `resolve_step`.
+        CheckpointNotFoundError, IncompleteCheckpointError: see `ondisk.resolve_step`.
         CorruptCheckpointError: the metadata cannot be parsed.
     """
 
     format = "orbax"
 
     def __init__(
-        self, path: str, *, cache_bytes: int = 256 * 1024 * 1024, memmap: bool = True
+        self, path: str, *, cache_bytes: int = CHUNK_CACHE_BYTES, memmap: bool = True
     ) -> None:
-        self.root = os.fspath(path)
-        self.location = storage.parse(self.root)
-        self.cache_bytes = cache_bytes
-        self.path = resolve_step(self.root)
-        self.step_dir = self.path
-        self.tree_dir = _tree_dir(self.path)
+        self.location = storage.parse(path)
+        self.path = ondisk.resolve_step(os.fspath(path))
+        self.tree_dir = ondisk.tree_dir(self.path)
         self._specs: dict[str, ArraySpec] = {}
         self._names: dict[str, str] = {}
-        context = type_handlers.get_ts_context(use_ocdbt=True).spec.to_json()
+        context = ondisk.ts_context().spec.to_json()
         context["cache_pool"] = {"total_bytes_limit": cache_bytes}
         if memmap and not self.location.is_remote:
             # Read chunks straight out of the page cache instead of read()ing
@@ -236,36 +88,29 @@ class OrbaxReader:
                 continue  # a non-array leaf (string, None): not a variable
             parts = [_key_str(k) for k in key_path]
             key = "/".join(parts)
-            self._names[key] = ".".join(parts)  # Orbax's parameter name in OCDBT
+            self._names[key] = ondisk.param_name(parts)
             self._specs[key] = ArraySpec(shape=tuple(leaf.shape), dtype=np.dtype(leaf.dtype))
         self._check_all_listed()
 
     def _recorded_arrays(self) -> dict[str, str]:
-        """`{key: Orbax parameter name}` of every array the step's `_METADATA` lists."""
-        data = storage.read_bytes(storage.parse(self.tree_dir).join(_TREE_METADATA))
-        try:
-            recorded = json.loads(data or b"").get("tree_metadata", {})
-        except (json.JSONDecodeError, UnicodeDecodeError, AttributeError) as e:
-            raise CorruptCheckpointError(
-                f"Cannot read the array metadata of {self.tree_dir!r}: {e}. Fix: "
-                "restore from another step."
-            ) from e
+        """`{key: Orbax parameter name}` of every array the tree's `_METADATA` lists."""
+        recorded = ondisk.read_json(ondisk.join(self.tree_dir, ondisk.TREE_METADATA))
         arrays = {}
-        for entry in recorded.values():
+        for entry in (recorded.get("tree_metadata") or {}).values() if isinstance(recorded, dict) else ():
             value = entry.get("value_metadata", {})
             if (
                 not value.get("skip_deserialize", False) and "Array" in value.get("value_type", "")
                 or value.get("value_type") == "np.ndarray"
             ):
                 parts = [str(k["key"]) for k in entry["key_metadata"]]
-                arrays["/".join(parts)] = ".".join(parts)
+                arrays["/".join(parts)] = ondisk.param_name(parts)
         return arrays
 
     def _open_remote(self) -> None:
         # Orbax's metadata API reads through etils.epath, which has no s3://
         # and needs extra packages for gs://; the shapes and dtypes it
         # reports come from the arrays' zarr metadata, which opening each
-        # store reads too (one small ranged read each, all concurrent).
+        # store reads too (small ranged reads, all arrays concurrently).
         self._names = self._recorded_arrays()
         futures = {key: self._open_store(key) for key in self._names}
         for key, future in futures.items():
@@ -304,35 +149,24 @@ class OrbaxReader:
         return store
 
     def _open_store(self, key: str) -> ts.Future:
-        tree = storage.parse(self.tree_dir)
-        info = type_handlers.ParamInfo(
-            name=self._names[key],
-            # A bucket's spec is built for a placeholder folder, then pointed
-            # at the bucket (see storage.ocdbt_kvstore).
-            parent_dir=epath.Path(storage.PLACEHOLDER_DIR if tree.is_remote else self.tree_dir),
-            is_ocdbt_checkpoint=True,
-            use_zarr3=tree.is_remote or self._is_zarr3(key),
-            ts_context=self._context,
+        name = self._names[key]
+        info = ondisk.param_info(
+            name, self.tree_dir, context=self._context, use_zarr3=ondisk.is_zarr3(self.tree_dir, name)
         )
-        spec = type_handlers.get_json_tspec_read(info, use_ocdbt=True)
-        spec["kvstore"] = storage.ocdbt_kvstore(spec["kvstore"], tree)
+        spec = ondisk.tspec_for(type_handlers.get_json_tspec_read(info, use_ocdbt=True), self.tree_dir)
         return ts.open(spec, read=True, context=self._context)
 
     def _opened(self, key: str, future: ts.Future) -> ts.TensorStore:
         try:
             return future.result()
         except ValueError as e:
-            error = storage.translate(e, storage.parse(self.tree_dir))
-            if error is not e:
-                raise error from e
+            typed = storage.translate(e, self.location)
+            if typed is not e:  # a bucket refused or lost the request: not damage
+                raise typed from e
             raise CorruptCheckpointError(
                 f"Array {key!r} of {self.tree_dir!r} cannot be opened: {e}. Fix: "
                 "restore from another step."
             ) from e
-
-    def _is_zarr3(self, key: str) -> bool:
-        # Orbax >= 0.9 writes zarr3; older checkpoints used zarr v2 (`.zarray`).
-        return not os.path.exists(os.path.join(self.tree_dir, self._names[key], ".zarray"))
 
     def keys(self) -> list[str]:
         return list(self._specs)
@@ -341,7 +175,6 @@ class OrbaxReader:
         return self._specs[key]
 
     def chunk_rows(self, key: str) -> int | None:
-        """Rows of one stored chunk along axis 0 (reads align to them)."""
         spec = self._specs[key]
         if not spec.shape:
             return None
@@ -349,7 +182,6 @@ class OrbaxReader:
         return int(chunk[0]) if chunk and chunk[0] else None
 
     def chunk_bytes(self, key: str) -> int:
-        """Decoded bytes of one stored chunk of `key`."""
         spec = self._specs[key]
         if not spec.shape:
             return spec.dtype.itemsize
@@ -357,11 +189,7 @@ class OrbaxReader:
         return int(np.prod([c or n for c, n in zip(chunk, spec.shape)])) * spec.dtype.itemsize
 
     def is_chunk(self, key: str, box: Box) -> bool:
-        """True when `box` is exactly one stored chunk of `key`.
-
-        `read` of such a box hands back tensorstore's decoded chunk itself,
-        with no copy into a second buffer.
-        """
+        # `read` of such a box hands back tensorstore's decoded chunk itself.
         spec = self._specs[key]
         if not spec.shape:
             return True
@@ -373,7 +201,6 @@ class OrbaxReader:
         return True
 
     def read_pieces(self, key: str, boxes: list[Box], outs: list[np.ndarray]) -> None:
-        """Fills `outs[i]` with `boxes[i]` of `key`, all pieces read concurrently."""
         store = self._store(key)
         # One batch: the pieces' reads of a shared chunk join one decode. Issued
         # one by one, late pieces often found the chunk already evicted from

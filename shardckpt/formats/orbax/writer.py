@@ -21,35 +21,29 @@ The JSON files (`_METADATA`, `_CHECKPOINT_METADATA`, the indicator files) have
 no public Orbax writer; their fields are the ones Orbax 0.12 writes for the
 same tree, which `tests/test_convert.py` checks against an `ocp.save` of the
 same arrays.
-
-`step_dir` may be a `gs://` / `s3://` URL: arrays go through TensorStore's
-bucket drivers and the JSON files are single object writes. There is no
-rename in a bucket, so `finish` writes the commit marker
-(`commit_success.txt`) after everything else; readers take a step without it
-for an interrupted save.
 """
 
 from __future__ import annotations
 
-import json
 import os
 import time
 from typing import Any
 
 import numpy as np
 import tensorstore as ts
-from etils import epath
 from orbax.checkpoint import type_handlers
 
 from shardckpt.formats import storage
 from shardckpt.formats.base import Box
+from shardckpt.formats.orbax import ondisk
 
-ARRAYS_ITEM = "pytree"  # the checkpointable Keras' callback and load_weights use
-# The handler Orbax records for a pytree item (Keras reads the item by name).
-_PYTREE_HANDLER = "orbax.checkpoint.experimental.v1._src.handlers.pytree_handler.PyTreeHandler"
 _DICT_KEY = 2  # Orbax's KeyType.DICT in `key_metadata`
 
 COMPRESSIONS = ("none", "zstd")
+"""Array compressions shardckpt writes: none, or Orbax's zstd (level 3) per chunk."""
+DEFAULT_COMPRESSION = "none"
+"""Float weights barely compress, and zstd makes writing and reading slower
+(see README, "Compression")."""
 
 
 class OrbaxStepWriter:
@@ -67,7 +61,9 @@ class OrbaxStepWriter:
 
     Args:
         step_dir: The step folder to create (must not exist), or a bucket URL
-            (`gs://`, `s3://`) under which nothing exists yet.
+            (`gs://`, `s3://`) under which nothing exists yet. A bucket has
+            no rename: `finish` writes the commit marker after everything
+            else, and readers take a step without it for an interrupted save.
         compression: "none" or "zstd" (Orbax's zstd level 3 per chunk).
         chunk_byte_size: Target bytes of one stored (read) chunk; Orbax's
             subchunking splits each written block down to it.
@@ -76,15 +72,14 @@ class OrbaxStepWriter:
     def __init__(self, step_dir: str, *, compression: str, chunk_byte_size: int) -> None:
         if compression not in COMPRESSIONS:
             raise ValueError(f"compression must be one of {COMPRESSIONS}. Received: compression={compression!r}")
-        self.location = storage.parse(step_dir)
-        self._tree = self.location.join(ARRAYS_ITEM)
-        self.step_dir = self.location.url
-        self.tree_dir = self._tree.url
+        location = storage.parse(step_dir)
+        self.step_dir = location.url
+        self.tree_dir = ondisk.join(self.step_dir, ondisk.ARRAYS_ITEM)
         self.compression = compression
         self.chunk_byte_size = chunk_byte_size
-        if not self.location.is_remote:
+        if not location.is_remote:
             os.makedirs(self.tree_dir)
-        self._context = type_handlers.get_ts_context(use_ocdbt=True)
+        self._context = ondisk.ts_context()
         self._keys: list[tuple[str, ...]] = []
         self._init_ns = time.time_ns()
 
@@ -110,15 +105,9 @@ class OrbaxStepWriter:
     ) -> ts.Future:
         parts = tuple(key.split("/"))
         self._keys.append(parts)
-        info = type_handlers.ParamInfo(
-            name=".".join(parts),  # Orbax's parameter name for a nested dict path
-            # A bucket's spec is built for a placeholder folder, then pointed
-            # at the bucket (see storage.ocdbt_kvstore).
-            parent_dir=epath.Path(storage.PLACEHOLDER_DIR if self._tree.is_remote else self.tree_dir),
-            is_ocdbt_checkpoint=True,
+        info = ondisk.param_info(
+            ondisk.param_name(parts), self.tree_dir, context=self._context,
             use_compression=self.compression == "zstd",
-            use_zarr3=True,
-            ts_context=self._context,
         )
         spec = type_handlers.get_json_tspec_write(
             info,
@@ -128,7 +117,7 @@ class OrbaxStepWriter:
             dtype=np.dtype(dtype),
             arg=type_handlers.SaveArgs(chunk_byte_size=self.chunk_byte_size),
         )
-        spec["kvstore"] = storage.ocdbt_kvstore(spec["kvstore"], self._tree)
+        spec = ondisk.tspec_for(spec, self.tree_dir)
         return ts.open(spec, create=True, open=True, context=self._context)
 
     def transaction(self) -> ts.Transaction:
@@ -166,23 +155,18 @@ class OrbaxStepWriter:
             "store_array_data_equal_to_fill_value": True,
             "custom_metadata": None,
         }
-        _write_json(self._tree.join("_METADATA"), tree_meta)
+        ondisk.write_json(ondisk.join(self.tree_dir, ondisk.TREE_METADATA), tree_meta)
         step_meta = {
-            "item_handlers": {ARRAYS_ITEM: _PYTREE_HANDLER},
+            "item_handlers": {ondisk.ARRAYS_ITEM: ondisk.PYTREE_HANDLER},
             "metrics": {},
             "performance_metrics": {},
             "init_timestamp_nsecs": self._init_ns,
             "commit_timestamp_nsecs": time.time_ns(),
             "custom_metadata": custom_metadata,
         }
-        _write_json(self.location.join("_CHECKPOINT_METADATA"), step_meta)
-        # Orbax's indicator that this folder is a checkpoint (empty file), and
-        # its commit marker for storage without atomic rename: last, so that in
-        # a bucket a step is committed exactly when every other object exists.
-        storage.write_bytes(self.location.join("orbax.checkpoint"), b"")
+        ondisk.write_json(ondisk.join(self.step_dir, ondisk.STEP_METADATA), step_meta)
+        step = storage.parse(self.step_dir)
+        storage.write_bytes(step.join(ondisk.CHECKPOINT_INDICATOR), b"")
+        # Last: in a bucket the step is committed exactly when this exists.
         marker = f"Checkpoint commit was successful to {final_dir or self.step_dir}"
-        storage.write_bytes(self.location.join("commit_success.txt"), marker.encode())
-
-
-def _write_json(location: storage.Location, value: Any) -> None:
-    storage.write_bytes(location, json.dumps(value).encode())
+        storage.write_bytes(step.join(ondisk.COMMIT_MARKER), marker.encode())

@@ -1,0 +1,154 @@
+"""Every use of Keras internals, in one place: the upgrade surface behind the Keras pin.
+
+shardckpt uses Keras' public API wherever one exists. What is here has none;
+each entry says why it is needed and who uses it. When the pinned Keras
+version moves (`pyproject.toml`), this module is what to re-check; the test
+suite exercises every entry.
+
+Private modules:
+
+- `saving_lib._save_state` and `saving_lib.H5IOStore` (restore.keys): Keras'
+  h5 key of each variable comes from its object-graph walk; running Keras'
+  own walk against a recording store is the only way to get exactly the keys
+  `save_weights` writes.
+- `saving_lib._serialize_model_as_json`, `saving_lib._save_assets_to_dict`
+  (training.callback): the model config and assets Keras' own
+  `OrbaxCheckpoint` saves beside the state tree, so `load_model` reads ours.
+- `global_state` (restore.lazy): variables created under
+  `StatelessScope(initialize_variables=False)` go on a global
+  "uninitialized_variables" list that the next scope exit would fill with
+  random values; `lazy_init` takes its own off that list.
+- `Distribution` (restore.targets): the base class of every distribution,
+  not exported by `keras.distribution`.
+- `MonitorCallback` (training.callback): the base class of Keras' own
+  `OrbaxCheckpoint` (monitor / mode / best handling), not exported.
+
+Private attributes of `keras.Variable`, through the functions below:
+
+- `_value`, `_layout`: replacing a value in a given layout without
+  `Variable.assign`, which would re-place it on the variable's previous
+  layout and keep the old value alive while the new one is built;
+- `_initializer`, `_initialize_with_initializer`: a lazily built variable
+  keeps its initializer there until it gets a value.
+
+Private attributes of models:
+
+- `Model._initial_epoch` (training.callback): the epoch `fit` starts from,
+  read by Keras' trainer right after `on_train_begin`; Keras' own
+  `BackupAndRestore` resumes through it. There is no public hook.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from keras.src.backend.common import global_state
+from keras.src.callbacks.monitor_callback import MonitorCallback
+from keras.src.distribution.distribution_lib import Distribution
+from keras.src.saving import saving_lib
+
+__all__ = [
+    "Distribution",
+    "H5IOStore",
+    "MonitorCallback",
+    "current_layout",
+    "current_value",
+    "get_global_attribute",
+    "initial_epoch",
+    "initialize",
+    "initializer",
+    "save_assets",
+    "save_state",
+    "serialize_model_config",
+    "set_global_attribute",
+    "set_initial_epoch",
+    "set_initializer",
+    "set_layout",
+    "set_value",
+]
+
+H5IOStore = saving_lib.H5IOStore
+get_global_attribute = global_state.get_global_attribute
+set_global_attribute = global_state.set_global_attribute
+
+
+def save_state(model: Any, weights_store: Any) -> None:
+    """Runs Keras' `save_weights` walk over `model` into `weights_store`."""
+    saving_lib._save_state(
+        model, weights_store=weights_store, assets_store=None, inner_path="", visited_saveables=set()
+    )
+
+
+def serialize_model_config(model: Any) -> Any:
+    """The model config as Keras' `OrbaxCheckpoint` saves it."""
+    return saving_lib._serialize_model_as_json(model)[0]
+
+
+def save_assets(model: Any) -> Any:
+    """The model's assets (vocabularies, ...) as Keras' `OrbaxCheckpoint` saves them."""
+    return saving_lib._save_assets_to_dict(model)
+
+
+def current_value(variable: Any) -> Any:
+    """The variable's value, or None for a lazily built one (no initializer runs)."""
+    return variable._value
+
+
+def current_layout(variable: Any) -> Any:
+    """The layout Keras re-places assigned values on (a `TensorLayout`, a sharding or None)."""
+    return variable._layout
+
+
+def set_layout(variable: Any, layout: Any) -> None:
+    """Records `layout` on the variable: later assigns (optimizer updates) and
+    optimizer slots made from it (`add_variable_from_reference`) follow it."""
+    variable._layout = layout
+
+
+def set_value(variable: Any, value: Any, *, layout: Any) -> Any:
+    """Makes `value` the variable's value in `layout`, bypassing `Variable.assign`.
+
+    `assign` would re-place the value on the variable's previous layout; here
+    `layout` becomes the variable's layout. A lazily built variable's
+    initializer is dropped: it has a value now.
+
+    Returns:
+        The value replaced (None for a lazily built variable).
+    """
+    variable._layout = layout
+    old, variable._value = variable._value, value
+    variable._initializer = None
+    return old
+
+
+def initializer(variable: Any) -> Any:
+    """The initializer a lazily built variable keeps until it gets a value."""
+    return variable._initializer
+
+
+def set_initializer(variable: Any, value: Any) -> None:
+    """Replaces a lazily built variable's pending initializer."""
+    variable._initializer = value
+
+
+def initialize(variable: Any, initializer: Any, *, layout: Any) -> None:
+    """Gives a lazily built variable its value from `initializer`, in `layout`.
+
+    With a Keras `TensorLayout` or `NamedSharding`, Keras jits the
+    initializer with the layout as its output sharding, so the value is
+    created directly in place. With None it lands where Keras puts it by
+    default (one device).
+    """
+    variable._initializer = None
+    variable._layout = layout
+    variable._initialize_with_initializer(initializer)
+
+
+def initial_epoch(model: Any) -> Any:
+    """The epoch `fit` starts from (None before any `fit`)."""
+    return getattr(model, "_initial_epoch", None)
+
+
+def set_initial_epoch(model: Any, epoch: Any) -> None:
+    """Sets the epoch `fit` starts from; valid from `on_train_begin` on."""
+    model._initial_epoch = epoch
