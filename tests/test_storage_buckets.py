@@ -159,3 +159,19 @@ def test_restore_latest_and_inspect_from_a_bucket(tmp_path, bucket):
     assert states[0].keys() == states[1].keys()
     for path, value in states[0].items():
         np.testing.assert_array_equal(states[1][path], value, err_msg=path)
+
+
+def test_cli_convert_inspect_verify_with_bucket_urls(tmp_path, bucket, capsys):
+    from shardckpt.cli.main import main as cli_main
+
+    keras.backend.clear_session()
+    model = build_zoo()
+    randomize(model, 5)
+    src = str(tmp_path / "zoo.keras")
+    model.save(src)
+    url = f"{bucket}/cli/0"
+    assert cli_main(["convert", src, url, "--quiet"]) == 0
+    assert cli_main(["inspect", url]) == 0
+    assert cli_main(["verify", f"{bucket}/cli"]) == 0
+    out = capsys.readouterr().out
+    assert f"to Orbax {url!r}" in out and f"orbax checkpoint {url}" in out and "OK:" in out
