@@ -17,6 +17,7 @@ import os
 os.environ.setdefault("KERAS_BACKEND", "jax")
 
 from shardckpt import errors  # noqa: E402
+from shardckpt._version import __version__  # noqa: E402
 from shardckpt.convert import (  # noqa: E402
     CheckpointInfo,
     ConvertReport,
@@ -28,8 +29,6 @@ from shardckpt.convert import (  # noqa: E402
 from shardckpt.layout import LayoutPlan, auto_layout, parallelize  # noqa: E402
 from shardckpt.restore import LoadReport, lazy_init, load_sharded  # noqa: E402
 from shardckpt.training import OrbaxCheckpoint, ResumeInfo, restore_latest  # noqa: E402
-
-__version__ = "0.1.0"
 
 __all__ = [
     "CheckpointInfo",

@@ -1,10 +1,11 @@
-"""A byte-counting rich progress bar that can be switched off."""
+"""A byte-counting rich progress bar on stderr that can be switched off."""
 
 from __future__ import annotations
 
 import threading
 from types import TracebackType
 
+from rich.console import Console
 from rich.progress import (
     BarColumn,
     DownloadColumn,
@@ -28,14 +29,17 @@ class ByteProgress:
                 DownloadColumn(),
                 TransferSpeedColumn(),
                 TimeRemainingColumn(),
+                # stderr, the stream whose terminal decides whether to show it
+                # (rich's default console is stdout, which may be piped output).
+                console=Console(stderr=True),
                 transient=True,
             )
             if enabled
             else None
         )
-        self._task = self._progress.add_task(description, total=total) if self._progress else None
+        self._task = self._progress.add_task(description, total=total) if self._progress is not None else None
 
-    def __enter__(self) -> "ByteProgress":
+    def __enter__(self) -> ByteProgress:
         if self._progress is not None:
             self._progress.start()
         return self
@@ -50,6 +54,6 @@ class ByteProgress:
             self._progress.stop()
 
     def advance(self, n: int) -> None:
-        if self._progress is not None:
+        if self._progress is not None and self._task is not None:
             with self._lock:
                 self._progress.advance(self._task, n)

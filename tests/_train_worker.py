@@ -57,7 +57,7 @@ class ShuffledIterator:
     def _order(self, p: int) -> np.ndarray:
         return np.random.default_rng(self.seed * 1000 + p).permutation(N_EXAMPLES)
 
-    def __iter__(self) -> "ShuffledIterator":
+    def __iter__(self) -> ShuffledIterator:
         return self
 
     def __next__(self) -> tuple[np.ndarray, np.ndarray]:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 
@@ -130,9 +131,17 @@ def test_usage_errors_exit_2(capsys):
 
 
 def test_console_entry_point_help_runs():
-    out = subprocess.run(
-        [sys.executable, "-m", "shardckpt.cli", "--help"], capture_output=True, text=True, timeout=120
-    )
-    assert out.returncode == 0
+    """The installed `shardckpt` script (pip's console entry point), not `python -m`."""
+    from importlib.metadata import entry_points
+
+    (entry,) = entry_points(group="console_scripts", name="shardckpt")
+    assert entry.value == "shardckpt.cli:main"
+    script = shutil.which("shardckpt", path=os.path.dirname(sys.executable))
+    assert script is not None, f"no shardckpt script beside {sys.executable}: pip install -e ."
+    out = subprocess.run([script, "--help"], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
     for command in ("convert", "inspect", "verify", "plan", "demo"):
         assert command in out.stdout
+    # `python -m shardckpt.cli` is the same command.
+    same = subprocess.run([sys.executable, "-m", "shardckpt.cli", "--help"], capture_output=True, text=True, timeout=120)
+    assert same.returncode == 0 and same.stdout == out.stdout

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import gc
 import json
 import os
+import threading
+import time
 
 import h5py
 import jax
@@ -17,9 +20,37 @@ import tensorstore as ts
 
 import shardckpt
 from shardckpt import errors
-from shardckpt.convert.converter import _Item, _plan_boxes, convert
+from shardckpt.convert.boxes import write_boxes
+from shardckpt.convert.converter import convert
 from shardckpt.convert.integrity import read_checksums
+from shardckpt.restore import hostmem
 from tests.zoo import build_zoo, model_parallel, randomize, zoo_layout_map
+
+
+def _rss_anon() -> int:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("RssAnon:"))
+
+
+class _PeakRssAnon:
+    """Samples this process's anonymous memory every millisecond; `.value` is the peak."""
+
+    def __enter__(self):
+        self.value = _rss_anon()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+        self._thread.start()
+        return self
+
+    def _sample(self):
+        while not self._stop.is_set():
+            self.value = max(self.value, _rss_anon())
+            time.sleep(0.001)
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._thread.join()
+        self.value = max(self.value, _rss_anon())
 
 
 def _source(tmp_path, dtype="float32", seed=0):
@@ -189,7 +220,8 @@ def test_safetensors_index_set(tmp_path):
 
 
 def test_large_tensors_stream_in_pieces_within_the_budget(tmp_path):
-    """A budget far below one kernel: pieces, outer chunks and inner chunks all bounded."""
+    """A budget far below one kernel: pieces, outer chunks and inner chunks all bounded;
+    and the memory a conversion holds stays near the budget (`_rss_anon_peak`)."""
     src, expected = _source(tmp_path)
     arch, _ = _lazy()
     dst = str(tmp_path / "orbax")
@@ -203,14 +235,32 @@ def test_large_tensors_stream_in_pieces_within_the_budget(tmp_path):
     outer = zarr["chunk_grid"]["configuration"]["chunk_shape"]
     assert np.prod(outer) * 4 <= budget // 4 < expected["embed/embeddings"].nbytes
 
+    # Memory: one 64 MiB kernel converted with an 8 MiB budget. Anonymous
+    # memory (mapped source pages are file-backed, not counted) may grow by
+    # the budget plus slack for tensorstore's own state, never by the kernel.
+    keras.backend.clear_session()
+    big = keras.Sequential([keras.Input((4096,)), keras.layers.Dense(4096, use_bias=False, name="big")])
+    big_src = str(tmp_path / "big.weights.h5")
+    big.save_weights(big_src)
+    kernel_bytes = 4096 * 4096 * 4
+    del big
+    keras.backend.clear_session()
+    with shardckpt.lazy_init():
+        arch = keras.Sequential([keras.Input((4096,)), keras.layers.Dense(4096, use_bias=False, name="big")])
+    gc.collect()
+    hostmem.trim()
+    base = _rss_anon()
+    with _PeakRssAnon() as peak:
+        convert(big_src, str(tmp_path / "big_orbax"), model=arch, max_inflight_bytes=8 << 20, progress=False)
+    assert peak.value - base < kernel_bytes // 2, (peak.value - base) / 2**20
+
 
 @pytest.mark.parametrize(
     "shape,shard,budget",
     [((64, 32), (64, 4), 1024), ((3, 5, 7), (3, 5, 7), 40), ((10,), (10,), 8), ((), (), 64), ((1, 9), (1, 9), 8)],
 )
 def test_planned_boxes_tile_the_array_in_c_order_on_whole_outer_chunks(shape, shard, budget):
-    item = _Item("k", "trainable_variables/k", shape, np.dtype(np.float32), np.dtype(np.float32), shard)
-    write_shape, boxes = _plan_boxes(item, budget)
+    write_shape, boxes = write_boxes(shape, 4, shard, budget)
     seen = np.zeros(shape, np.int64)
     order = []
     flat = np.arange(int(np.prod(shape)), dtype=np.int64).reshape(shape)
@@ -316,10 +366,18 @@ def test_truncated_source_is_refused_and_nothing_is_written(tmp_path):
 
 
 def test_mismatched_architecture_lists_every_problem(tmp_path):
-    src, _ = _source(tmp_path)
+    src, expected = _source(tmp_path)
     keras.backend.clear_session()
     with shardckpt.lazy_init():
         other = build_zoo(dim=24)
-    with pytest.raises(errors.CheckpointMismatchError, match="embed/embeddings"):
+    with pytest.raises(errors.CheckpointMismatchError, match="embed/embeddings") as info:
         convert(src, str(tmp_path / "orbax"), model=other)
     assert sorted(os.listdir(tmp_path)) == ["src.weights.h5"]
+    # Every variable whose shape differs is named, each once, and nothing else.
+    differ = {v.path for v in other.weights if tuple(v.shape) != expected[v.path].shape}
+    assert len(differ) > 5
+    named = [line.split(":", 1)[0] for line in info.value.mismatched]
+    assert sorted(named) == sorted(differ)
+    assert info.value.missing == [] and info.value.unexpected == []
+    for path in differ:
+        assert path in str(info.value)

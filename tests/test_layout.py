@@ -3,9 +3,7 @@
 from __future__ import annotations
 
 import json
-import os
 import re
-import sys
 
 import jax
 import keras
@@ -16,9 +14,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 import shardckpt
 from shardckpt.errors import LayoutError
 from shardckpt.layout import LayoutPlan, auto_layout
-
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tools"))
-import bench_layout as models  # noqa: E402
+from tests import stacks as models
 
 M = "model"
 COLLECTIVE = re.compile(r"\b(all-reduce|all-gather|reduce-scatter|all-to-all|collective-permute)(?:-start)?\(")

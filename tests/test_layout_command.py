@@ -8,38 +8,30 @@ import sys
 import keras
 import pytest
 
-from shardckpt.errors import CheckpointNotFoundError, LayoutError, ModelRequiredError
 from shardckpt.cli.plan import parse_mesh, run_plan
-
-TOOLS = os.path.join(os.path.dirname(__file__), "..", "tools")
-
-
-@pytest.fixture
-def bench_on_path(monkeypatch):
-    monkeypatch.syspath_prepend(TOOLS)
+from shardckpt.errors import CheckpointNotFoundError, LayoutError, ModelRequiredError
 
 
-def test_plan_from_function_prints_table_and_memory(bench_on_path, capsys):
-    assert run_plan("bench_layout:build_default", "1x8", "adam") == 0
+def test_plan_from_function_prints_table_and_memory(capsys):
+    assert run_plan("tests.stacks:build_default", "1x8", "adam") == 0
     out = capsys.readouterr().out
     assert "multi_head_attention/query/kernel" in out
     assert "per device (weights):" in out and "adam slots" in out
-    import bench_layout
-
     from shardckpt import lazy_init
     from shardckpt.layout import auto_layout
+    from tests import stacks
 
     keras.backend.clear_session()
     with lazy_init():
-        model = bench_layout.build_default()
+        model = stacks.build_default()
     plan = auto_layout(model, (1, 8))
     assert f"per device (weights + adam slots): {plan.bytes_per_device('adam'):,} bytes" in out
 
 
-def test_plan_from_keras_file_reads_config_only(tmp_path, bench_on_path, capsys):
-    import bench_layout
+def test_plan_from_keras_file_reads_config_only(tmp_path, capsys):
+    from tests import stacks
 
-    model = bench_layout.build_default()
+    model = stacks.build_default()
     path = str(tmp_path / "m.keras")
     model.save(path)
     keras.backend.clear_session()
@@ -48,16 +40,16 @@ def test_plan_from_keras_file_reads_config_only(tmp_path, bench_on_path, capsys)
     assert "'data': 2" in out and "'model': 4" in out
 
 
-def test_plan_bad_arguments(bench_on_path):
+def test_plan_bad_arguments():
     assert parse_mesh("2x4") == (2, 4)
     with pytest.raises(LayoutError, match="--mesh must look like"):
         parse_mesh("2by4")
     with pytest.raises(LayoutError, match="needs 4 devices but 8"):
-        run_plan("bench_layout:build_default", "1x4", None)
+        run_plan("tests.stacks:build_default", "1x4", None)
     # MODEL is read by the same loader as `convert --model`, with its errors.
     with pytest.raises(ModelRequiredError, match="package.module:function"):
-        run_plan("bench_layout", "1x8", None)
+        run_plan("tests.stacks", "1x8", None)
     with pytest.raises(ModelRequiredError, match="has no function 'nope'"):
-        run_plan("bench_layout:nope", "1x8", None)
+        run_plan("tests.stacks:nope", "1x8", None)
     with pytest.raises(CheckpointNotFoundError, match="missing.keras"):
         run_plan(os.path.join(sys.prefix, "missing.keras"), "1x8", None)

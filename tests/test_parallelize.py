@@ -2,21 +2,16 @@
 
 from __future__ import annotations
 
-import os
-import sys
-
 import jax
 import keras
 import numpy as np
 import pytest
 
 import shardckpt
-from shardckpt.layout import parallel
 from shardckpt.errors import LayoutError
+from shardckpt.layout import parallel
 from shardckpt.layout.parallel import parallelize
-
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tools"))
-import bench_layout as models  # noqa: E402
+from tests import stacks as models
 
 SHAPE = models.Shape(vocab=64, seq=8, dim=32, heads=8, ff=64, blocks=2, gated=True, kv_heads=2)
 STEPS = 20

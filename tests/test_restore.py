@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import mmap
+import os
 
 import jax
 import keras
@@ -216,13 +217,20 @@ def test_strict_false_initialises_missing_variables_in_their_sharding(tmp_path):
     assert np.asarray(kernel.value).std() > 0  # glorot_uniform ran, not zeros
 
 
-def test_progress_bar_runs(tmp_path, capsys):
+def test_progress_bar_runs(tmp_path, capsys, monkeypatch):
     src, _ = _fresh(build_zoo)
     path = _write(src, tmp_path, "h5")
     model, _ = _fresh(build_zoo, MESHES["1x8"], lazy=True)
+    monkeypatch.setenv("FORCE_COLOR", "1")  # rich draws on captured stderr as on a terminal
     report = shardckpt.load_sharded(model, path, progress=True)
     assert report.bytes_read == sum(int(np.asarray(v.value).nbytes) for v in model.weights)
     assert "Loaded" in str(report)
+    err = capsys.readouterr().err
+    assert f"loading {os.path.basename(path)}" in err
+    # Without progress=True (and stderr not a terminal) nothing is drawn.
+    model, _ = _fresh(build_zoo, MESHES["1x8"], lazy=True)
+    shardckpt.load_sharded(model, path)
+    assert capsys.readouterr().err == ""
 
 
 @pytest.mark.parametrize("mesh", ["2x4", None], ids=["2x4", "one_device"])
@@ -314,3 +322,33 @@ def _orbax_as_h5(orbax_path, tmp_path, build):
     path = str(tmp_path / "from_orbax.weights.h5")
     model.save_weights(path)
     return path
+
+
+def test_readers_declare_their_capabilities(tmp_path):
+    """Restore and convert pick their read strategy from these declarations."""
+    from shardckpt.formats import (
+        ChunkedReader,
+        H5Reader,
+        MappedReader,
+        OrbaxReader,
+        Reader,
+        SafetensorsReader,
+        open_reader,
+    )
+    from shardckpt.restore import strategies
+
+    for cls, mapped, chunked in ((H5Reader, True, False), (SafetensorsReader, True, False), (OrbaxReader, False, True)):
+        # Declared by subclassing (issubclass() does not take protocols with attributes).
+        assert (MappedReader in cls.__mro__) is mapped and (ChunkedReader in cls.__mro__) is chunked, cls
+    src, _ = _fresh(build_zoo)
+    for fmt in ("h5", "keras", "safetensors"):
+        reader = open_reader(_write(src, tmp_path, fmt))
+        try:
+            assert isinstance(reader, Reader) and isinstance(reader, MappedReader) and not isinstance(reader, ChunkedReader)
+            key = reader.keys()[0]
+            job = strategies.Job(key, None, None)  # choose() looks at the reader only for mapped formats
+            load = strategies.Load(job, reader.spec(key), (), reader.spec(key).dtype, [], True)
+            assert strategies.choose(load, reader, strategies.Budget(1 << 20)) is strategies.by_slabs
+        finally:
+            reader.close()
+

@@ -122,9 +122,9 @@ def test_accelerator_path_sends_whole_chunks_as_decoded(tmp_path):
     stored chunk (a one-device save restored onto one device: the H100 case of
     tools/bench_restore.py). CI has no accelerator, so it runs here on a CPU
     device: same values, same placement."""
+    from shardckpt.budget import DEFAULT_MAX_INFLIGHT_BYTES
     from shardckpt.formats import open_reader
     from shardckpt.restore import engine, strategies
-    from shardckpt.budget import DEFAULT_MAX_INFLIGHT_BYTES
     from shardckpt.restore.targets import resolve_layout
 
     _session(None)
@@ -137,7 +137,7 @@ def test_accelerator_path_sends_whole_chunks_as_decoded(tmp_path):
     state = {v.path: np.asarray(v.value) for v in src.weights}
 
     def plan(model):
-        reader = open_reader(str(tmp_path / "ck"), cache_bytes=32 << 20)
+        reader = open_reader(str(tmp_path / "ck"))  # the chunk cache load_sharded uses
         report = engine.LoadReport(path=reader.path, format=reader.format)
         jobs, _ = engine.match_jobs(model, reader, report, True, resolve_layout(None))
         return reader, [strategies.Load.of(job, reader) for job in jobs]
@@ -149,6 +149,10 @@ def test_accelerator_path_sends_whole_chunks_as_decoded(tmp_path):
     budget = strategies.Budget(DEFAULT_MAX_INFLIGHT_BYTES)
     for load in loads:
         assert all(reader.is_chunk(load.job.key, p.box) for p in load.parts), load.job.key
+        # On a CPU device the dispatcher decodes into pieces (the copy is what
+        # the device adopts); with a budget below one chunk it reads in slabs.
+        assert load.on_host and strategies.choose(load, reader, budget) is strategies.into_pieces
+        assert strategies.choose(load, reader, strategies.Budget(1)) is strategies.by_slabs
         strategies.by_chunk(load, reader, budget, lambda n: None)
     reader.close()
     assert budget.used == 0 and len(loads) == len(model.weights)

@@ -20,37 +20,25 @@ compression.
 
 Usage:
     python tools/bench_convert.py [--blocks 12] [--dim 2048] [--workdir DIR] [--reuse] [--repeat 3]
+    python tools/bench_convert.py --smoke      # a tiny model: checks the script runs
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
-import subprocess
-import sys
 import tempfile
 import time
 
-HERE = os.path.dirname(os.path.abspath(__file__))
+from _bench import PeakSampler, du, emit, rss_anon, run_child, setup_jax
+
 H5 = "model.weights.h5"
-
-
-def _setup_jax(devices: int) -> None:
-    os.environ.setdefault("KERAS_BACKEND", "jax")
-    os.environ.setdefault("JAX_PLATFORMS", "cpu")
-    if "--xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
-        os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
-
-
-def _du(path: str) -> int:
-    return sum(os.path.getsize(os.path.join(r, f)) for r, _, fs in os.walk(path) for f in fs)
+SMOKE = {"blocks": 1, "dim": 64, "repeat": 1}
 
 
 def prepare(args: argparse.Namespace) -> dict:
-    _setup_jax(1)
-    sys.path.insert(0, HERE)
+    setup_jax(1)
     import numpy as np
     from bench_restore import build
 
@@ -63,10 +51,7 @@ def prepare(args: argparse.Namespace) -> dict:
 
 
 def cell(args: argparse.Namespace, mode: str, option: str) -> dict:
-    sys.path.insert(0, HERE)
-    sys.path.insert(0, os.path.dirname(HERE))
-    _setup_jax(8 if mode == "restore" else 1)
-    from _memory import PeakSampler, rss_anon
+    setup_jax(8 if mode == "restore" else 1)
     from bench_restore import build, distribution
 
     import shardckpt
@@ -103,14 +88,14 @@ def cell(args: argparse.Namespace, mode: str, option: str) -> dict:
             ocp.save_checkpointables(dst, {"pytree": weights})
             jax.effects_barrier()
             out["seconds"] = time.perf_counter() - start
-        out["disk_bytes"] = _du(dst)
+        out["disk_bytes"] = du(dst)
     else:  # restore
         import jax
         import keras
         from bench_restore import tensorstore_read
 
         path = os.path.join(args.workdir, f"orbax-{option}")
-        out["ts_read_s"] = tensorstore_read(path)
+        out["ts_read_s"], _ = tensorstore_read(path, memmap=True, warm=0)
         keras.distribution.set_distribution(distribution())
         with PeakSampler() as sampler:
             start = time.perf_counter()
@@ -124,15 +109,8 @@ def cell(args: argparse.Namespace, mode: str, option: str) -> dict:
 
 
 def _child(args: argparse.Namespace, *extra: str) -> dict:
-    # Every cell writes or reads ~1.6 GB; flush the previous cell's dirty pages
-    # first so that no cell pays for another's writeback.
-    os.sync()
-    cmd = [sys.executable, os.path.abspath(__file__), "--workdir", args.workdir,
-           "--blocks", str(args.blocks), "--dim", str(args.dim), *extra]
-    proc = subprocess.run(cmd, capture_output=True, text=True)
-    if proc.returncode != 0:
-        raise SystemExit(f"child {extra} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
-    return json.loads([line for line in proc.stdout.splitlines() if line.startswith("RESULT ")][-1][7:])
+    return run_child(os.path.abspath(__file__), "--workdir", args.workdir,
+                     "--blocks", str(args.blocks), "--dim", str(args.dim), *extra)
 
 
 def _best(args: argparse.Namespace, *extra: str) -> dict:
@@ -148,14 +126,17 @@ def main() -> None:
     parser.add_argument("--workdir", default=None)
     parser.add_argument("--reuse", action="store_true", help="reuse the .weights.h5 already in --workdir")
     parser.add_argument("--repeat", type=int, default=1, help="runs per cell; the fastest is shown")
+    parser.add_argument("--smoke", action="store_true", help="a tiny model, one run per cell (checks the script)")
     parser.add_argument("--_prepare", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--_cell", nargs=2, metavar=("MODE", "OPTION"), help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.smoke:
+        vars(args).update(SMOKE)
     if args._prepare:
-        print("RESULT " + json.dumps(prepare(args)))
+        emit(prepare(args))
         return
     if args._cell:
-        print("RESULT " + json.dumps(cell(args, *args._cell)))
+        emit(cell(args, *args._cell))
         return
     own = args.workdir is None
     args.workdir = args.workdir or tempfile.mkdtemp(prefix="bench-convert-")
@@ -179,7 +160,7 @@ def main() -> None:
         for c, row in restores.items():
             print(f"{'compression ' + c:<28}{row['seconds']:>9.2f}{row['ts_read_s']:>11.2f}"
                   f"{row['peak_over_import_gb']:>14.2f}{rows[c]['disk_bytes'] / 1e9:>12.2f}")
-        print("RESULT " + json.dumps({"keras": keras_row, "convert": rows, "restore": restores, "h5_bytes": size}))
+        emit({"keras": keras_row, "convert": rows, "restore": restores, "h5_bytes": size})
     finally:
         if own:
             shutil.rmtree(args.workdir, ignore_errors=True)

@@ -34,12 +34,9 @@ import re
 import sys
 
 if __name__ == "__main__":
-    # Simulated CPU devices must be set before jax is imported.
-    if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
-        _n = os.environ.get("BENCH_DEVICES", "8")
-        os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={_n}").strip()
-    os.environ.setdefault("KERAS_BACKEND", "jax")
-    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+    from _bench import setup_jax
+
+    setup_jax(int(os.environ.get("BENCH_DEVICES", "8")), cpu_only=False)
 
 import jax
 import keras
@@ -341,7 +338,6 @@ def _keras_hub_rows(mesh_shape):
         import keras_hub  # noqa: F401
     except ImportError:
         return []
-    from shardckpt.layout import auto_layout
 
     rows = []
     cases = {

@@ -30,36 +30,34 @@ memory the allocator did not give back counts, as it does for the OS). On a
 GPU it also prints peak device memory from `jax` memory stats.
 
 With --warm, each process touches and frees 2.5x the state's bytes just
-before its timed section (`_memory.warm_memory`): on VMs that hand free
+before its timed section (`_bench.warm_memory`): on VMs that hand free
 memory back to their host, pages touched for the first time since then cost
 host faults, and --warm shows what loads cost on memory backed for good, as
 on bare metal.
 
 Usage:
     python tools/bench_restore.py [--blocks 12] [--dim 2048] [--workdir DIR]
+    python tools/bench_restore.py --smoke      # a tiny model: checks the script runs
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import resource
-import subprocess
-import sys
 import tempfile
 import time
 
-HERE = os.path.dirname(os.path.abspath(__file__))
+from _bench import PeakSampler, cpu_seconds, emit, rss_anon, run_child, setup_jax, warm_memory
+
 FORMATS = {"h5": "model.weights.h5", "orbax": "orbax", "safetensors": "model.safetensors"}
 # Orbax floor reads: child mode -> result name ("<name>_s" wall, "<name>_cpu_s" CPU seconds).
 FLOORS = {"floor-mapped": "ts_read", "floor-read": "ts_pread"}
+SMOKE = {"blocks": 1, "dim": 64, "repeat": 1}
 
 
 def _setup_jax(devices: int) -> None:
-    os.environ.setdefault("KERAS_BACKEND", "jax")
-    if os.environ.get("JAX_PLATFORMS", "cpu") == "cpu" and "--xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
-        os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
+    # Accelerators stay visible: on a GPU machine the bench restores onto its GPUs.
+    setup_jax(devices, cpu_only=False)
 
 
 def build(blocks: int, dim: int):
@@ -107,7 +105,7 @@ def prepare(args) -> None:
     x = np.zeros((8, args.dim), "float32")
     model.fit(x, x, epochs=1, batch_size=8, verbose=0, callbacks=[callback])
     callback.wait_until_finished()
-    print(json.dumps({"params": int(model.count_params())}))
+    emit({"params": int(model.count_params())})
 
 
 def _state_bytes(args) -> int:
@@ -118,12 +116,6 @@ def _file_bytes(path: str) -> list[str]:
     if os.path.isdir(path):
         return [os.path.join(r, f) for r, _, fs in os.walk(path) for f in fs]
     return [path]
-
-
-def cpu_seconds() -> float:
-    """User + system CPU seconds of this process so far, all threads."""
-    usage = resource.getrusage(resource.RUSAGE_SELF)
-    return usage.ru_utime + usage.ru_stime
 
 
 def plain_read(path: str) -> float:
@@ -149,9 +141,8 @@ def tensorstore_read(path: str, memmap: bool, warm: int) -> tuple[float, float]:
     Returns wall and CPU seconds.
     """
     _setup_jax(8)
-    from _memory import warm_memory
-    from shardckpt.formats import OrbaxReader
     from shardckpt.budget import DEFAULT_MAX_INFLIGHT_BYTES, chunk_cache_bytes
+    from shardckpt.formats import OrbaxReader
 
     reader = OrbaxReader(path, cache_bytes=chunk_cache_bytes(DEFAULT_MAX_INFLIGHT_BYTES), memmap=memmap)
     stores = [reader._store(k) for k in reader.keys()]
@@ -166,15 +157,13 @@ def tensorstore_read(path: str, memmap: bool, warm: int) -> tuple[float, float]:
 
 def run(args) -> None:
     _setup_jax(8)
-    sys.path.insert(0, os.path.dirname(HERE))
-    from _memory import PeakSampler, rss_anon, warm_memory
-
     import jax
     import keras
     import numpy as np
 
     import shardckpt
     from shardckpt.restore import hostmem
+    from shardckpt.restore.lazy import is_unloaded
 
     path = os.path.join(args.workdir, FORMATS[args.format])
     out = {"read_s": plain_read(path)}
@@ -187,7 +176,7 @@ def run(args) -> None:
         name = FLOORS[args.mode]
         out[f"{name}_s"], out[f"{name}_cpu_s"] = tensorstore_read(
             path, memmap=args.mode == "floor-mapped", warm=warm)
-        print("RESULT " + json.dumps(out))
+        emit(out)
         return
     keras.distribution.set_distribution(distribution())
     base = rss_anon()
@@ -204,7 +193,7 @@ def run(args) -> None:
             # for every loader: Keras' build allocates on it. On an H100 it
             # had made the lazy load 1-2 s slower than the built one.
             jax.block_until_ready(jax.device_put(np.zeros(1, np.float32), jax.devices()[0]))
-        jax.block_until_ready([v.value for v in model.weights if v._value is not None])
+        jax.block_until_ready([v.value for v in model.weights if not is_unloaded(v)])
         out["build_s"] = time.perf_counter() - start
     # glibc keeps what the build freed (random init's temporaries: 0.4 GB of
     # the 1.6 GB model); hand it back first so no loader's peak counts it.
@@ -239,18 +228,12 @@ def run(args) -> None:
     kernel = next(v for v in model.weights if v.path.endswith("_down/kernel"))
     out["sharding"] = str(getattr(kernel.value.sharding, "spec", kernel.value.sharding))
     out["devices"] = f"{len(jax.devices())} x {jax.devices()[0].device_kind}"
-    print("RESULT " + json.dumps(out))
+    emit(out)
 
 
 def _child(args, *extra) -> dict:
-    os.sync()  # no cell pays for an earlier one's writeback (prepare writes 4.8 GB)
-    cmd = [sys.executable, os.path.abspath(__file__), "--workdir", args.workdir,
-           "--blocks", str(args.blocks), "--dim", str(args.dim), *(["--warm"] if args.warm else []), *extra]
-    proc = subprocess.run(cmd, capture_output=True, text=True)
-    if proc.returncode != 0:
-        raise SystemExit(f"child {extra} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
-    line = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ") or l.startswith("{")][-1]
-    return json.loads(line.removeprefix("RESULT "))
+    return run_child(os.path.abspath(__file__), "--workdir", args.workdir, "--blocks", str(args.blocks),
+                     "--dim", str(args.dim), *(["--warm"] if args.warm else []), *extra)
 
 
 def main() -> None:
@@ -261,11 +244,14 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=1, help="runs per cell; the best is shown")
     parser.add_argument("--formats", default="h5,orbax,safetensors")
     parser.add_argument("--warm", action="store_true",
-                        help="touch and free memory before each timed section (see _memory.warm_memory)")
+                        help="touch and free memory before each timed section (see _bench.warm_memory)")
     parser.add_argument("--reuse", action="store_true", help="reuse the files already in --workdir")
+    parser.add_argument("--smoke", action="store_true", help="a tiny model, one run per cell (checks the script)")
     parser.add_argument("--_prepare", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--_run", nargs=2, metavar=("MODE", "FORMAT"), help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.smoke:
+        vars(args).update(SMOKE)
     if args._prepare:
         prepare(args)
         return
@@ -301,11 +287,12 @@ def main() -> None:
                 best = min((_child(args, "--_run", mode, fmt) for _ in range(args.repeat)),
                            key=lambda r: r[f"{name}_s"])
                 floor.update({k: best[k] for k in (f"{name}_s", f"{name}_cpu_s")})
-            for f, mode, r in rows:
+            for f, _, r in rows:
                 if f == fmt:
                     r.update(floor)
     _print_table(rows)
     print("devices: " + ", ".join(sorted({r["devices"] for _, _, r in rows if "devices" in r})))
+    emit({"rows": [{"format": fmt, "loader": mode, **r} for fmt, mode, r in rows]})
     if cleanup:
         cleanup.cleanup()
 

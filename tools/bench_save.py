@@ -26,11 +26,9 @@ import sys
 import tempfile
 import time
 
-os.environ["XLA_FLAGS"] = (
-    os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
-).strip()
-os.environ["KERAS_BACKEND"] = "jax"
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
+from _bench import setup_jax
+
+setup_jax(8)  # 8 simulated CPU devices, before JAX starts its backend
 
 import jax  # noqa: E402
 import keras  # noqa: E402

@@ -18,7 +18,6 @@ JAX starts) or `python -m shardckpt.cli.demo`.
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import shutil
 import tempfile
@@ -26,7 +25,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-_DEVICE_FLAG = "--xla_force_host_platform_device_count"
+from shardckpt.cli.devices import simulate_cpu_devices
+from shardckpt.formats.orbax.ondisk import committed_steps
 
 VOCAB, SEQ, DIM, HEADS, BLOCKS = 2048, 32, 128, 4, 2
 
@@ -63,10 +63,6 @@ def _data(n: int = 256) -> tuple[Any, Any]:
     return seq[:, :-1].astype("int32"), seq[:, 1:].astype("int32")
 
 
-def _available(module: str) -> bool:
-    return importlib.util.find_spec(module) is not None
-
-
 def run_demo(*, workdir: str | None = None, echo: Callable[[Any], None] | None = None) -> int:
     """Runs the tour; returns 0 when every check held.
 
@@ -79,12 +75,9 @@ def run_demo(*, workdir: str | None = None, echo: Callable[[Any], None] | None =
         0 on success.
 
     Raises:
-        AssertionError-free: a failed check raises `RuntimeError` naming it.
+        RuntimeError: a check failed (the message names it).
     """
-    if _DEVICE_FLAG not in os.environ.get("XLA_FLAGS", ""):
-        os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {_DEVICE_FLAG}=8".strip()
-        os.environ.setdefault("JAX_PLATFORMS", "cpu")
-    os.environ.setdefault("KERAS_BACKEND", "jax")
+    simulate_cpu_devices(8)
     from absl import logging as absl_logging
 
     # Orbax logs routine notes (OCDBT merges skipped for JSON items) as warnings.
@@ -94,7 +87,7 @@ def run_demo(*, workdir: str | None = None, echo: Callable[[Any], None] | None =
 
         echo = Console(highlight=False).print
     own = workdir is None
-    work = tempfile.mkdtemp(prefix="shardckpt-demo-") if own else os.path.abspath(workdir)
+    work = tempfile.mkdtemp(prefix="shardckpt-demo-") if workdir is None else os.path.abspath(workdir)
     os.makedirs(work, exist_ok=True)
     try:
         return _tour(work, echo)
@@ -109,8 +102,6 @@ def _tour(work: str, echo: Callable[[Any], None]) -> int:
     import numpy as np
 
     import shardckpt
-    from shardckpt.convert.converter import convert
-    from shardckpt.convert.integrity import verify
 
     t_all = time.perf_counter()
     summary: list[tuple[str, float, str]] = []
@@ -142,9 +133,9 @@ def _tour(work: str, echo: Callable[[Any], None]) -> int:
     with shardckpt.lazy_init():
         architecture = build_transformer()
     orbax_dir = os.path.join(work, "tiny_lm_orbax")
-    report = convert(h5, orbax_dir, model=architecture, force=True, progress=False)
+    report = shardckpt.convert(h5, orbax_dir, model=architecture, force=True, progress=False)
     echo(f"   {report}")
-    checked = verify(orbax_dir)
+    checked = shardckpt.verify(orbax_dir)
     if not checked.ok:
         raise RuntimeError(f"verify found damage right after converting: {checked.damaged}")
     done("convert + verify", t, f"{report.arrays} arrays, {report.bytes_on_disk / 2**20:.1f} MiB, "
@@ -156,21 +147,10 @@ def _tour(work: str, echo: Callable[[Any], None]) -> int:
     keras.backend.clear_session()
     with shardckpt.lazy_init():
         lazy = build_transformer()
-    if _available("shardckpt.layout"):
-        from shardckpt.layout import auto_layout
-
-        plan = auto_layout(lazy, mesh)
-        layout_map = plan.layout_map()
-        distribution = plan.distribution()
-        figure = (f"{plan.sharded_fraction():.0%} of parameter bytes split; "
-                  f"{plan.bytes_per_device():,} bytes/device of {params * 4:,}")
-    else:
-        echo("   skipped: shardckpt.layout not available; using a hand-written LayoutMap")
-        layout_map = keras.distribution.LayoutMap(mesh)
-        layout_map[r".*(up|query|key|value)/kernel"] = (None, "model")
-        layout_map[r".*(down)/kernel"] = ("model", None)
-        distribution = keras.distribution.ModelParallel(layout_map=layout_map)
-        plan, figure = layout_map, "hand-written LayoutMap"
+    plan = shardckpt.auto_layout(lazy, mesh)
+    distribution = plan.distribution()
+    figure = (f"{plan.sharded_fraction():.0%} of parameter bytes split; "
+              f"{plan.bytes_per_device():,} bytes/device of {params * 4:,}")
     done("plan layout", t, figure)
 
     # 4. Lazy build + sharded load, checked bit for bit.
@@ -194,16 +174,11 @@ def _tour(work: str, echo: Callable[[Any], None]) -> int:
     x, y = _data()
     ckpt_dir = os.path.join(work, "ckpts")
     model.compile(optimizer=keras.optimizers.Adam(1e-3), loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
-    if not _available("shardckpt.training"):
-        echo("\n   skipped: shardckpt.training not available (OrbaxCheckpoint, resume)")
-        return _finish(summary, t_all, echo)
-    from shardckpt.training import OrbaxCheckpoint, restore_latest
-
     t = step("Train 2 epochs with shardckpt OrbaxCheckpoint")
-    callback = OrbaxCheckpoint(ckpt_dir, monitor="loss", max_to_keep=2, metadata={"run": "demo"})
+    callback = shardckpt.OrbaxCheckpoint(ckpt_dir, monitor="loss", max_to_keep=2, metadata={"run": "demo"})
     history = model.fit(x, y, batch_size=32, epochs=2, callbacks=[callback], verbose=0)
     losses = [round(float(v), 3) for v in history.history["loss"]]
-    steps = sorted(int(n) for n in os.listdir(ckpt_dir) if n.isdigit())
+    steps = committed_steps(ckpt_dir)
     done("train 2 epochs", t, f"loss {losses[0]} -> {losses[-1]}, checkpoint steps {steps}")
 
     # 6. Resume into a fresh lazily built model.
@@ -215,7 +190,7 @@ def _tour(work: str, echo: Callable[[Any], None]) -> int:
     with shardckpt.lazy_init():
         resumed = build_transformer()
     resumed.compile(optimizer=keras.optimizers.Adam(1e-3), loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
-    info = restore_latest(resumed, ckpt_dir)
+    info = shardckpt.restore_latest(resumed, ckpt_dir)
     for v in resumed.weights:
         if not np.array_equal(np.asarray(v.value), trained[v.path]):
             raise RuntimeError(f"{v.path} differs from the trained model after restore_latest")

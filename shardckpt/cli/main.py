@@ -6,8 +6,7 @@ problem and the fix, no traceback, nothing written); 2 usage (argparse).
 Environment: none of these commands needs an accelerator. `demo` runs on 8
 simulated CPU devices (`XLA_FLAGS=--xla_force_host_platform_device_count=8`,
 `JAX_PLATFORMS=cpu`, unless already set); `convert --mesh RxC` simulates that
-many CPU devices to plan the layout. JAX reads these when its backend starts,
-which no import before `main` does, so setting them here is in time.
+many CPU devices to plan the layout (see `shardckpt.cli.devices`).
 """
 
 from __future__ import annotations
@@ -15,6 +14,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import os
 import sys
 from collections.abc import Sequence
@@ -23,16 +23,10 @@ from typing import Any
 os.environ.setdefault("KERAS_BACKEND", "jax")
 
 from shardckpt.budget import DEFAULT_MAX_INFLIGHT_BYTES  # noqa: E402
+from shardckpt.cli.devices import simulate_cpu_devices, use_cpu_platform  # noqa: E402
+from shardckpt.errors import LayoutError, ShardckptError  # noqa: E402
 from shardckpt.formats.orbax.writer import COMPRESSIONS, DEFAULT_COMPRESSION  # noqa: E402
-
-_DEVICE_FLAG = "--xla_force_host_platform_device_count"
-
-
-def _simulate_cpu_devices(count: int) -> None:
-    """Asks JAX for `count` CPU devices unless the user set a device count or platform."""
-    if _DEVICE_FLAG not in os.environ.get("XLA_FLAGS", ""):
-        os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {_DEVICE_FLAG}={count}".strip()
-    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+from shardckpt.layout.mesh import parse_mesh  # noqa: E402
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -85,15 +79,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Runs the command line; returns the exit code (0, 1 or 2)."""
     args = _parser().parse_args(argv)
     if args.command == "demo":
-        _simulate_cpu_devices(8)
-    elif args.command == "plan":
-        _simulate_cpu_devices(_mesh_size(args.mesh))
-    elif args.command == "convert" and args.mesh:
-        _simulate_cpu_devices(_mesh_size(args.mesh))
+        simulate_cpu_devices(8)
+    elif args.command in ("plan", "convert") and args.mesh:
+        simulate_cpu_devices(math.prod(_mesh_shape(args.mesh)))
     else:
-        os.environ.setdefault("JAX_PLATFORMS", "cpu")  # converting and reading need no accelerator
-    from shardckpt.errors import ShardckptError
-
+        use_cpu_platform()  # converting and reading need no accelerator
     try:
         return _COMMANDS[args.command](args)
     except (ShardckptError, OSError) as e:
@@ -102,13 +92,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 1
 
 
-def _mesh_size(text: str) -> int:
-    size = 1
-    for part in text.lower().split("x"):
-        if not part.isdigit() or int(part) < 1:
-            _parser().error(f"--mesh must look like 1x8 or 2x4. Received: {text!r}")
-        size *= int(part)
-    return size
+def _mesh_shape(text: str) -> tuple[int, ...]:
+    try:
+        return parse_mesh(text)
+    except LayoutError as e:
+        _parser().error(str(e))  # a usage error: exit 2
 
 
 def _one_line(error: BaseException) -> str:
@@ -123,7 +111,7 @@ def _convert(args: argparse.Namespace) -> int:
     from shardckpt.convert.converter import convert
 
     model = load_architecture(args.model) if args.model else None
-    mesh = tuple(int(p) for p in args.mesh.lower().split("x")) if args.mesh else None
+    mesh = _mesh_shape(args.mesh) if args.mesh else None
     report = convert(
         args.src,
         args.dst,
@@ -166,8 +154,9 @@ def _print_info(info: Any, checksums: dict[str, dict[str, Any]]) -> None:
     for line in info.summary():
         console.print(line, markup=False, highlight=False, soft_wrap=True)
     table = Table(show_footer=False)
-    for name, justify in (("key", "left"), ("shape", "left"), ("dtype", "left"), ("bytes", "right")):
-        table.add_column(name, justify=justify)
+    for name in ("key", "shape", "dtype"):
+        table.add_column(name, justify="left")
+    table.add_column("bytes", justify="right")
     if checksums:
         table.add_column("crc32")
     for a in info.arrays:
@@ -180,8 +169,8 @@ def _print_info(info: Any, checksums: dict[str, dict[str, Any]]) -> None:
 
 
 def _verify(args: argparse.Namespace) -> int:
-    from shardckpt.formats import open_reader
     from shardckpt.convert.integrity import verify
+    from shardckpt.formats import open_reader
     from shardckpt.progress import ByteProgress
 
     reader = open_reader(args.path)  # errors here are whole-checkpoint damage: one line, exit 1

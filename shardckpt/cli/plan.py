@@ -8,25 +8,14 @@ memory.
 
 from __future__ import annotations
 
+import math
 import sys
 
+from shardckpt.cli.devices import DEVICE_FLAG
 from shardckpt.convert.architecture import load_architecture
-from shardckpt.errors import LayoutError
+from shardckpt.layout.mesh import check_device_count, parse_mesh
 
-
-def parse_mesh(text: str) -> tuple[int, ...]:
-    """`"1x8"` -> `(1, 8)`.
-
-    Raises:
-        LayoutError: The text is not positive integers joined by "x".
-    """
-    try:
-        shape = tuple(int(part) for part in text.lower().split("x"))
-    except ValueError:
-        shape = ()
-    if not shape or any(s < 1 for s in shape):
-        raise LayoutError(f"--mesh must look like 1x8 or 2x4 (data x model). Received: mesh={text!r}")
-    return shape
+__all__ = ["parse_mesh", "run_plan"]
 
 
 def run_plan(model: str, mesh: str, optimizer: str | None) -> int:
@@ -52,15 +41,11 @@ def run_plan(model: str, mesh: str, optimizer: str | None) -> int:
     from shardckpt.layout.auto import auto_layout
 
     shape = parse_mesh(mesh)
-    needed = 1
-    for s in shape:
-        needed *= s
-    if needed != jax.device_count():
-        raise LayoutError(
-            f"Mesh {mesh} needs {needed} devices but {jax.device_count()} are visible. Fix: "
-            f"pick a mesh of {jax.device_count()} devices, or simulate CPU devices with "
-            f"XLA_FLAGS=--xla_force_host_platform_device_count={needed}."
-        )
+    check_device_count(
+        shape, jax.device_count(), what=f"Mesh {mesh}",
+        fix=f"pick a mesh of {jax.device_count()} devices, or simulate CPU devices with "
+        f"XLA_FLAGS={DEVICE_FLAG}={math.prod(shape)}.",
+    )
     built = load_architecture(model)
     plan = auto_layout(built, shape)
     # Piped output (logs, CI) gets wide rows instead of paths folded at 80 columns.

@@ -42,8 +42,7 @@ import numpy as np
 
 from shardckpt import dtypes, state
 from shardckpt.budget import DEFAULT_MAX_INFLIGHT_BYTES
-from shardckpt.convert import integrity
-from shardckpt.restore import keys as naming
+from shardckpt.convert import boxes, integrity
 from shardckpt.convert.architecture import load_architecture
 from shardckpt.errors import (
     DestinationExistsError,
@@ -51,9 +50,10 @@ from shardckpt.errors import (
     UnknownFormatError,
 )
 from shardckpt.formats import open_reader, storage
-from shardckpt.formats.base import Box, MappedReader, Reader
-from shardckpt.progress import ByteProgress
+from shardckpt.formats.base import MappedReader, Reader
 from shardckpt.formats.orbax.writer import COMPRESSIONS, DEFAULT_COMPRESSION, OrbaxStepWriter
+from shardckpt.progress import ByteProgress
+from shardckpt.restore import keys as naming
 
 CHUNK_BYTES = 1024 * 1024
 """Inner (read) chunk target: Orbax's subchunking warns below 1 MiB; smaller
@@ -299,20 +299,6 @@ def _initial_value(variable: Any) -> np.ndarray:
     return np.asarray(value).astype(np.dtype(variable.dtype), copy=False)
 
 
-def _plan_boxes(item: _Item, piece_bytes: int) -> tuple[tuple[int, ...], list[Box]]:
-    """Returns (outer chunk shape, C-order boxes covering whole outer chunks)."""
-    shape, itemsize = item.shape, item.target.itemsize
-    if not shape or 0 in shape:
-        return shape, integrity.c_order_boxes(shape, itemsize, piece_bytes)
-    k = integrity.split_axis(shape, itemsize, piece_bytes)
-    trailing = int(np.prod(shape[k + 1 :], dtype=np.int64)) * itemsize
-    rows = max(1, piece_bytes // trailing)
-    write_rows = min(rows, item.shard[k], shape[k])
-    rows = write_rows * max(1, rows // write_rows)
-    write_shape = (1,) * k + (write_rows,) + tuple(min(s, n) for s, n in zip(item.shard[k + 1 :], shape[k + 1 :]))
-    return write_shape, integrity.c_order_boxes(shape, itemsize, piece_bytes, rows=rows)
-
-
 def _write_atomically(
     reader: Reader, items: list[_Item], dst: str, report: ConvertReport, max_inflight: int, force: bool, progress: bool | None
 ) -> None:
@@ -409,12 +395,12 @@ def _stream(
     with ThreadPoolExecutor(1, thread_name_prefix="shardckpt-crc") as crc_thread, ByteProgress(
         total, f"converting {os.path.basename(reader.path)}", enabled=show
     ) as bar:
-        plans = [_plan_boxes(item, batch_bytes) for item in items]
+        plans = [boxes.write_boxes(item.shape, item.target.itemsize, item.shard, batch_bytes) for item in items]
         stores = writer.open_arrays(
             [(item.dst_key, item.shape, item.target, write_shape) for item, (write_shape, _) in zip(items, plans)]
         )
-        for item, (_, boxes), store in zip(items, plans, stores):
-            for box in boxes:
+        for item, (_, item_boxes), store in zip(items, plans, stores, strict=True):
+            for box in item_boxes:
                 if item.value is not None:
                     piece = item.value[box] if box else item.value
                 else:

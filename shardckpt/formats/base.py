@@ -150,14 +150,11 @@ ALIGNMENT = 64
 # asks for transparent huge pages (madvise) from 4 MiB on, the same threshold.
 # On VMs that give free memory back to their host (virtio-balloon free page
 # reporting, as in this project's sandboxes), a free 2 MiB block has usually
-# been given back, and touching a huge page made of one costs host faults.
-# Measured on the 1.6 GB model of tools/bench_restore.py, loads a few seconds
-# after the machine had freed memory: h5 0.52-0.55 s with 4 KiB pages against
-# 0.68-1.69 s with numpy's huge pages, Orbax 1.63 s against 2.71 s; right
-# after touching and freeing 4 GB (warm memory, as on bare metal), huge pages
-# were faster (h5 0.41-0.50 s against 0.56-0.65 s, Orbax 1.49 s against
-# 1.55-1.60 s). 4 KiB pages, as malloc and tensorstore get them, cost the same
-# either way; the worst case matters more than the best.
+# been given back, and touching a huge page made of one costs host faults:
+# loads with huge pages were up to 3x slower after the machine had idled, and
+# only 5-25% faster on warm memory (figures: CHANGELOG). 4 KiB pages, as
+# malloc and tensorstore get them, cost the same either way; the worst case
+# matters more than the best.
 _MAPPED_MIN_BYTES = 4 * 1024 * 1024
 
 

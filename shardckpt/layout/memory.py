@@ -51,7 +51,8 @@ def slots_per_variable(optimizer: Any) -> int:
     if not isinstance(optimizer, str):
         if getattr(optimizer, "amsgrad", False):
             slots += 1
-        if name in ("sgd", "rmsprop") and getattr(optimizer, "momentum", 0):
+        momentum = getattr(optimizer, "momentum", 0)
+        if name in ("sgd", "rmsprop") and momentum:
             slots += 1
         if name == "rmsprop" and getattr(optimizer, "centered", False):
             slots += 1

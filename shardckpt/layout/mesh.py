@@ -1,4 +1,4 @@
-"""Turn the accepted mesh forms into a `keras.distribution.DeviceMesh`."""
+"""Turn the accepted mesh forms (and the CLI's "2x4") into a `keras.distribution.DeviceMesh`."""
 
 from __future__ import annotations
 
@@ -13,6 +13,35 @@ from keras import distribution as kd
 from shardckpt.errors import LayoutError
 
 DEFAULT_AXES_2D = ("data", "model")
+
+
+def parse_mesh(text: str) -> tuple[int, ...]:
+    """`"1x8"` -> `(1, 8)`: the mesh shape of `--mesh`.
+
+    Raises:
+        LayoutError: The text is not positive integers joined by "x".
+    """
+    parts = text.lower().split("x")
+    if not all(p.isdigit() and int(p) >= 1 for p in parts):
+        raise LayoutError(f"--mesh must look like 1x8 or 2x4 (data x model). Received: mesh={text!r}")
+    return tuple(int(p) for p in parts)
+
+
+def check_device_count(shape: Sequence[int], available: int, *, what: str, fix: str) -> None:
+    """Raises unless a mesh of `shape` uses exactly the `available` devices.
+
+    Args:
+        shape: The mesh shape.
+        available: How many devices there are to fill it.
+        what: The mesh, as the message names it ("Mesh shape (2, 4)").
+        fix: What the user should do instead.
+
+    Raises:
+        LayoutError: "<what> needs N devices but M are available. Fix: <fix>".
+    """
+    needed = math.prod(shape)
+    if needed != available:
+        raise LayoutError(f"{what} needs {needed} devices but {available} are available. Fix: {fix}")
 
 
 def resolve_mesh(
@@ -54,11 +83,10 @@ def resolve_mesh(
                 f"(shape, axis_names). Received: mesh={mesh!r}"
             )
         pool = list(devices) if devices is not None else jax.devices()
-        if math.prod(shape) != len(pool):
-            raise LayoutError(
-                f"Mesh shape {shape} needs {math.prod(shape)} devices but {len(pool)} are "
-                f"available. Fix: use a shape whose product is {len(pool)}. Received: mesh={mesh!r}"
-            )
+        check_device_count(
+            shape, len(pool), what=f"Mesh shape {shape}",
+            fix=f"use a shape whose product is {len(pool)}. Received: mesh={mesh!r}",
+        )
         devs = np.asarray(pool).reshape(shape)
     if model_axis not in names:
         raise LayoutError(

@@ -24,6 +24,7 @@ from keras import distribution as kd
 
 from shardckpt.errors import LayoutError
 from shardckpt.layout.memory import slots_per_variable
+from shardckpt.layout.mesh import check_device_count
 
 _FORMAT = "shardckpt.layout_plan/1"
 
@@ -294,11 +295,10 @@ class LayoutPlan:
             )
         shape = tuple(data["mesh"]["shape"])
         pool = list(devices) if devices is not None else jax.devices()
-        if math.prod(shape) != len(pool):
-            raise LayoutError(
-                f"The plan's mesh {shape} needs {math.prod(shape)} devices but {len(pool)} are "
-                "given. Fix: re-plan for these devices with shardckpt.auto_layout."
-            )
+        check_device_count(
+            shape, len(pool), what=f"The plan's mesh {shape}",
+            fix="re-plan for these devices with shardckpt.auto_layout.",
+        )
         mesh = kd.DeviceMesh(shape, data["mesh"]["axis_names"], np.asarray(pool).reshape(shape))
         placements = [
             Placement(**{**p, "shape": tuple(p["shape"]), "axes": tuple(p["axes"])}) for p in data["placements"]

@@ -9,14 +9,14 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterable, Mapping
-from typing import Any, Union
+from typing import Any
 
 from keras import distribution as kd
 
 from shardckpt.errors import LayoutError
 
-Axes = tuple[Union[str, None], ...]
-RulesLike = Union[Mapping[str, Any], Iterable[tuple[str, Any]], kd.LayoutMap, None]
+Axes = tuple[str | None, ...]
+RulesLike = Mapping[str, Any] | Iterable[tuple[str, Any]] | kd.LayoutMap | None
 
 
 def normalize_rules(rules: RulesLike) -> list[tuple[re.Pattern, Axes]]:

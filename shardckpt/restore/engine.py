@@ -135,8 +135,7 @@ def load_sharded(
             `shardckpt.restore.hostmem`). On compressed checkpoints (Orbax) it also
             sets how many chunks are decoded in parallel: a bigger budget
             uses more cores. An accelerator runtime's own host staging of
-            transfers comes on top (an H100 load peaked 0.79 GB over its
-            final state with the default).
+            transfers comes on top.
         progress: Show a progress bar. None: when stderr is a terminal.
 
     Returns:

@@ -3,18 +3,16 @@
 Loading into a model built normally frees each variable's old value once the
 new one is in place. On CPU devices those values are XLA buffers from malloc,
 and glibc keeps freed blocks in its heaps for reuse instead of unmapping
-them, so the process kept the whole old model: after `load_sharded` into a
-normally built 1.6 GB model (tools/bench_restore.py, 8 CPU devices) anonymous
-memory stayed at 3.1-3.2 GB over the process's start, as after Keras' own
-`load_weights` (3.35 GB), although only 1.6 GB of arrays were alive. Our new
-pieces do not reuse those blocks (buffers of 4 MiB and more are maps of their
-own, see `formats.base.aligned_empty`), so nothing ever would.
+them, so the process kept the whole old model, as it does after Keras' own
+`load_weights`, although only the new arrays were alive. Our new pieces do
+not reuse those blocks (buffers of 4 MiB and more are maps of their own, see
+`formats.base.aligned_empty`), so nothing ever would.
 
 `load_sharded` counts the host bytes of the values it replaced (`host_bytes`)
-and calls `trim` (glibc's `malloc_trim`) every quarter of its budget: the
-same load then peaked at 1.94 GB and ended at 1.74-1.76 GB, for about 0.1 s
-of trimming while the worker threads went on. `malloc_trim` only hands back
-memory that is free; where it does not exist (macOS, musl) nothing is done.
+and calls `trim` (glibc's `malloc_trim`) every quarter of its budget, while
+the worker threads go on; the process then ends holding about its state
+(figures: README, CHANGELOG). `malloc_trim` only hands back memory that is
+free; where it does not exist (macOS, musl) nothing is done.
 """
 
 from __future__ import annotations

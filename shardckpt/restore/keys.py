@@ -44,7 +44,7 @@ class _RecordingStore(_keras.H5IOStore):
     def __bool__(self) -> bool:
         return True
 
-    def make(self, path: str, metadata: dict | None = None) -> "_RecordingStore":
+    def make(self, path: str, metadata: dict | None = None) -> _RecordingStore:
         self._prefix = f"{path}/vars" if path else "vars"
         return self
 

@@ -74,11 +74,11 @@ def normalize(index: Sequence[slice], shape: tuple[int, ...]) -> Box:
     return tuple(out)
 
 
-def pieces(index_map: Mapping[Any, Sequence[slice]], shape: tuple[int, ...]) -> list[Piece]:
-    """Groups devices by the piece they hold, in first-seen order."""
+def pieces(index_map: Mapping[Any, Sequence[slice] | None], shape: tuple[int, ...]) -> list[Piece]:
+    """Groups devices by the piece they hold, in first-seen order (None: the whole array)."""
     grouped: dict[tuple[tuple[int, int], ...], list[Any]] = {}
     for device, index in index_map.items():
-        box = normalize(index, shape)
+        box = normalize(index, shape) if index is not None else tuple(slice(0, n) for n in shape)
         grouped.setdefault(tuple((s.start, s.stop) for s in box), []).append(device)
     return [
         Piece(tuple(slice(a, b) for a, b in key), tuple(devs)) for key, devs in grouped.items()

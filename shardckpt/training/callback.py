@@ -36,11 +36,13 @@ import jax
 import numpy as np
 import orbax.checkpoint
 import orbax.checkpoint.experimental.v1 as ocp
+
 from shardckpt import _keras
 from shardckpt._keras import MonitorCallback
 from shardckpt.errors import BackgroundSaveError
 from shardckpt.formats import storage
-from shardckpt.training import iterators, metadata as metadata_lib, resume, retention, snapshot
+from shardckpt.training import iterators, resume, retention, snapshot
+from shardckpt.training import metadata as metadata_lib
 
 _log = logging.getLogger("shardckpt")
 

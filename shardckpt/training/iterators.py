@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import collections
 import json
-from collections.abc import Iterator
-from typing import Any, Callable
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import jax
 import numpy as np

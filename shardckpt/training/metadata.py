@@ -9,6 +9,8 @@ import jax
 import keras
 import numpy as np
 
+from shardckpt._version import __version__
+
 FORMAT = "shardckpt.training/1"
 
 
@@ -46,13 +48,11 @@ def json_logs(logs: dict[str, Any] | None) -> dict[str, Any]:
 def versions() -> dict[str, str]:
     import orbax.checkpoint
 
-    import shardckpt
-
     return {
         "keras": keras.__version__,
         "jax": jax.__version__,
         "orbax_checkpoint": orbax.checkpoint.__version__,
-        "shardckpt": getattr(shardckpt, "__version__", "unknown"),
+        "shardckpt": __version__,
     }
 
 

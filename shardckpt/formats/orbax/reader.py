@@ -19,6 +19,7 @@ array chunks as byte ranges of the OCDBT data files, through TensorStore's
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import threading
@@ -34,6 +35,7 @@ from shardckpt.errors import CorruptCheckpointError
 from shardckpt.formats import storage
 from shardckpt.formats.base import ArraySpec, Box, ChunkedReader
 from shardckpt.formats.orbax import ondisk
+
 
 class OrbaxReader(ChunkedReader):
     """Reader for one step of an Orbax checkpoint.
@@ -64,10 +66,8 @@ class OrbaxReader(ChunkedReader):
         if memmap and not self.location.is_remote:
             # Read chunks straight out of the page cache instead of read()ing
             # them into fresh buffers: a restore is bound by page faults and
-            # copies, and this drops one pass over the compressed bytes. On 2
-            # cores a load of a 1.6 GB zstd checkpoint took 2.36-2.41 s against
-            # 2.65-3.19 s (interleaved runs). A setting of this reader's context
-            # only.
+            # copies, and this drops one pass over the compressed bytes (about
+            # 10% of a load; CHANGELOG). A setting of this reader's context only.
             context["file_io_mode"] = {"mode": "memmap"}
         self._context = ts.Context(ts.Context.Spec(context))
         self._stores: dict[str, ts.TensorStore] = {}
@@ -174,26 +174,30 @@ class OrbaxReader(ChunkedReader):
     def spec(self, key: str) -> ArraySpec:
         return self._specs[key]
 
+    def _read_chunk(self, key: str) -> tuple[int | None, ...]:
+        """The stored (read) chunk shape of `key`; None or 0 where a dimension is whole."""
+        return tuple(self._store(key).chunk_layout.read_chunk.shape or ())
+
     def chunk_rows(self, key: str) -> int | None:
         spec = self._specs[key]
         if not spec.shape:
             return None
-        chunk = self._store(key).chunk_layout.read_chunk.shape
+        chunk = self._read_chunk(key)
         return int(chunk[0]) if chunk and chunk[0] else None
 
     def chunk_bytes(self, key: str) -> int:
         spec = self._specs[key]
         if not spec.shape:
             return spec.dtype.itemsize
-        chunk = self._store(key).chunk_layout.read_chunk.shape
-        return int(np.prod([c or n for c, n in zip(chunk, spec.shape)])) * spec.dtype.itemsize
+        chunk = self._read_chunk(key)
+        return math.prod(c or n for c, n in zip(chunk, spec.shape)) * spec.dtype.itemsize
 
     def is_chunk(self, key: str, box: Box) -> bool:
         # `read` of such a box hands back tensorstore's decoded chunk itself.
         spec = self._specs[key]
         if not spec.shape:
             return True
-        chunk = self._store(key).chunk_layout.read_chunk.shape
+        chunk = self._read_chunk(key)
         for s, c, n in zip(box, chunk, spec.shape):
             c = c or n
             if s.start % c or s.stop != min(s.start + c, n):
@@ -204,8 +208,7 @@ class OrbaxReader(ChunkedReader):
         store = self._store(key)
         # One batch: the pieces' reads of a shared chunk join one decode. Issued
         # one by one, late pieces often found the chunk already evicted from
-        # the small cache and decoded it again (53-58 chunk reads instead of 48
-        # on the 1.6 GB benchmark model, +0.4 s of CPU).
+        # the small cache and decoded it again.
         with ts.Batch() as batch:
             futures = [
                 ts.array(out, copy=False).write(store[box] if box else store, batch=batch)

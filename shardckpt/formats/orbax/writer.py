@@ -93,9 +93,9 @@ class OrbaxStepWriter:
         write should cover whole outer chunks so none is rewritten.
 
         Creating an array writes its zarr metadata into the OCDBT store, and
-        each such write waits for the store's pending commit: created one by
-        one between data commits they took 40 ms each (2 s of a 2.5 s
-        conversion of 48 arrays). Opened together, TensorStore batches them.
+        each such write waits for the store's pending commit, so created one
+        by one between data commits they took most of a conversion's time.
+        Opened together, TensorStore batches them.
         """
         futures = [self._open(*array) for array in arrays]
         return [future.result() for future in futures]

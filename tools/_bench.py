@@ -1,0 +1,127 @@
+"""What the benchmarks in tools/ share: JAX set-up, cells in fresh processes, memory, disk.
+
+Memory is `RssAnon` from /proc/self/status: pages of memory-mapped checkpoint
+files are reclaimable page cache and would inflate plain RSS.
+
+Every bench has a `--smoke` size that `tests/test_bench_smoke.py` runs, so
+the scripts cannot rot; smoke figures mean nothing.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+import subprocess
+import sys
+import threading
+import time
+from typing import Any
+
+TOOLS = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(TOOLS)
+RESULT = "RESULT "  # a child's last line starting with this holds its JSON result
+
+
+def setup_jax(devices: int, *, cpu_only: bool = True) -> None:
+    """Puts this checkout first on the path and asks for `devices` simulated CPU devices.
+
+    Call before JAX starts its backend (before the first device use).
+    `cpu_only=False` keeps accelerators visible (restore on a GPU).
+    """
+    if ROOT not in sys.path:
+        sys.path.insert(0, ROOT)
+    os.environ.setdefault("KERAS_BACKEND", "jax")
+    from shardckpt.cli.devices import simulate_cpu_devices
+
+    simulate_cpu_devices(devices, cpu_only=cpu_only)
+
+
+def emit(result: dict[str, Any]) -> None:
+    """Prints a child's result for `run_child`."""
+    print(RESULT + json.dumps(result), flush=True)
+
+
+def run_child(script: str, *args: str) -> dict[str, Any]:
+    """Runs `python script *args` in a fresh process and returns what it `emit`ted.
+
+    Dirty pages of earlier cells are flushed first, so that no cell pays for
+    another's writeback.
+
+    Raises:
+        SystemExit: the child failed (its output's tail is shown).
+    """
+    os.sync()
+    proc = subprocess.run([sys.executable, script, *args], capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise SystemExit(f"child {args} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+    lines = [line for line in proc.stdout.splitlines() if line.startswith(RESULT)]
+    if not lines:
+        raise SystemExit(f"child {args} printed no result:\n{proc.stdout[-3000:]}")
+    return json.loads(lines[-1][len(RESULT):])
+
+
+def du(path: str) -> int:
+    """Bytes of all files under `path` (or of the file `path`)."""
+    if os.path.isfile(path):
+        return os.path.getsize(path)
+    return sum(os.path.getsize(os.path.join(r, f)) for r, _, fs in os.walk(path) for f in fs)
+
+
+def cpu_seconds() -> float:
+    """User + system CPU seconds of this process so far, all threads."""
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
+def rss_anon() -> int:
+    """Anonymous resident bytes of this process (0 where /proc is missing)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("RssAnon:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
+class PeakSampler:
+    """Samples `rss_anon()` every `interval` seconds in a thread; `.peak` is the max."""
+
+    def __init__(self, interval: float = 0.005) -> None:
+        self.interval = interval
+        self.peak = rss_anon()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self.peak = max(self.peak, rss_anon())
+            time.sleep(self.interval)
+
+    def __enter__(self) -> PeakSampler:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.peak = max(self.peak, rss_anon())
+
+
+def warm_memory(nbytes: int) -> None:
+    """Touches and frees `nbytes` of anonymous memory.
+
+    Some VMs (this project's Firecracker sandboxes) back guest memory lazily
+    and take freed pages back within seconds; a page touched for the first
+    time since then costs a host fault. Touching 1.6 GB took 0.2-0.3 s
+    right after another process freed memory and 2.8 s a few seconds later,
+    so a timed load's result depended on how long the process had been idle.
+    Calling this just before each timed section gives every loader the same
+    (warm) memory, as on a machine whose memory is backed for good.
+    """
+    import numpy as np
+
+    block = np.ones(nbytes, np.uint8)  # np.ones writes every page
+    del block
