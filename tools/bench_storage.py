@@ -64,11 +64,10 @@ def run(args) -> None:
     import bench_restore
 
     bench_restore._setup_jax(8)
-    from _memory import PeakSampler, rss_anon
-
     import jax
     import keras
     import numpy as np
+    from _memory import PeakSampler, rss_anon
 
     import shardckpt
     from shardckpt.restore import hostmem

@@ -13,8 +13,7 @@ import json
 import os
 from typing import Any
 
-from shardckpt.formats import open_reader
-from shardckpt.formats import storage
+from shardckpt.formats import open_reader, storage
 from shardckpt.formats.orbax import ondisk
 
 

@@ -271,8 +271,8 @@ def bucket_missing(location: Location) -> bool:
         base = os.environ.get("TENSORSTORE_GCS_HTTP_URL", "https://storage.googleapis.com").rstrip("/")
         url = f"{base}/storage/v1/b/{location.bucket}/o?maxResults=1"
     elif location.scheme == "s3":
-        base = _s3_settings().get("endpoint")
-        url = f"{base.rstrip('/')}/{location.bucket}" if base else f"https://{location.bucket}.s3.amazonaws.com/"
+        endpoint = _s3_settings().get("endpoint")
+        url = f"{endpoint.rstrip('/')}/{location.bucket}" if endpoint else f"https://{location.bucket}.s3.amazonaws.com/"
     else:
         return False
     try:

@@ -108,10 +108,10 @@ def is_orbax_dir(path: str) -> bool:
     location = storage.parse(path)
     if location.is_remote:
         keys = storage.list_keys(location)
-        names = {key.split("/", 1)[0] for key in keys}
+        heads = {key.split("/", 1)[0] for key in keys}
         return (
-            bool(names & {STEP_METADATA, TREE_METADATA, *TREE_ITEMS})
-            or any(n.isdigit() for n in names)
+            bool(heads & {STEP_METADATA, TREE_METADATA, *TREE_ITEMS})
+            or any(n.isdigit() for n in heads)
             or any(key.count("/") == 1 and key.endswith("/" + TREE_METADATA) for key in keys)
         )
     if not os.path.isdir(path):
@@ -192,13 +192,13 @@ def tree_dir(step: str) -> str:
     if location.is_remote:
         names = storage.listdir(location)
         item = next((n for n in TREE_ITEMS if n in names), None)
-        tree = location.join(item) if item else location
-        if TREE_METADATA not in storage.listdir(tree):
+        remote_tree = location.join(item) if item else location
+        if TREE_METADATA not in storage.listdir(remote_tree):
             raise IncompleteCheckpointError(
-                f"{tree.url!r} has no {TREE_METADATA} object: the step is incomplete or not "
-                "an Orbax pytree checkpoint. Fix: restore from another step."
+                f"{remote_tree.url!r} has no {TREE_METADATA} object: the step is incomplete or "
+                "not an Orbax pytree checkpoint. Fix: restore from another step."
             )
-        return tree.url
+        return remote_tree.url
     for name in TREE_ITEMS:
         if os.path.isdir(os.path.join(step, name)):
             tree = os.path.join(step, name)
