@@ -30,10 +30,10 @@ import sys
 import tempfile
 import time
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(HERE)
-sys.path.insert(0, HERE)
-sys.path.insert(0, ROOT)
+from _bench import ROOT, PeakSampler, cpu_seconds, emit, rss_anon, run_child
+
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)  # tests.buckets starts the fake servers
 
 
 def prepare(args) -> None:
@@ -56,7 +56,7 @@ def prepare(args) -> None:
         start = time.perf_counter()
         shardckpt.convert(h5, dst, model=model, progress=False)
         seconds[name] = time.perf_counter() - start
-    print("RESULT " + json.dumps({"params": int(model.count_params()), "convert_s": seconds}))
+    emit({"params": int(model.count_params()), "convert_s": seconds})
 
 
 def run(args) -> None:
@@ -67,7 +67,6 @@ def run(args) -> None:
     import jax
     import keras
     import numpy as np
-    from _memory import PeakSampler, rss_anon
 
     import shardckpt
     from shardckpt.restore import hostmem
@@ -78,10 +77,10 @@ def run(args) -> None:
     jax.block_until_ready(jax.device_put(np.zeros(1, np.float32), jax.devices()[0]))
     hostmem.trim()
     with PeakSampler() as sampler:
-        start, cpu = time.perf_counter(), bench_restore.cpu_seconds()
+        start, cpu = time.perf_counter(), cpu_seconds()
         report = shardckpt.load_sharded(model, args.source, progress=False)
         jax.block_until_ready([v.value for v in model.weights])
-        load_s, load_cpu = time.perf_counter() - start, bench_restore.cpu_seconds() - cpu
+        load_s, load_cpu = time.perf_counter() - start, cpu_seconds() - cpu
     final = rss_anon()
     kernel = next(v for v in model.weights if v.path.endswith("_down/kernel"))
     out = {
@@ -94,22 +93,16 @@ def run(args) -> None:
         # A spot check that every copy holds the same values.
         "checksum": float(np.asarray(kernel.value, np.float64).sum()),
     }
-    print("RESULT " + json.dumps(out))
+    emit(out)
 
 
-def _child(args, env: dict[str, str], *extra: str) -> dict:
-    cmd = [sys.executable, os.path.abspath(__file__), "--workdir", args.workdir,
-           "--blocks", str(args.blocks), "--dim", str(args.dim), *extra]
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, check=False)
-    if proc.returncode != 0:
-        raise SystemExit(f"child {extra} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
-    line = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")][-1]
-    return json.loads(line.removeprefix("RESULT "))
+def _child(args, *extra: str) -> dict:
+    return run_child(os.path.abspath(__file__), "--workdir", args.workdir,
+                     "--blocks", str(args.blocks), "--dim", str(args.dim), *extra)
 
 
 def _start_servers(stack):
     """Starts fake-gcs-server and moto's S3 server, each a process of its own."""
-    sys.path.insert(0, ROOT)
     from tests import buckets
 
     gcs, gcs_server = buckets.start_gcs()  # the wrapper runs the Go binary as a subprocess
@@ -163,17 +156,16 @@ def main() -> None:
     stack: list = []
     try:
         servers = _start_servers(stack)
-        env = dict(os.environ)
         for server, _ in servers.values():
-            env.update(server.env)
+            os.environ.update(server.env)  # the children's endpoints and test credentials
         sources = {"local disk": os.path.join(args.workdir, "orbax")}
         sources.update({f"fake {'GCS' if s == 'gs' else 'S3'}": f"{url}/orbax" for s, (_, url) in servers.items()})
-        info = _child(args, env, "--_prepare", json.dumps(sources))
+        info = _child(args, "--_prepare", json.dumps(sources))
         print(f"model: {info['params']:,} parameters, {info['params'] * 4 / 1e9:.3f} GB float32; "
               f"ModelParallel (1, 8 CPU devices); workdir {args.workdir}")
         rows = []
         for name, source in sources.items():
-            runs = [_child(args, env, "--_run", source) for _ in range(args.repeat)]
+            runs = [_child(args, "--_run", source) for _ in range(args.repeat)]
             rows.append((name, source, info["convert_s"][name], min(runs, key=lambda r: r["load_s"])))
     finally:
         for stop in reversed(stack):
@@ -181,6 +173,7 @@ def main() -> None:
         if cleanup:
             cleanup.cleanup()
     _print(rows)
+    emit({"rows": [dict(r, source=name, convert_s=c) for name, _, c, r in rows]})
 
 
 def _print(rows) -> None:
