@@ -104,6 +104,27 @@ class LayoutError(ShardckptError, ValueError):
     not fit the variable, a plan that does not match the model or devices."""
 
 
+class UnsupportedURLError(ShardckptError, ValueError):
+    """A path is a `scheme://` URL shardckpt cannot read or write there.
+
+    Never taken for a local folder: `s3://bucket/ck` used as a path would
+    create `s3:/bucket/ck` on the local disk, and the checkpoint would be lost
+    with the machine.
+    """
+
+
+class BucketNotFoundError(ShardckptError, FileNotFoundError):
+    """The bucket of a `gs://` / `s3://` URL does not exist."""
+
+
+class StorageCredentialsError(ShardckptError, PermissionError):
+    """No credentials for a bucket were found (environment, default credentials)."""
+
+
+class StorageAccessDeniedError(ShardckptError, PermissionError):
+    """The bucket refused the request (HTTP 403): the credentials lack a permission."""
+
+
 class ModelRequiredError(ShardckptError, ValueError):
     """Converting needs the model's architecture, which the source file lacks.
 

@@ -26,3 +26,7 @@ def _clean_keras_state():
 
 def pytest_configure(config):
     assert jax.device_count() == 8, "conftest must set 8 CPU devices before jax import"
+
+
+# Session fixtures of fake object stores (gcs_server, s3_server, bucket).
+pytest_plugins = ["tests.buckets"]

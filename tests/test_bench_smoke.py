@@ -71,3 +71,13 @@ def test_bench_hf_smoke(tmp_path):
     assert {(r["dtype"], r["loader"]) for r in result["rows"]} == {("float32", "keras-hub"), ("float32", "shardckpt")}
     for row in result["rows"]:
         assert row["ready_s"] > 0 and row["sharding"] == "P('model', 'batch', None)", row
+
+
+def test_bench_storage_smoke(tmp_path):
+    """Local disk, fake GCS and fake S3 (started by the bench itself on 127.0.0.1) all load the same values."""
+    result = _smoke("bench_storage.py", tmp_path)
+    assert [r["source"] for r in result["rows"]] == ["local disk", "fake GCS", "fake S3"]
+    assert len({r["checksum"] for r in result["rows"]}) == 1
+    for row in result["rows"]:
+        assert row["load_s"] > 0 and row["bytes_read"] > 0, row
+        assert row["sharding"] == "P('model', None)", row  # the down kernel, row-sharded

@@ -49,7 +49,7 @@ from shardckpt.errors import (
     ModelRequiredError,
     UnknownFormatError,
 )
-from shardckpt.formats import detect_format, open_reader
+from shardckpt.formats import detect_format, open_reader, storage
 from shardckpt.formats.base import MappedReader, Reader
 from shardckpt.formats.orbax.writer import COMPRESSIONS, DEFAULT_COMPRESSION, OrbaxStepWriter
 from shardckpt.progress import ByteProgress
@@ -158,7 +158,11 @@ def convert(
             (config.json with a model_type and safetensors: the keras-hub
             backbone keras-hub's converter maps it to, names and layouts
             converted on the way).
-        dst: The Orbax step folder to create.
+        dst: The Orbax step folder to create, or a `gs://` / `s3://` URL.
+            In a bucket the step is written in place and committed by
+            writing Orbax's `commit_success.txt` last (there is no rename):
+            a conversion that dies leaves objects that every reader refuses
+            as uncommitted, and which the next `force=True` run replaces.
         model: The architecture (a Keras model, ideally built under
             `shardckpt.lazy_init()`); needed for `.weights.h5` and
             safetensors sources, optional for `.keras` (its config is used)
@@ -171,7 +175,8 @@ def convert(
             integer and boolean arrays are kept.
         compression: "none" or "zstd" (see README, "Compression").
         max_inflight_bytes: Most bytes of array data in memory at once.
-        force: Replace an existing `dst` (only once the new one is complete).
+        force: Replace an existing `dst` (locally only once the new one is
+            complete; in a bucket the old objects are deleted first).
         progress: Show a progress bar. None: when stderr is a terminal.
 
     Returns:
@@ -187,12 +192,16 @@ def convert(
         DtypeMismatchError: `dtype` is not a floating-point dtype.
     """
     start = time.perf_counter()
-    src, dst = os.fspath(src), os.path.abspath(os.fspath(dst))
+    # Classify both paths before anything touches the disk: a URL of an
+    # unsupported scheme must never become a local folder.
+    src_location = storage.parse(src, what="src")
+    dst_location = storage.parse(dst, what="dst")
+    src, dst = src_location.url, dst_location.url
     if compression not in COMPRESSIONS:
         raise ValueError(f"compression must be one of {COMPRESSIONS}. Received: compression={compression!r}")
     if max_inflight_bytes < 4096:
         raise ValueError(f"max_inflight_bytes must be at least 4096. Received: {max_inflight_bytes}")
-    if os.path.exists(dst) and not force:
+    if storage.exists(dst_location) and not force:
         raise DestinationExistsError(
             f"{dst!r} already exists. Fix: choose another destination, remove it, or pass "
             "force=True (--force) to replace it once the new checkpoint is complete."
@@ -214,10 +223,13 @@ def convert(
         report = ConvertReport(src=src, dst=dst, format=reader.format, compression=compression)
         items = _match(reader, model, report, target_dtype, _shard_fn(model, layout, mesh))
         report.casts = [f"{i.src_key}: {i.stored} -> {i.target}" for i in items if i.stored != i.target]
-        _write_atomically(reader, items, dst, report, max_inflight_bytes, force, progress)
+        if dst_location.is_remote:
+            _write_to_bucket(reader, items, dst_location, report, max_inflight_bytes, force, progress)
+        else:
+            _write_atomically(reader, items, dst, report, max_inflight_bytes, force, progress)
     finally:
         reader.close()
-    report.bytes_on_disk = _du(dst)
+    report.bytes_on_disk = 0 if dst_location.is_remote else _du(dst)
     report.seconds = time.perf_counter() - start
     return report
 
@@ -305,19 +317,7 @@ def _write_atomically(
     try:
         writer = OrbaxStepWriter(step, compression=report.compression, chunk_byte_size=CHUNK_BYTES)
         checksums = _stream(reader, items, writer, report, max_inflight, progress)
-        writer.finish(
-            custom_metadata={
-                integrity.METADATA_KEY: {
-                    "version": 1,
-                    "algorithm": integrity.ALGORITHM,
-                    "arrays": checksums,
-                    "source": {"path": os.path.abspath(reader.path), "format": reader.format},
-                    "compression": report.compression,
-                    "chunk_byte_size": CHUNK_BYTES,
-                }
-            },
-            final_dir=dst,
-        )
+        writer.finish(custom_metadata=_custom_metadata(reader, report, checksums), final_dir=dst)
         if os.path.exists(dst):
             if not force:  # appeared while we were writing
                 raise DestinationExistsError(f"{dst!r} appeared during the conversion. Fix: pass force=True.")
@@ -326,6 +326,58 @@ def _write_atomically(
         os.rename(step, dst)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _write_to_bucket(
+    reader: Reader,
+    items: list[_Item],
+    dst: storage.Location,
+    report: ConvertReport,
+    max_inflight: int,
+    force: bool,
+    progress: bool | None,
+) -> None:
+    # No rename in object stores: write under the final prefix, marker last
+    # (OrbaxStepWriter.finish). Replacing deletes the old step first, so a
+    # reader never sees old and new objects mixed under one marker.
+    if storage.exists(dst):
+        if not force:
+            raise DestinationExistsError(f"{dst.url!r} appeared during the conversion. Fix: pass force=True.")
+        storage.delete_tree(dst)
+    try:
+        writer = OrbaxStepWriter(dst.url, compression=report.compression, chunk_byte_size=CHUNK_BYTES)
+        checksums = _stream(reader, items, writer, report, max_inflight, progress)
+        writer.finish(custom_metadata=_custom_metadata(reader, report, checksums), final_dir=dst.url)
+    except ValueError as e:
+        error = storage.translate(e, dst, action="writing")
+        _discard(dst)
+        if error is e:
+            raise
+        raise error from e
+    except BaseException:
+        _discard(dst)
+        raise
+
+
+def _discard(dst: storage.Location) -> None:
+    """Removes a failed conversion's objects (best effort: uncommitted either way)."""
+    try:
+        storage.delete_tree(dst)
+    except (OSError, ValueError):
+        pass  # no commit marker was written: readers refuse what is left
+
+
+def _custom_metadata(reader: Reader, report: ConvertReport, checksums: dict[str, Any]) -> dict[str, Any]:
+    return {
+        integrity.METADATA_KEY: {
+            "version": 1,
+            "algorithm": integrity.ALGORITHM,
+            "arrays": checksums,
+            "source": {"path": os.path.abspath(reader.path), "format": reader.format},
+            "compression": report.compression,
+            "chunk_byte_size": CHUNK_BYTES,
+        }
+    }
 
 
 def _stream(

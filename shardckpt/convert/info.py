@@ -13,7 +13,7 @@ import json
 import os
 from typing import Any
 
-from shardckpt.formats import open_reader
+from shardckpt.formats import open_reader, storage
 from shardckpt.formats.orbax import ondisk
 
 
@@ -146,8 +146,8 @@ def inspect(path: str | os.PathLike) -> CheckpointInfo:
 
 def _describe_orbax(info: CheckpointInfo) -> None:
     step_dir = info.path
-    root = os.path.dirname(step_dir)
-    name = os.path.basename(step_dir)
+    step = storage.parse(step_dir)  # a folder or a bucket URL
+    root, name = step.parent.url, step.name
     if name.isdigit():
         info.step = int(name)
         info.steps = ondisk.committed_steps(root)

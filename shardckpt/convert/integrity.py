@@ -14,6 +14,7 @@ public `ocp.metadata(step)`; Keras and Orbax ignore it.
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import zlib
 from collections.abc import Callable
@@ -24,7 +25,8 @@ import numpy as np
 from shardckpt.budget import DEFAULT_MAX_INFLIGHT_BYTES, chunk_cache_bytes
 from shardckpt.convert.boxes import c_order_boxes
 from shardckpt.errors import ChecksumMismatchError, CorruptCheckpointError
-from shardckpt.formats import open_reader
+from shardckpt.formats import open_reader, storage
+from shardckpt.formats.orbax import ondisk
 
 METADATA_KEY = "shardckpt"
 ALGORITHM = "crc32"
@@ -50,11 +52,18 @@ def read_checksums(step_dir: str) -> dict[str, dict[str, Any]] | None:
     """
     import orbax.checkpoint.experimental.v1 as ocp
 
+    location = storage.parse(step_dir)
     try:
-        meta = ocp.metadata(step_dir).custom_metadata or {}
+        if location.is_remote:  # Orbax reads metadata through epath, which has no s3://
+            data = storage.read_bytes(location.join(ondisk.STEP_METADATA))
+            if data is None:
+                return None
+            meta = json.loads(data).get("custom_metadata") or {}
+        else:
+            meta = ocp.metadata(step_dir).custom_metadata or {}
     except FileNotFoundError:
         return None
-    except ValueError as e:
+    except (ValueError, AttributeError) as e:
         raise CorruptCheckpointError(
             f"The step metadata of {step_dir!r} cannot be read: {e}. Fix: restore another step or re-convert."
         ) from e

@@ -7,6 +7,7 @@ from typing import Any
 
 from shardckpt.budget import CHUNK_CACHE_BYTES
 from shardckpt.errors import CheckpointNotFoundError, ModelRequiredError, UnknownFormatError
+from shardckpt.formats import storage
 from shardckpt.formats.base import ArraySpec, Box, ChunkedReader, MappedReader, Reader, full_box
 from shardckpt.formats.h5 import H5Reader
 from shardckpt.formats.h5_sharded import ShardedH5Reader, is_sharded_index
@@ -42,8 +43,12 @@ def detect_format(path: str) -> str:
     Raises:
         CheckpointNotFoundError: `path` does not exist.
         UnknownFormatError: `path` exists but is no format shardckpt reads.
+        UnsupportedURLError: `path` is a URL of a scheme shardckpt does not read.
     """
-    path = os.fspath(path)
+    location = storage.parse(path)
+    if location.is_remote:
+        return _detect_remote(location)
+    path = location.path
     if not os.path.exists(path):
         raise CheckpointNotFoundError(
             f"No checkpoint at {path!r}. Fix: check the path (a .weights.h5, .weights.json, "
@@ -82,6 +87,26 @@ def detect_format(path: str) -> str:
     )
 
 
+def _detect_remote(location: storage.Location) -> str:
+    if location.path.endswith((".h5", ".hdf5", ".keras", ".safetensors", ".json")):
+        storage.refuse_remote(
+            location,
+            what="path",
+            reason="reading .weights.h5, .keras and safetensors files from a bucket is not "
+            "supported yet (Orbax checkpoints in buckets are). Fix: copy the file to local disk, "
+            "or convert it into the bucket once: `shardckpt convert FILE "
+            f"{location.scheme}://BUCKET/PATH` and load that.",
+        )
+    if is_orbax_dir(location.url):
+        return "orbax"
+    if not storage.isdir(location):
+        raise storage.not_found(location)
+    raise UnknownFormatError(
+        f"{location.url!r} holds objects but no Orbax checkpoint. In buckets shardckpt reads "
+        "Orbax checkpoints (a root of step folders, or one step)."
+    )
+
+
 def open_reader(path: str, *, cache_bytes: int = CHUNK_CACHE_BYTES, model: Any = None) -> Reader:
     """Opens `path` with the reader for its format (see `detect_format`).
 
@@ -99,6 +124,9 @@ def open_reader(path: str, *, cache_bytes: int = CHUNK_CACHE_BYTES, model: Any =
         ModelRequiredError: a Hugging Face folder and no `model`.
     """
     fmt = detect_format(path)
+    location = storage.parse(path)
+    if not location.is_remote:
+        path = location.path  # file:// URLs too
     if fmt == "hf":
         if model is None:
             raise ModelRequiredError(

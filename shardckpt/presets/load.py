@@ -21,6 +21,7 @@ import os
 from typing import Any
 
 from shardckpt.errors import CheckpointNotFoundError, UnknownFormatError
+from shardckpt.formats import storage
 from shardckpt.formats.preset import CONFIG_FILE, is_preset_dir
 from shardckpt.presets import kerashub
 
@@ -181,11 +182,16 @@ def _local_folder(source: str, *, task: bool) -> str:
     if scheme in kerashub.HANDLE_SCHEMES or (scheme is None and not os.path.exists(source) and _is_builtin(source)):
         return kerashub.download(source, task=task)
     if scheme is not None:
-        raise UnknownFormatError(
-            f"from_preset cannot read {scheme}:// URLs. Supported: local folders and "
-            f"keras-hub handles ({', '.join(s + '://' for s in kerashub.HANDLE_SCHEMES)}). "
-            f"Received: preset={source!r}"
+        # An unsupported scheme raises UnsupportedURLError here, never a local folder.
+        location = storage.parse(source, what="preset")
+        storage.refuse_remote(
+            location,
+            what="preset",
+            reason="presets in buckets are not supported yet (their .weights.h5 and safetensors "
+            "files are not read from buckets). Fix: copy the folder to local disk, or use a "
+            f"keras-hub handle ({', '.join(s + '://' for s in kerashub.HANDLE_SCHEMES)}).",
         )
+        return location.path
     return source  # preset_kind names what is missing
 
 

@@ -45,6 +45,7 @@ import orbax.checkpoint.experimental.v1 as ocp
 from shardckpt import _keras
 from shardckpt._keras import MonitorCallback
 from shardckpt.errors import BackgroundSaveError
+from shardckpt.formats import storage
 from shardckpt.training import iterators, preemption, resume, retention
 from shardckpt.training import metadata as metadata_lib
 from shardckpt.training import snapshot as snapshot_lib
@@ -180,7 +181,12 @@ class OrbaxCheckpoint(MonitorCallback):
             max_to_keep=max_to_keep, keep_best=keep_best, monitor=monitor,
             higher_is_better=False, keep_period=keep_period,
         )
-        self.directory = str(directory)
+        location = storage.parse(directory, what="directory")
+        storage.refuse_remote(
+            location, what="directory", reason="OrbaxCheckpoint does not save to buckets yet. "
+            "Fix: save to a local folder and copy steps to the bucket."
+        )
+        self.directory = location.path
         self.verbose = verbose
         self.save_best_only = save_best_only
         self.save_freq = save_freq

@@ -12,6 +12,7 @@ import os
 from typing import Any
 
 from shardckpt.errors import CheckpointNotFoundError, CorruptCheckpointError
+from shardckpt.formats import storage
 from shardckpt.formats.orbax.ondisk import (  # noqa: F401  (the callback's names for them)
     ARRAYS_ITEM,
     ITERATOR_ITEM,
@@ -127,7 +128,9 @@ def restore_latest(model: Any, directory: str | os.PathLike, *, data_iterator: A
 
     Args:
         model: A compiled, built Keras model (JAX backend).
-        directory: A root written by `OrbaxCheckpoint` (or Keras' callback).
+        directory: A root written by `OrbaxCheckpoint` (or Keras' callback),
+            local or a `gs://` / `s3://` URL (steps there count once their
+            `commit_success.txt` exists).
         data_iterator: Optional iterator with `set_state(state)`.
         strict: Passed to `load_sharded`: refuse missing/unexpected arrays.
 
@@ -138,7 +141,8 @@ def restore_latest(model: Any, directory: str | os.PathLike, *, data_iterator: A
         CheckpointNotFoundError: `directory` holds no committed step.
         CheckpointMismatchError, ShapeMismatchError, ...: see `load_sharded`.
     """
-    step_dir = latest_step_dir(os.fspath(directory))
+    # Classified first: an unsupported scheme:// is refused, never a local folder.
+    step_dir = latest_step_dir(storage.parse(directory, what="directory").url)
     if step_dir is None:
         raise CheckpointNotFoundError(
             f"No committed checkpoint step under {os.fspath(directory)!r} (half-written "

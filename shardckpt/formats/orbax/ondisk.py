@@ -7,10 +7,17 @@ only integer-named folders are committed steps. A step holds checkpointables
 with one zarr array per leaf, listed in its `_METADATA`), and shardckpt's
 training callback adds two JSON items beside it. The step's own
 `_CHECKPOINT_METADATA` records the items' handlers and `custom_metadata`.
+
+In a bucket (`gs://`, `s3://`; see `shardckpt.formats.storage`) there is no
+rename: a step is written under its final name and counts as committed only
+once its `commit_success.txt` exists, the object Orbax itself writes last on
+GCS and shardckpt's writer writes last everywhere. Each function below takes
+a local path or a bucket URL.
 """
 
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import Sequence
 from typing import Any
@@ -20,6 +27,7 @@ from etils import epath
 from orbax.checkpoint import type_handlers
 
 from shardckpt.errors import CheckpointNotFoundError, CorruptCheckpointError, IncompleteCheckpointError
+from shardckpt.formats import storage
 
 TMP_MARK = ".orbax-checkpoint-tmp"
 """In the name of a step folder Orbax has not committed (yet, or ever)."""
@@ -28,7 +36,7 @@ STEP_METADATA = "_CHECKPOINT_METADATA"
 TREE_METADATA = "_METADATA"
 """The array tree's metadata file inside the arrays item."""
 COMMIT_MARKER = "commit_success.txt"
-"""Orbax's commit marker for file systems without atomic rename."""
+"""Orbax's commit marker for storage without atomic rename (in buckets: written last)."""
 CHECKPOINT_INDICATOR = "orbax.checkpoint"
 """Orbax's (empty) file saying that a folder is a checkpoint step."""
 
@@ -44,8 +52,18 @@ PYTREE_HANDLER = "orbax.checkpoint.experimental.v1._src.handlers.pytree_handler.
 """The handler Orbax records for an arrays item (Keras reads the item by name)."""
 
 
+JSON_ITEM_FILES = ("data.json", "metadata")
+"""The file names Orbax's JsonHandler reads a JSON item from."""
+
+
 def committed_steps(root: str) -> list[int]:
-    """Returns the committed step numbers under an Orbax root, ascending."""
+    """Returns the committed step numbers under an Orbax root, ascending.
+
+    In a bucket: the steps whose `COMMIT_MARKER` exists.
+    """
+    location = storage.parse(root)
+    if location.is_remote:
+        return _marked_steps(storage.list_keys(location))
     steps = []
     for name in os.listdir(root):
         full = os.path.join(root, name)
@@ -54,8 +72,22 @@ def committed_steps(root: str) -> list[int]:
     return sorted(steps)
 
 
+def _marked_steps(keys: list[str]) -> list[int]:
+    names = {key[: -len(COMMIT_MARKER) - 1] for key in keys if key.endswith("/" + COMMIT_MARKER)}
+    return sorted(int(name) for name in names if name.isdigit())
+
+
 def incomplete_steps(root: str) -> list[str]:
-    """Names of the half-written step folders under an Orbax root."""
+    """Names of the half-written step folders under an Orbax root.
+
+    In a bucket: integer-named steps without their `COMMIT_MARKER`.
+    """
+    location = storage.parse(root)
+    if location.is_remote:
+        keys = storage.list_keys(location)
+        committed = set(_marked_steps(keys))
+        names = {key.split("/", 1)[0] for key in keys if "/" in key}
+        return sorted(n for n in names if n.isdigit() and int(n) not in committed)
     return sorted(n for n in os.listdir(root) if TMP_MARK in n)
 
 
@@ -64,15 +96,24 @@ def latest_step_dir(directory: str) -> str | None:
 
     Half-written steps are never returned.
     """
-    directory = os.fspath(directory)
-    if not os.path.isdir(directory):
+    location = storage.parse(os.fspath(directory))
+    if not storage.isdir(location):
         return None
-    steps = committed_steps(directory)
-    return os.path.join(directory, str(steps[-1])) if steps else None
+    steps = committed_steps(location.url)
+    return location.join(str(steps[-1])).url if steps else None
 
 
 def is_orbax_dir(path: str) -> bool:
     """True for an Orbax root or step folder (committed or not)."""
+    location = storage.parse(path)
+    if location.is_remote:
+        keys = storage.list_keys(location)
+        heads = {key.split("/", 1)[0] for key in keys}
+        return (
+            bool(heads & {STEP_METADATA, TREE_METADATA, *TREE_ITEMS})
+            or any(n.isdigit() for n in heads)
+            or any(key.count("/") == 1 and key.endswith("/" + TREE_METADATA) for key in keys)
+        )
     if not os.path.isdir(path):
         return False
     names = os.listdir(path)
@@ -91,7 +132,10 @@ def resolve_step(path: str) -> str:
         IncompleteCheckpointError: the path is a half-written step, or the root
             holds only half-written steps.
     """
-    path = os.path.abspath(os.fspath(path))
+    location = storage.parse(path)
+    if location.is_remote:
+        return _resolve_remote_step(location)
+    path = location.path
     if TMP_MARK in os.path.basename(path):
         raise IncompleteCheckpointError(
             f"{path!r} is a step Orbax never committed (its save was interrupted). "
@@ -112,12 +156,49 @@ def resolve_step(path: str) -> str:
     raise CheckpointNotFoundError(f"No committed Orbax step under {path!r}.")
 
 
+def _resolve_remote_step(location: storage.Location) -> str:
+    keys = storage.list_keys(location)
+    if not keys:
+        raise storage.not_found(location)
+    names = {key.split("/", 1)[0] for key in keys}
+    if STEP_METADATA in names or names & set(TREE_ITEMS) or TREE_METADATA in names:
+        if COMMIT_MARKER not in names:
+            raise IncompleteCheckpointError(
+                f"{location.url!r} is a step that was never committed: it has no "
+                f"{COMMIT_MARKER}, the object written last when a save completes (buckets "
+                "have no atomic rename). Its save was interrupted or is still running. Fix: "
+                "load the checkpoint root or a committed step, or let the save finish."
+            )
+        return location.url
+    steps = _marked_steps(keys)
+    if steps:
+        return location.join(str(steps[-1])).url
+    if any(n.isdigit() for n in names):
+        raise IncompleteCheckpointError(
+            f"{location.url!r} holds only uncommitted steps ({sorted(names)}): none has its "
+            f"{COMMIT_MARKER}, so no save finished. Fix: let a save complete, or restore "
+            "from another checkpoint."
+        )
+    raise CheckpointNotFoundError(f"No committed Orbax step under {location.url!r}.")
+
+
 def tree_dir(step: str) -> str:
     """The folder of a step's array tree (the step itself for a bare tree).
 
     Raises:
         IncompleteCheckpointError: it has no `_METADATA` file.
     """
+    location = storage.parse(step)
+    if location.is_remote:
+        names = storage.listdir(location)
+        item = next((n for n in TREE_ITEMS if n in names), None)
+        remote_tree = location.join(item) if item else location
+        if TREE_METADATA not in storage.listdir(remote_tree):
+            raise IncompleteCheckpointError(
+                f"{remote_tree.url!r} has no {TREE_METADATA} object: the step is incomplete or "
+                "not an Orbax pytree checkpoint. Fix: restore from another step."
+            )
+        return remote_tree.url
     for name in TREE_ITEMS:
         if os.path.isdir(os.path.join(step, name)):
             tree = os.path.join(step, name)
@@ -134,6 +215,10 @@ def tree_dir(step: str) -> str:
 
 def items(step_dir: str) -> list[str]:
     """The checkpointables of a step ("pytree", "model_config", ...), sorted."""
+    location = storage.parse(step_dir)
+    if location.is_remote:
+        keys = storage.list_keys(location)
+        return sorted({k.split("/", 1)[0] for k in keys if "/" in k and not k.startswith((".", "_"))})
     return sorted(
         n for n in os.listdir(step_dir) if os.path.isdir(os.path.join(step_dir, n)) and not n.startswith((".", "_"))
     )
@@ -145,6 +230,9 @@ def read_json_item(step_dir: str, name: str) -> Any:
     Raises:
         CorruptCheckpointError: the item exists but cannot be read.
     """
+    location = storage.parse(step_dir)
+    if location.is_remote:
+        return _read_remote_json_item(location, name)
     if not os.path.isdir(os.path.join(step_dir, name)):
         return None
     try:
@@ -154,6 +242,48 @@ def read_json_item(step_dir: str, name: str) -> Any:
             f"Cannot read item {name!r} of checkpoint step {step_dir!r}: {e}. Fix: "
             "delete this step folder to resume from the previous one."
         ) from e
+
+
+def _read_remote_json_item(step: storage.Location, name: str) -> Any:
+    # Orbax reads items through etils.epath, which has no s3://; a JSON item
+    # is one small object, read as such.
+    for filename in JSON_ITEM_FILES:
+        data = storage.read_bytes(step.join(name, filename))
+        if data is None:
+            continue
+        try:
+            return json.loads(data)
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise CorruptCheckpointError(
+                f"Cannot read item {name!r} of checkpoint step {step.url!r}: {e}. Fix: "
+                "delete this step to resume from the previous one."
+            ) from e
+    return None
+
+
+def read_json(path: str) -> Any:
+    """Reads a small JSON file of a checkpoint (`_METADATA`, ...), local or in a bucket.
+
+    Raises:
+        CorruptCheckpointError: missing or not valid JSON.
+    """
+    data = storage.read_bytes(storage.parse(path))
+    try:
+        if data is None:
+            raise FileNotFoundError(path)
+        return json.loads(data)
+    except (FileNotFoundError, json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise CorruptCheckpointError(f"Cannot read {path!r}: {e}. Fix: restore from another step.") from e
+
+
+def write_json(path: str, value: Any) -> None:
+    """Writes a small JSON file of a checkpoint, local or in a bucket (one object write)."""
+    storage.write_bytes(storage.parse(path), json.dumps(value).encode())
+
+
+def join(path: str, *names: str) -> str:
+    """`os.path.join` for local paths and bucket URLs alike."""
+    return storage.parse(path).join(*names).url
 
 
 def param_name(parts: Sequence[str]) -> str:
@@ -173,11 +303,13 @@ def param_info(
 
     Reader and writer pass it to Orbax's own tensorstore spec builders
     (`get_json_tspec_read` / `get_json_tspec_write`), so both open arrays
-    exactly as Orbax does.
+    exactly as Orbax does. For a tree in a bucket the spec is built for a
+    placeholder folder; `tspec_for` then points it at the bucket.
     """
+    location = storage.parse(tree)
     return type_handlers.ParamInfo(
         name=name,
-        parent_dir=epath.Path(tree),
+        parent_dir=epath.Path(storage.PLACEHOLDER_DIR if location.is_remote else location.path),
         is_ocdbt_checkpoint=True,
         use_compression=use_compression,
         use_zarr3=use_zarr3,
@@ -185,6 +317,25 @@ def param_info(
     )
 
 
+def tspec_for(spec: dict[str, Any], tree: str) -> dict[str, Any]:
+    """A tensorstore spec Orbax built (from `param_info`) for the tree in `tree`.
+
+    Local trees: unchanged. Bucket trees: the OCDBT store's base is the bucket
+    (see `storage.ocdbt_kvstore`).
+    """
+    location = storage.parse(tree)
+    if location.is_remote:
+        spec = dict(spec, kvstore=storage.ocdbt_kvstore(spec["kvstore"], location))
+    return spec
+
+
 def is_zarr3(tree: str, name: str) -> bool:
-    """Orbax >= 0.9 writes zarr3; older checkpoints used zarr v2 (`.zarray`)."""
+    """Orbax >= 0.9 writes zarr3; older checkpoints used zarr v2 (`.zarray`).
+
+    In a bucket zarr3 is assumed: looking for a zarr v2 `.zarray` would cost
+    one request per array.
+    """
+    location = storage.parse(tree)
+    if location.is_remote:
+        return True
     return not os.path.exists(os.path.join(tree, name, ".zarray"))

@@ -10,6 +10,10 @@ per-device buffers. A chunk shared by several pieces (one chunk per array is
 what a single-device save writes) is decoded once: the pieces are read in one
 `ts.Batch`, so their reads of it join; the reader's context also has a chunk
 cache of `cache_bytes`.
+
+In a bucket (`gs://`, `s3://`) metadata JSON is read as single objects and
+array chunks as byte ranges of the OCDBT data files, through TensorStore's
+`gcs` / `s3` drivers; nothing is downloaded whole.
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ from orbax.checkpoint import type_handlers
 
 from shardckpt.budget import CHUNK_CACHE_BYTES
 from shardckpt.errors import CorruptCheckpointError
+from shardckpt.formats import storage
 from shardckpt.formats.base import ArraySpec, Box, ChunkedReader
 from shardckpt.formats.orbax import ondisk
 
@@ -51,29 +56,14 @@ class OrbaxReader(ChunkedReader):
     def __init__(
         self, path: str, *, cache_bytes: int = CHUNK_CACHE_BYTES, memmap: bool = True
     ) -> None:
+        self.location = storage.parse(path)
         self.path = ondisk.resolve_step(os.fspath(path))
         self.tree_dir = ondisk.tree_dir(self.path)
-        try:
-            tree = ocp.metadata(self.path, checkpointable_name=os.path.basename(self.tree_dir))
-            leaves = jax.tree_util.tree_flatten_with_path(tree.metadata)[0]
-        except (ValueError, KeyError, json.JSONDecodeError, FileNotFoundError) as e:
-            raise CorruptCheckpointError(
-                f"Cannot read the array metadata of {self.tree_dir!r}: {e}. Fix: "
-                "restore from another step."
-            ) from e
         self._specs: dict[str, ArraySpec] = {}
         self._names: dict[str, str] = {}
-        for key_path, leaf in leaves:
-            if not hasattr(leaf, "shape"):
-                continue  # a non-array leaf (string, None): not a variable
-            parts = [_key_str(k) for k in key_path]
-            key = "/".join(parts)
-            self._names[key] = ondisk.param_name(parts)
-            self._specs[key] = ArraySpec(shape=tuple(leaf.shape), dtype=np.dtype(leaf.dtype))
-        self._check_all_listed()
         context = ondisk.ts_context().spec.to_json()
         context["cache_pool"] = {"total_bytes_limit": cache_bytes}
-        if memmap:
+        if memmap and not self.location.is_remote:
             # Read chunks straight out of the page cache instead of read()ing
             # them into fresh buffers: a restore is bound by page faults and
             # copies, and this drops one pass over the compressed bytes (about
@@ -82,21 +72,58 @@ class OrbaxReader(ChunkedReader):
         self._context = ts.Context(ts.Context.Spec(context))
         self._stores: dict[str, ts.TensorStore] = {}
         self._lock = threading.Lock()
+        if self.location.is_remote:
+            self._open_remote()
+            return
+        try:
+            tree = ocp.metadata(self.path, checkpointable_name=os.path.basename(self.tree_dir))
+            leaves = jax.tree_util.tree_flatten_with_path(tree.metadata)[0]
+        except (ValueError, KeyError, json.JSONDecodeError, FileNotFoundError) as e:
+            raise CorruptCheckpointError(
+                f"Cannot read the array metadata of {self.tree_dir!r}: {e}. Fix: "
+                "restore from another step."
+            ) from e
+        for key_path, leaf in leaves:
+            if not hasattr(leaf, "shape"):
+                continue  # a non-array leaf (string, None): not a variable
+            parts = [_key_str(k) for k in key_path]
+            key = "/".join(parts)
+            self._names[key] = ondisk.param_name(parts)
+            self._specs[key] = ArraySpec(shape=tuple(leaf.shape), dtype=np.dtype(leaf.dtype))
+        self._check_all_listed()
+
+    def _recorded_arrays(self) -> dict[str, str]:
+        """`{key: Orbax parameter name}` of every array the tree's `_METADATA` lists."""
+        recorded = ondisk.read_json(ondisk.join(self.tree_dir, ondisk.TREE_METADATA))
+        arrays = {}
+        for entry in (recorded.get("tree_metadata") or {}).values() if isinstance(recorded, dict) else ():
+            value = entry.get("value_metadata", {})
+            if (
+                not value.get("skip_deserialize", False) and "Array" in value.get("value_type", "")
+                or value.get("value_type") == "np.ndarray"
+            ):
+                parts = [str(k["key"]) for k in entry["key_metadata"]]
+                arrays["/".join(parts)] = ondisk.param_name(parts)
+        return arrays
+
+    def _open_remote(self) -> None:
+        # Orbax's metadata API reads through etils.epath, which has no s3://
+        # and needs extra packages for gs://; the shapes and dtypes it
+        # reports come from the arrays' zarr metadata, which opening each
+        # store reads too (small ranged reads, all arrays concurrently).
+        self._names = self._recorded_arrays()
+        futures = {key: self._open_store(key) for key in self._names}
+        for key, future in futures.items():
+            store = self._opened(key, future)
+            self._specs[key] = ArraySpec(shape=tuple(store.shape), dtype=np.dtype(store.dtype.numpy_dtype))
+            self._stores[key] = store
 
     def _check_all_listed(self) -> None:
         # Orbax's metadata call logs and drops arrays whose store it cannot
         # open (a damaged OCDBT node), returning a smaller tree; compare with
         # the tree Orbax recorded at save time so damage is not read as
         # "missing keys".
-        with open(os.path.join(self.tree_dir, ondisk.TREE_METADATA)) as f:
-            recorded = json.load(f).get("tree_metadata", {})
-        expected = {
-            "/".join(str(k["key"]) for k in entry["key_metadata"])
-            for entry in recorded.values()
-            if not entry.get("value_metadata", {}).get("skip_deserialize", False)
-            and "Array" in entry.get("value_metadata", {}).get("value_type", "")
-            or entry.get("value_metadata", {}).get("value_type") == "np.ndarray"
-        }
+        expected = set(self._recorded_arrays())
         lost = sorted(expected - set(self._specs))
         if lost:
             raise CorruptCheckpointError(
@@ -110,18 +137,7 @@ class OrbaxReader(ChunkedReader):
             store = self._stores.get(key)
         if store is not None:
             return store
-        name = self._names[key]
-        info = ondisk.param_info(
-            name, self.tree_dir, context=self._context, use_zarr3=ondisk.is_zarr3(self.tree_dir, name)
-        )
-        spec = type_handlers.get_json_tspec_read(info, use_ocdbt=True)
-        try:
-            store = ts.open(spec, read=True, context=self._context).result()
-        except ValueError as e:
-            raise CorruptCheckpointError(
-                f"Array {key!r} of {self.tree_dir!r} cannot be opened: {e}. Fix: "
-                "restore from another step."
-            ) from e
+        store = self._opened(key, self._open_store(key))
         spec_shape = self._specs[key].shape
         if tuple(store.shape) != spec_shape:
             raise CorruptCheckpointError(
@@ -131,6 +147,26 @@ class OrbaxReader(ChunkedReader):
         with self._lock:
             self._stores[key] = store
         return store
+
+    def _open_store(self, key: str) -> ts.Future:
+        name = self._names[key]
+        info = ondisk.param_info(
+            name, self.tree_dir, context=self._context, use_zarr3=ondisk.is_zarr3(self.tree_dir, name)
+        )
+        spec = ondisk.tspec_for(type_handlers.get_json_tspec_read(info, use_ocdbt=True), self.tree_dir)
+        return ts.open(spec, read=True, context=self._context)
+
+    def _opened(self, key: str, future: ts.Future) -> ts.TensorStore:
+        try:
+            return future.result()
+        except ValueError as e:
+            typed = storage.translate(e, self.location)
+            if typed is not e:  # a bucket refused or lost the request: not damage
+                raise typed from e
+            raise CorruptCheckpointError(
+                f"Array {key!r} of {self.tree_dir!r} cannot be opened: {e}. Fix: "
+                "restore from another step."
+            ) from e
 
     def keys(self) -> list[str]:
         return list(self._specs)
@@ -182,22 +218,25 @@ class OrbaxReader(ChunkedReader):
             for future in futures:
                 future.result()
         except ValueError as e:
-            raise CorruptCheckpointError(
-                f"Reading array {key!r} of {self.tree_dir!r} failed: {e}. The chunk "
-                "data is damaged. Fix: restore from another step."
-            ) from e
+            raise self._read_error(key, e) from e
 
     def read(self, key: str, box: Box) -> np.ndarray:
         store = self._store(key)
         try:
             data = store[box].read().result() if box else store.read().result()
         except ValueError as e:
-            raise CorruptCheckpointError(
-                f"Reading array {key!r} of {self.tree_dir!r} failed: {e}. The chunk "
-                "data is damaged. Fix: restore from another step."
-            ) from e
+            raise self._read_error(key, e) from e
         # np.asarray, not np.ascontiguousarray: the latter turns scalars into 1-D.
         return np.asarray(data, order="C")
+
+    def _read_error(self, key: str, error: ValueError) -> BaseException:
+        typed = storage.translate(error, self.location)
+        if typed is not error:  # a bucket refused or lost the request: not damage
+            return typed
+        return CorruptCheckpointError(
+            f"Reading array {key!r} of {self.tree_dir!r} failed: {error}. The chunk "
+            "data is damaged. Fix: restore from another step."
+        )
 
     def close(self) -> None:
         self._stores.clear()

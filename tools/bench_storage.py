@@ -1,0 +1,193 @@
+#!/usr/bin/env python3
+"""Restore from buckets: the bench_restore model from local disk, fake GCS and fake S3.
+
+Builds the MLP stack of `tools/bench_restore.py` (default ~400M parameters,
+1.6 GB float32), saves it with Keras (`.weights.h5`) and converts it with
+`shardckpt.convert` into one Orbax step on local disk, one in a bucket of
+fake-gcs-server and one in a bucket of moto's S3 server (both started here,
+each in its own process on 127.0.0.1). Then, each in a fresh process on 8
+simulated CPU devices under the same `ModelParallel` as bench_restore, it
+builds the model under `lazy_init()` and runs `load_sharded` from each copy:
+seconds, CPU seconds, and peak anonymous memory of the load over the final
+state (RssAnon sampled during the load; the servers' memory is theirs, in
+their own processes).
+
+The fake servers run on this machine, so the figures show shardckpt's own
+cost of reading through TensorStore's gcs / s3 drivers (HTTP, no disk
+mapping, each piece fetched as byte ranges), not a cloud's bandwidth.
+
+Usage:
+    python tools/bench_storage.py [--blocks 12] [--dim 2048] [--repeat 1] [--smoke]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+from _bench import ROOT, PeakSampler, cpu_seconds, emit, rss_anon, run_child
+
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)  # tests.buckets starts the fake servers
+
+
+def prepare(args) -> None:
+    """Child: writes the h5 and converts it to local disk and both buckets."""
+    import bench_restore
+
+    bench_restore._setup_jax(8)
+    import numpy as np
+
+    import shardckpt
+
+    model = bench_restore.build(args.blocks, args.dim)
+    rng = np.random.default_rng(0)
+    for v in model.weights:
+        v.assign(rng.standard_normal(v.shape, dtype=np.float32) * 0.02)
+    h5 = os.path.join(args.workdir, "model.weights.h5")
+    model.save_weights(h5)
+    seconds = {}
+    for name, dst in json.loads(args.targets).items():
+        start = time.perf_counter()
+        shardckpt.convert(h5, dst, model=model, progress=False)
+        seconds[name] = time.perf_counter() - start
+    emit({"params": int(model.count_params()), "convert_s": seconds})
+
+
+def run(args) -> None:
+    """Child: lazily builds the model and loads it from `args.source`."""
+    import bench_restore
+
+    bench_restore._setup_jax(8)
+    import jax
+    import keras
+    import numpy as np
+
+    import shardckpt
+    from shardckpt.restore import hostmem
+
+    keras.distribution.set_distribution(bench_restore.distribution())
+    with shardckpt.lazy_init():
+        model = bench_restore.build(args.blocks, args.dim)
+    jax.block_until_ready(jax.device_put(np.zeros(1, np.float32), jax.devices()[0]))
+    hostmem.trim()
+    with PeakSampler() as sampler:
+        start, cpu = time.perf_counter(), cpu_seconds()
+        report = shardckpt.load_sharded(model, args.source, progress=False)
+        jax.block_until_ready([v.value for v in model.weights])
+        load_s, load_cpu = time.perf_counter() - start, cpu_seconds() - cpu
+    final = rss_anon()
+    kernel = next(v for v in model.weights if v.path.endswith("_down/kernel"))
+    out = {
+        "load_s": load_s,
+        "load_cpu_s": load_cpu,
+        "bytes_read": report.bytes_read,
+        "state_gb": sum(int(np.prod(v.shape)) * 4 for v in model.weights) / 1e9,
+        "peak_over_final_gb": (sampler.peak - final) / 1e9,
+        "sharding": str(getattr(kernel.value.sharding, "spec", kernel.value.sharding)),
+        # A spot check that every copy holds the same values.
+        "checksum": float(np.asarray(kernel.value, np.float64).sum()),
+    }
+    emit(out)
+
+
+def _child(args, *extra: str) -> dict:
+    return run_child(os.path.abspath(__file__), "--workdir", args.workdir,
+                     "--blocks", str(args.blocks), "--dim", str(args.dim), *extra)
+
+
+def _start_servers(stack):
+    """Starts fake-gcs-server and moto's S3 server, each a process of its own."""
+    from tests import buckets
+
+    gcs, gcs_server = buckets.start_gcs()  # the wrapper runs the Go binary as a subprocess
+    stack.append(gcs_server.stop)
+    port = buckets._free_port()
+    # moto in its own process, so that the 1.6 GB it holds is not the loader's.
+    moto = subprocess.Popen(
+        [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )
+    stack.append(lambda: (moto.terminate(), moto.wait(timeout=30)))
+    endpoint = f"http://127.0.0.1:{port}"
+    s3 = buckets.FakeServer("s3", endpoint, {
+        "AWS_ENDPOINT_URL": endpoint, "AWS_ACCESS_KEY_ID": "testing",
+        "AWS_SECRET_ACCESS_KEY": "testing", "AWS_REGION": "us-east-1",
+    })
+    deadline = time.monotonic() + 30
+    while True:
+        try:
+            url_s3 = s3.new_bucket()
+            break
+        except OSError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.2)
+    return {"gs": (gcs, gcs.new_bucket()), "s3": (s3, url_s3)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--blocks", type=int, default=12)
+    parser.add_argument("--dim", type=int, default=2048)
+    parser.add_argument("--repeat", type=int, default=1, help="runs per source; the fastest is shown")
+    parser.add_argument("--workdir", default=None)
+    parser.add_argument("--smoke", action="store_true", help="a tiny model (a test runs this)")
+    parser.add_argument("--_prepare", metavar="TARGETS", dest="targets", help=argparse.SUPPRESS)
+    parser.add_argument("--_run", metavar="SOURCE", dest="source", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.smoke:
+        args.blocks, args.dim = 1, 64
+    if args.targets:
+        prepare(args)
+        return
+    if args.source:
+        run(args)
+        return
+    cleanup = None
+    if args.workdir is None:
+        cleanup = tempfile.TemporaryDirectory(prefix="bench_storage_")
+        args.workdir = cleanup.name
+    stack: list = []
+    try:
+        servers = _start_servers(stack)
+        for server, _ in servers.values():
+            os.environ.update(server.env)  # the children's endpoints and test credentials
+        sources = {"local disk": os.path.join(args.workdir, "orbax")}
+        sources.update({f"fake {'GCS' if s == 'gs' else 'S3'}": f"{url}/orbax" for s, (_, url) in servers.items()})
+        info = _child(args, "--_prepare", json.dumps(sources))
+        print(f"model: {info['params']:,} parameters, {info['params'] * 4 / 1e9:.3f} GB float32; "
+              f"ModelParallel (1, 8 CPU devices); workdir {args.workdir}")
+        rows = []
+        for name, source in sources.items():
+            runs = [_child(args, "--_run", source) for _ in range(args.repeat)]
+            rows.append((name, source, info["convert_s"][name], min(runs, key=lambda r: r["load_s"])))
+    finally:
+        for stop in reversed(stack):
+            stop()
+        if cleanup:
+            cleanup.cleanup()
+    _print(rows)
+    emit({"rows": [dict(r, source=name, convert_s=c) for name, _, c, r in rows]})
+
+
+def _print(rows) -> None:
+    local = rows[0][3]["load_s"]
+    print(f"{'source':<11} {'convert s':>9} {'load s':>7} {'load CPU s':>10} {'vs local':>8} "
+          f"{'peak over final GB':>18}  sharding")
+    for name, _, convert_s, r in rows:
+        print(f"{name:<11} {convert_s:>9.2f} {r['load_s']:>7.2f} {r['load_cpu_s']:>10.2f} "
+              f"{r['load_s'] / local:>7.2f}x {r['peak_over_final_gb']:>18.3f}  {r['sharding']}")
+    sums = {r["checksum"] for _, _, _, r in rows}
+    print(f"state {rows[0][3]['state_gb']:.3f} GB; same values from every source: {len(sums) == 1}")
+    if len(sums) != 1:
+        raise SystemExit("the sources disagree")
+
+
+if __name__ == "__main__":
+    main()
