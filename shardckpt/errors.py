@@ -56,7 +56,17 @@ class DestinationExistsError(ShardckptError, FileExistsError):
 
 
 class BackgroundSaveError(ShardckptError, RuntimeError):
-    """A checkpoint save that ran in the background failed."""
+    """A checkpoint save that ran in the background failed.
+
+    Attributes:
+        original: The exception the save raised on its thread.
+        step: The step that was being saved (None if not known).
+    """
+
+    def __init__(self, message: str, *, original: Exception | None = None, step: int | None = None) -> None:
+        super().__init__(message)
+        self.original = original
+        self.step = step
 
 
 class CheckpointMismatchError(ShardckptError, ValueError):

@@ -339,7 +339,7 @@ def keras_hub_style_axes(model: keras.Model, model_axis: str = "model", data_axi
     """Path -> axes as keras-hub's Llama map would place these models' variables."""
     m, d = model_axis, data_axis
     axes = {}
-    embeddings = [l for l in _walk(model) if isinstance(l, layers.Embedding)]
+    embeddings = [layer for layer in _walk(model) if isinstance(layer, layers.Embedding)]
     if embeddings:
         axes[embeddings[0].embeddings.path] = (m, d)  # token_embedding/embeddings
     for layer in _walk(model):
@@ -348,9 +348,9 @@ def keras_hub_style_axes(model: keras.Model, model_axis: str = "model", data_axi
             for sub in subs[:3]:
                 axes[sub.kernel.path] = (m, d, None)  # .*attention.*(query|key|value).kernel
             axes[subs[3].kernel.path] = (m, None, d)  # .*attention_output.kernel
-    dense = [l for l in _walk(model) if isinstance(l, layers.Dense) and not _inside_moe(model, l)]
-    head = dense[-1] if not any(isinstance(l, TiedLogits) for l in _walk(model)) else None
-    mlp = [l for l in dense if l is not head]
+    dense = [layer for layer in _walk(model) if isinstance(layer, layers.Dense) and not _inside_moe(model, layer)]
+    head = dense[-1] if not any(isinstance(layer, TiedLogits) for layer in _walk(model)) else None
+    mlp = [layer for layer in dense if layer is not head]
     for layer in mlp:
         if layer.kernel.shape[0] < layer.kernel.shape[1]:
             axes[layer.kernel.path] = (d, m)  # feedforward_intermediate / gate
@@ -362,11 +362,16 @@ def keras_hub_style_axes(model: keras.Model, model_axis: str = "model", data_axi
 
 
 def _walk(model):
-    return [l for l in model._flatten_layers(include_self=False, recursive=True)]
+    return list(model._flatten_layers(include_self=False, recursive=True))
 
 
 def _inside_moe(model, layer) -> bool:
-    return any(isinstance(l, DenseMoE) and l.router is layer for l in _walk(model))
+    return any(isinstance(other, DenseMoE) and other.router is layer for other in _walk(model))
+
+
+def _jitted_forward(model):
+    """`model`'s forward pass, jitted (a function of its own binds this model, not the loop's variable)."""
+    return jax.jit(lambda a, b, x: model.stateless_call(a, b, x)[0])
 
 
 def _placed_state(model, sharding_of):
@@ -394,7 +399,7 @@ def measure(build, sharding_for_model, inputs_for):
         sharding_of, split = sharding_for_model(model)
         xs = inputs_for(model)
         tv, ntv = _placed_state(model, sharding_of)
-        forward = jax.jit(lambda a, b, x: model.stateless_call(a, b, x)[0])
+        forward = _jitted_forward(model)
         counts = count_collectives(forward.lower(tv, ntv, xs).compile().as_text())
         err = 0.0
         # Reference: the same program on one device (eager execution rounds

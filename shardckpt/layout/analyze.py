@@ -35,7 +35,9 @@ falls back to replication with the reason recorded.
 from __future__ import annotations
 
 import dataclasses
+import enum
 import math
+from typing import Final, Literal
 
 from shardckpt.layout.flow import CONTRACTED, Kept, dot_free_position, follow, is_elementwise
 from shardckpt.layout.trace import Graph, Op, Value
@@ -59,7 +61,13 @@ class Decision:
     fallback: bool = False
 
 
-_UNDECIDED = object()
+class _Undecided(enum.Enum):
+    """The type of `_UNDECIDED` (an enum member, so `is _UNDECIDED` narrows types)."""
+
+    TOKEN = 0
+
+
+_UNDECIDED: Final = _Undecided.TOKEN
 
 
 class _Planner:
@@ -71,13 +79,14 @@ class _Planner:
         # Values computed from variables alone (views, or element-wise math
         # such as batch norm's `gamma * rsqrt(variance)`): for each variable,
         # (variable index, value dim -> variable dim or None).
-        self.origin: dict[Value, list[tuple[int, tuple[int | None, ...]]]] = {
-            v: [(v.param, tuple(range(len(v.shape))))] for v in graph.params
-        }
+        self.origin: dict[Value, list[tuple[int, tuple[int | None, ...]]]] = {}
+        for v in graph.params:
+            assert v.param is not None, "Graph.params holds variables' values, each with its index"
+            self.origin[v] = [(v.param, tuple(range(len(v.shape))))]
         self._good: dict[tuple[int, int], bool] = {}
 
     # -- state -----------------------------------------------------------
-    def effective(self, value: Value):
+    def effective(self, value: Value) -> int | None | Literal[_Undecided.TOKEN]:
         """The split dim of `value`, None, or _UNDECIDED (built from an undecided variable)."""
         if value not in self.origin:
             return self.split.get(value)

@@ -126,7 +126,8 @@ def _rule_axes(
                 f"Layout rule {pattern!r} names mesh axis {axis!r} for {path!r}, but the mesh "
                 f"axes are {tuple(axis_size)}. Fix: use one of them. Received: axes={axes}"
             )
-    kept, dropped = [], []
+    kept: list[str | None] = []
+    dropped: list[str] = []
     for dim, (size, axis) in enumerate(zip(shape, axes)):
         if axis is not None and size % axis_size[axis]:
             dropped.append(f"dim {dim} ({size}) over {axis!r} ({axis_size[axis]})")

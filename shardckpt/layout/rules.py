@@ -9,14 +9,15 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterable, Mapping
-from typing import Any
+from typing import Any, TypeAlias
 
 from keras import distribution as kd
 
 from shardckpt.errors import LayoutError
 
 Axes = tuple[str | None, ...]
-RulesLike = Mapping[str, Any] | Iterable[tuple[str, Any]] | kd.LayoutMap | None
+# Explicit alias: `kd.LayoutMap` comes from untyped Keras, so mypy would not infer one.
+RulesLike: TypeAlias = Mapping[str, Any] | Iterable[tuple[str, Any]] | kd.LayoutMap | None
 
 
 def normalize_rules(rules: RulesLike) -> list[tuple[re.Pattern, Axes]]:

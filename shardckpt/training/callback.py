@@ -49,6 +49,7 @@ from shardckpt.formats import storage
 from shardckpt.training import iterators, preemption, resume, retention
 from shardckpt.training import metadata as metadata_lib
 from shardckpt.training import snapshot as snapshot_lib
+from shardckpt.training.resume import ResumeInfo
 
 _log = logging.getLogger("shardckpt")
 
@@ -164,6 +165,7 @@ class OrbaxCheckpoint(MonitorCallback):
         snapshot_budget_bytes: int = snapshot_lib.DEFAULT_BUDGET_BYTES,
     ) -> None:
         super().__init__(monitor, mode, initial_value_threshold)
+        self.best: float | None  # set by MonitorCallback.__init__ (initial_value_threshold)
         if save_freq != "epoch" and (not isinstance(save_freq, int) or isinstance(save_freq, bool) or save_freq < 1):
             raise ValueError(f"Unrecognized save_freq: {save_freq}. Expected save_freq are 'epoch' or integer values")
         if snapshot not in snapshot_lib.MODES:
@@ -204,7 +206,8 @@ class OrbaxCheckpoint(MonitorCallback):
             else None
         )
         self.checkpointer: Any = None
-        self.resumed: resume.ResumeInfo | None = None
+        # ResumeInfo by name: in this method `resume` is the argument, not the module.
+        self.resumed: ResumeInfo | None = None
         self.save_blocking_s: list[float] = []
         self.save_waits_s: list[float] = []
         self.compression = compression
@@ -221,6 +224,21 @@ class OrbaxCheckpoint(MonitorCallback):
         self._pending: Any = None  # Future (worker) or Orbax AsyncResponse
         self._pending_step: int | None = None
         self._iterator_restored_from: str | None = None
+        # Per-fit state, set by `_reset_counters` (here and at each fit's start).
+        self._epoch: int
+        self._batch_in_epoch: int
+        self._last_batch_seen: int | None
+        self._batches_since_save: int
+        self._fit_batches: int
+        self._resume_epoch: int | None
+        self._resume_offset: int
+        self._resume_metrics: list[np.ndarray] | None
+        self._stopped_epoch_early: bool
+        self._batch_ends: int
+        self._last_saved_step: int | None
+        self._replace_step: int | None
+        self._steps_per_epoch: int | None
+        self._total_batches_seen: int
         self._reset_counters()
 
     # ---- public API ---------------------------------------------------------
@@ -318,7 +336,7 @@ class OrbaxCheckpoint(MonitorCallback):
             # `_model`, not `model`: the property would sync the JAX state every batch.
             self._model.stop_training = True
             self._stopped_epoch_early = True
-        if self.save_freq == "epoch":
+        if isinstance(self.save_freq, str):  # "epoch": saved in on_epoch_end
             return
         self._batches_since_save += add
         if self._batches_since_save < self.save_freq:
@@ -327,7 +345,7 @@ class OrbaxCheckpoint(MonitorCallback):
         if self.save_best_only and not self._improved(logs, f"batch {batch}"):
             return
         # A save after an epoch's last batch resumes at the next epoch.
-        complete = bool(self._steps_per_epoch) and self._batch_in_epoch >= self._steps_per_epoch
+        complete = bool(self._steps_per_epoch and self._batch_in_epoch >= self._steps_per_epoch)
         self._save(self._total_batches_seen, logs, epoch_complete=complete)
 
     def on_epoch_end(self, epoch: int, logs: dict | None = None) -> None:
@@ -372,7 +390,7 @@ class OrbaxCheckpoint(MonitorCallback):
 
     def _save_for_preemption(self, logs: dict | None) -> None:
         """Saves the state after this batch, waits for the commit, stops fit."""
-        complete = bool(self._steps_per_epoch) and self._batch_in_epoch >= self._steps_per_epoch
+        complete = bool(self._steps_per_epoch and self._batch_in_epoch >= self._steps_per_epoch)
         step = self._epoch if self.save_freq == "epoch" else self._total_batches_seen
         if step != self._last_saved_step or step == self._replace_step:
             # (A scheduled save of this very batch already holds the state.)
@@ -512,7 +530,7 @@ class OrbaxCheckpoint(MonitorCallback):
         _keras.set_initial_epoch(self._model, info.next_epoch)
         self._total_batches_seen = int(meta.get("total_batches") or 0)
         self._last_saved_step = info.step
-        if self.save_freq != "epoch":
+        if isinstance(self.save_freq, int):  # not "epoch"
             # Saves fall on the same batches as in the uninterrupted run.
             self._batches_since_save = self._total_batches_seen % self.save_freq
         elif not info.epoch_complete:
@@ -547,16 +565,16 @@ class OrbaxCheckpoint(MonitorCallback):
     def _reset_counters(self) -> None:
         self._epoch = 0
         self._batch_in_epoch = 0
-        self._last_batch_seen: int | None = None
+        self._last_batch_seen = None
         self._batches_since_save = 0
         self._fit_batches = 0
-        self._resume_epoch: int | None = None
+        self._resume_epoch = None
         self._resume_offset = 0
-        self._resume_metrics: list[np.ndarray] | None = None
+        self._resume_metrics = None
         self._stopped_epoch_early = False
         self._batch_ends = 0
-        self._last_saved_step: int | None = None
-        self._replace_step: int | None = None
+        self._last_saved_step = None
+        self._replace_step = None
         params = getattr(self, "params", None) or {}
         self._steps_per_epoch = params.get("steps")
         model = getattr(self, "_model", None)
@@ -618,15 +636,14 @@ def _background_error(error: Exception, step: int | None, directory: str) -> Bac
     `__cause__` is set too, but Keras' traceback filtering re-raises errors
     from `fit` with `from None`, so the attributes are what survives.
     """
-    wrapped = BackgroundSaveError(
+    return BackgroundSaveError(
         f"Saving checkpoint step {step} to {directory!r} failed in the background: "
         f"{type(error).__name__}: {error}. The step was not committed; earlier steps "
         "are intact. Fix: check disk space and permissions of the directory, then "
-        "rerun (training resumes from the last committed step)."
+        "rerun (training resumes from the last committed step).",
+        original=error,
+        step=step,
     )
-    wrapped.original = error
-    wrapped.step = step
-    return wrapped
 
 
 def _sync(key: str) -> None:

@@ -71,7 +71,7 @@ class PreemptionWatch:
         self.signals = signals
         self.notice = threading.Event()
         self._previous: dict[int, Any] = {}
-        self._jax = None
+        self._jax: Any = None  # JAX's (untyped, private) preemption sync manager while attached
         self.mode = "off"
 
     def start(self) -> None:

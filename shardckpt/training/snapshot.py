@@ -96,7 +96,8 @@ def choose_mode(values: list[jax.Array], mode: str, budget_bytes: int) -> str:
 def _host_kind(value: jax.Array) -> str | None:
     """The host memory kind `value`'s devices copy to, or None if they have none."""
     device = next(iter(value.sharding.device_set))
-    kinds = {m.kind for m in device.addressable_memories()}
+    # jaxlib's Device stub lacks addressable_memories(), a public method of every device.
+    kinds = {m.kind for m in device.addressable_memories()}  # type: ignore[attr-defined]
     for kind in ("pinned_host", "unpinned_host"):
         if kind in kinds:
             return kind
