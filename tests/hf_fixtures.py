@@ -35,10 +35,10 @@ from shardckpt.formats.base import DTYPES, ArraySpec
 from shardckpt.presets import hf
 from shardckpt.presets.hf_record import record
 
-V, H, L, I = 64, 32, 2, 64  # vocab, hidden, layers, intermediate
+V, H, L, FF = 64, 32, 2, 64  # vocab, hidden, layers, intermediate
 
 _LLAMA_LIKE = {
-    "vocab_size": V, "hidden_size": H, "num_hidden_layers": L, "intermediate_size": I,
+    "vocab_size": V, "hidden_size": H, "num_hidden_layers": L, "intermediate_size": FF,
     "num_attention_heads": 4, "num_key_value_heads": 2, "rms_norm_eps": 1e-6, "rope_theta": 10000.0,
     "tie_word_embeddings": False,
 }
@@ -47,7 +47,7 @@ CONFIGS: dict[str, dict[str, Any]] = {
     "llama": {"model_type": "llama", "architectures": ["LlamaForCausalLM"], **_LLAMA_LIKE},
     "gemma2": {
         "model_type": "gemma2", "architectures": ["Gemma2ForCausalLM"], "vocab_size": V, "hidden_size": H,
-        "num_hidden_layers": L, "intermediate_size": I // 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+        "num_hidden_layers": L, "intermediate_size": FF // 2, "num_attention_heads": 4, "num_key_value_heads": 2,
         "head_dim": 8, "query_pre_attn_scalar": 8, "final_logit_softcapping": 30.0,
         "attn_logit_softcapping": 50.0, "sliding_window": 16, "rms_norm_eps": 1e-6,
     },
@@ -72,13 +72,13 @@ CONFIGS: dict[str, dict[str, Any]] = {
     },
     "phi3": {
         "model_type": "phi3", "architectures": ["Phi3ForCausalLM"], "vocab_size": V, "hidden_size": H,
-        "num_hidden_layers": L, "intermediate_size": I, "num_attention_heads": 4, "num_key_value_heads": 2,
+        "num_hidden_layers": L, "intermediate_size": FF, "num_attention_heads": 4, "num_key_value_heads": 2,
         "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "max_position_embeddings": 64,
         "original_max_position_embeddings": 64, "rope_scaling": None, "tie_word_embeddings": False,
     },
     "bert": {
         "model_type": "bert", "architectures": ["BertModel"], "vocab_size": V, "hidden_size": H,
-        "num_hidden_layers": L, "num_attention_heads": 4, "intermediate_size": I, "max_position_embeddings": 32,
+        "num_hidden_layers": L, "num_attention_heads": 4, "intermediate_size": FF, "max_position_embeddings": 32,
         "type_vocab_size": 2, "layer_norm_eps": 1e-12,
     },
 }
@@ -89,7 +89,7 @@ def _exported(name: str) -> Any:
     import keras_hub
 
     m = keras_hub.models
-    tiny = {"vocabulary_size": V, "num_layers": L, "hidden_dim": H, "intermediate_dim": I}
+    tiny = {"vocabulary_size": V, "num_layers": L, "hidden_dim": H, "intermediate_dim": FF}
     factories = {
         # Gemma's exporter writes one key/value head (keras-hub 0.32).
         "gemma": lambda **kw: m.GemmaBackbone(**tiny, num_query_heads=4, num_key_value_heads=1, head_dim=8, **kw),

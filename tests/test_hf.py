@@ -173,7 +173,7 @@ def test_each_device_box_is_a_view_of_only_its_bytes(tmp_path):
         # The down projection's column block: only those stored rows.
         key = "transformer_layer_0/feedforward_output_dense/kernel"
         stored = reader._tensors.view("model.layers.0.mlp.down_proj.weight", (slice(None),) * 2)
-        view = reader.view(key, (slice(0, fx.I), slice(8, 16)))
+        view = reader.view(key, (slice(0, fx.FF), slice(8, 16)))
         row = stored.shape[1] * stored.itemsize
         assert _span(view, stored)[0] == 8 * row and _span(view, stored)[1] <= 16 * row
     finally:

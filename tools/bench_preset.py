@@ -35,24 +35,15 @@ Usage:
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
-import subprocess
-import sys
 import tempfile
 import time
 
-HERE = os.path.dirname(os.path.abspath(__file__))
+from _bench import PeakSampler, emit, rss_anon, run_child, setup_jax
+
 FORMS = ("single", "sharded")
 MODES = ("keras-hub", "shardckpt", "shardckpt-auto")
-
-
-def _setup_jax() -> None:
-    os.environ["KERAS_BACKEND"] = "jax"
-    os.environ.setdefault("JAX_PLATFORMS", "cpu")
-    if "--xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
-        os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
 
 
 def config(args) -> dict:
@@ -67,7 +58,7 @@ def config(args) -> dict:
 
 
 def prepare(args) -> None:
-    _setup_jax()
+    setup_jax(8)
     import keras_hub
     import numpy as np
 
@@ -78,7 +69,7 @@ def prepare(args) -> None:
     backbone.save_to_preset(os.path.join(args.workdir, "single"))
     backbone.save_to_preset(os.path.join(args.workdir, "sharded"), max_shard_size=args.shard_gb)
     shards = [n for n in os.listdir(os.path.join(args.workdir, "sharded")) if n.startswith("model_0")]
-    print("RESULT " + json.dumps({"params": int(backbone.count_params()), "shards": len(shards)}))
+    emit({"params": int(backbone.count_params()), "shards": len(shards)})
 
 
 def layout_map():
@@ -90,12 +81,10 @@ def layout_map():
 
 
 def run(args) -> None:
-    _setup_jax()
-    sys.path.insert(0, HERE)
+    setup_jax(8)
     import jax
     import keras
     import keras_hub
-    from _memory import PeakSampler, rss_anon
 
     import shardckpt
     from shardckpt.restore import hostmem
@@ -126,17 +115,11 @@ def run(args) -> None:
         "state_gb": state / 1e9,
         "embedding_sharding": str(embedding.value.sharding.spec),
     }
-    print("RESULT " + json.dumps(out))
+    emit(out)
 
 
 def _child(args, *extra: str) -> dict:
-    os.sync()  # no cell pays for an earlier one's writeback
-    cmd = [sys.executable, os.path.abspath(__file__), "--workdir", args.workdir, *_size_args(args), *extra]
-    proc = subprocess.run(cmd, capture_output=True, text=True)
-    if proc.returncode != 0:
-        raise SystemExit(f"child {extra} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
-    line = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")][-1]
-    return json.loads(line.removeprefix("RESULT "))
+    return run_child(os.path.abspath(__file__), "--workdir", args.workdir, *_size_args(args), *extra)
 
 
 def _size_args(args) -> list[str]:

@@ -77,7 +77,7 @@ def preset_loader(folder: str, config: dict | None = None) -> Any:
             f"and name maps): {e}. Fix: pip install keras-hub."
         ) from e
     config = read_config(folder) if config is None else config
-    data_converter = _DATA_CONVERTERS.get(config.get("model_type"))
+    data_converter = _DATA_CONVERTERS.get(str(config.get("model_type")))
     if data_converter is not None:
         import importlib
 

@@ -88,9 +88,10 @@ class Tensor:
         return self.shape[0]
 
     def transpose(self, *axes: Any) -> Tensor:
+        order: Any = axes
         if len(axes) == 1 and (axes[0] is None or isinstance(axes[0], (tuple, list))):
-            axes = axes[0]
-        perm = tuple(range(self.ndim))[::-1] if not axes else tuple(int(a) % self.ndim for a in axes)
+            order = axes[0]  # numpy's transpose(None) and transpose((1, 0)) forms
+        perm = tuple(range(self.ndim))[::-1] if not order else tuple(int(a) % self.ndim for a in order)
         return self._transpose(perm)
 
     def reshape(self, *shape: Any, order: str = "C") -> Tensor:

@@ -213,8 +213,8 @@ def match_jobs(
 
 
 def _unique(variables: list[Any]) -> list[Any]:
-    seen: set[int] = set()
-    return [v for v in variables if not (id(v) in seen or seen.add(id(v)))]
+    # In order of first appearance; keyed by identity (variables hash by value).
+    return list({id(v): v for v in variables}.values())
 
 
 def _check_divisible(variable: Any, target: TargetLayout) -> None:

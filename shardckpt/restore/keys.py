@@ -33,8 +33,8 @@ there is no public way to ask Keras which key a variable is saved under.
 from __future__ import annotations
 
 import contextlib
-import re
 import dataclasses
+import re
 from collections.abc import Iterable, Iterator
 from typing import Any
 
