@@ -9,6 +9,7 @@ import json
 import os
 import signal
 import sys
+import time
 
 process_id, port, folder = int(sys.argv[1]), sys.argv[2], sys.argv[3]
 os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
@@ -96,6 +97,21 @@ class SigtermAt(keras.callbacks.Callback):
             os.kill(os.getpid(), signal.SIGTERM)
 
 
+class SlowAfter(keras.callbacks.Callback):
+    """Steps of `seconds` after batch `n`, as real training steps take: JAX's
+    preemption notice reaches the other process asynchronously, and these tiny
+    steps would otherwise finish the run before it arrives on a loaded machine."""
+
+    def __init__(self, n, seconds):
+        super().__init__()
+        self.n, self.seconds, self.seen = n, seconds, 0
+
+    def on_train_batch_end(self, batch, logs=None):
+        self.seen += 1
+        if self.seen >= self.n:
+            time.sleep(self.seconds)
+
+
 class CountBatches(keras.callbacks.Callback):
     def __init__(self):
         super().__init__()
@@ -112,7 +128,7 @@ data = ShuffledIterator(seed=10 + process_id)
 pre = OrbaxCheckpoint(os.path.join(folder, "preempt"), save_freq=5, data_iterator=data, max_to_keep=2)
 count = CountBatches()
 extra = [SigtermAt(3)] if process_id == 0 else []
-model.fit(pre.batches(), steps_per_epoch=3, epochs=6, callbacks=[*extra, pre, count], verbose=0)
+model.fit(pre.batches(), steps_per_epoch=3, epochs=6, callbacks=[*extra, SlowAfter(3, 0.5), pre, count], verbose=0)
 result["preempt"] = {"step": pre.preempted_step, "batches": count.seen, "mode": pre.preemption_mode,
                      "epochs": model.history.epoch}
 with open(os.path.join(folder, f"result{process_id}.json"), "w") as f:

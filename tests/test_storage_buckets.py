@@ -138,7 +138,8 @@ def _trainable(seed: int) -> keras.Model:
 def test_restore_latest_and_inspect_from_a_bucket(tmp_path, bucket):
     """A root trained locally by OrbaxCheckpoint and copied into a bucket resumes from there."""
     model, it = _trainable(3), _Batches()
-    ckpt = shardckpt.OrbaxCheckpoint(str(tmp_path / "ck"), save_freq=3, data_iterator=it, metadata={"run": "b"})
+    ckpt = shardckpt.OrbaxCheckpoint(str(tmp_path / "ck"), save_freq=3, max_to_keep=2, data_iterator=it,
+                                      metadata={"run": "b"})
     model.fit(ckpt.batches(), steps_per_epoch=4, epochs=2, callbacks=[ckpt], verbose=0)
     ckpt.wait_until_finished()
     _upload(str(tmp_path / "ck"), f"{bucket}/ck")
