@@ -32,11 +32,6 @@ M = "model"
 # Backbones whose key/value heads (2, or 1) the 8-way axis does not divide.
 FEW_KV_HEADS = {"Llama (GQA, 2 kv heads)", "Mistral (GQA, 2 kv heads)", "Gemma (MQA, 1 kv head)"}
 MOE = {"Mixtral (MoE)", "QwenMoe", "Qwen3Moe", "GPT-OSS (MoE)"}
-# `fit` compiles a train step twice per backbone; these cover the distinct
-# structures (grouped-query + rotary + untied head, multi-query + tied
-# embedding, mixture of experts, shared expert, learned positions +
-# LayerNorm + biases, token types).
-FIT = ["Llama (GQA, 2 kv heads)", "Gemma (MQA, 1 kv head)", "Mixtral (MoE)", "QwenMoe", "GPT-2", "BERT"]
 
 
 def _perturb(model, seed: int) -> None:
@@ -121,7 +116,7 @@ def test_backbone_plan_split_cheap_and_exact(name):
         assert _max_device_bytes([arr for _, arr in experts]) == total // 8
 
 
-@pytest.mark.parametrize("name", FIT)
+@pytest.mark.parametrize("name", list(B.HUB_BACKBONES))
 def test_parallelize_then_fit_equals_one_device(name):
     xs = B.hub_inputs(B.HUB_BACKBONES[name](1), batch=8, seed=1)
     ys = np.random.default_rng(2).standard_normal((8, B.HUB_SEQ, 64)).astype("float32")
