@@ -16,33 +16,10 @@ import pytest
 from shardckpt import errors, load_sharded
 from shardckpt.convert.info import inspect
 from shardckpt.training import OrbaxCheckpoint, restore_latest
+from tests.zoo import CountingIterator
 
 STEPS = 4
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-class CountingIterator:
-    """Endless deterministic batches; its state is the number of batches given."""
-
-    def __init__(self) -> None:
-        rng = np.random.default_rng(0)
-        self.x = rng.standard_normal((64, 6)).astype("float32")
-        self.y = rng.standard_normal((64, 1)).astype("float32")
-        self.n = 0
-
-    def __iter__(self):
-        return self
-
-    def __next__(self):
-        i = (self.n * 8) % 64
-        self.n += 1
-        return self.x[i : i + 8], self.y[i : i + 8]
-
-    def get_state(self):
-        return {"n": self.n}
-
-    def set_state(self, state):
-        self.n = int(state["n"])
 
 
 def _model(seed: int = 3) -> keras.Model:

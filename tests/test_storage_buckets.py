@@ -9,7 +9,7 @@ import pytest
 import shardckpt
 from shardckpt import errors
 from shardckpt.formats import storage
-from tests.zoo import build_zoo, randomize, zoo_layout_map
+from tests.zoo import CountingIterator, build_zoo, randomize, zoo_layout_map
 
 
 def _source(tmp_path):
@@ -103,28 +103,6 @@ def _upload(local: str, url: str) -> None:
         storage.write_bytes(dst.join(key), storage.read_bytes(src.join(key)))
 
 
-class _Batches:
-    def __init__(self) -> None:
-        rng = np.random.default_rng(0)
-        self.x = rng.standard_normal((32, 6)).astype("float32")
-        self.y = rng.standard_normal((32, 1)).astype("float32")
-        self.n = 0
-
-    def __iter__(self):
-        return self
-
-    def __next__(self):
-        i = (self.n * 8) % 32
-        self.n += 1
-        return self.x[i : i + 8], self.y[i : i + 8]
-
-    def get_state(self):
-        return {"n": self.n}
-
-    def set_state(self, state):
-        self.n = int(state["n"])
-
-
 def _trainable(seed: int) -> keras.Model:
     keras.backend.clear_session()
     keras.utils.set_random_seed(seed)
@@ -137,7 +115,7 @@ def _trainable(seed: int) -> keras.Model:
 
 def test_restore_latest_and_inspect_from_a_bucket(tmp_path, bucket):
     """A root trained locally by OrbaxCheckpoint and copied into a bucket resumes from there."""
-    model, it = _trainable(3), _Batches()
+    model, it = _trainable(3), CountingIterator(rows=32)
     ckpt = shardckpt.OrbaxCheckpoint(str(tmp_path / "ck"), save_freq=3, max_to_keep=2, data_iterator=it,
                                       metadata={"run": "b"})
     model.fit(ckpt.batches(), steps_per_epoch=4, epochs=2, callbacks=[ckpt], verbose=0)
@@ -152,7 +130,7 @@ def test_restore_latest_and_inspect_from_a_bucket(tmp_path, bucket):
 
     states = []
     for root in (str(tmp_path / "ck"), f"{bucket}/ck"):
-        fresh, fresh_it = _trainable(11), _Batches()
+        fresh, fresh_it = _trainable(11), CountingIterator(rows=32)
         fresh.fit(fresh_it.x[:8], fresh_it.y[:8], epochs=1, verbose=0)  # builds optimizer variables
         info = shardckpt.restore_latest(fresh, root, data_iterator=fresh_it)
         assert info.step == 6 and fresh_it.n == 6 and info.path == f"{root}/6"

@@ -100,3 +100,29 @@ def model_parallel(
     dist = keras.distribution.ModelParallel(layout_map=layout_map)
     keras.distribution.set_distribution(dist)
     return dist
+
+
+class CountingIterator:
+    """Endless deterministic batches of 8 from `rows` fixed rows; its state
+    (`get_state`/`set_state`, as grain's iterators) is the number of batches given."""
+
+    def __init__(self, rows: int = 64) -> None:
+        rng = np.random.default_rng(0)
+        self.rows = rows
+        self.x = rng.standard_normal((rows, 6)).astype("float32")
+        self.y = rng.standard_normal((rows, 1)).astype("float32")
+        self.n = 0
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        i = (self.n * 8) % self.rows
+        self.n += 1
+        return self.x[i : i + 8], self.y[i : i + 8]
+
+    def get_state(self):
+        return {"n": self.n}
+
+    def set_state(self, state):
+        self.n = int(state["n"])
