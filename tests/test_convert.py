@@ -24,7 +24,7 @@ from shardckpt.convert.boxes import write_boxes
 from shardckpt.convert.converter import convert
 from shardckpt.convert.integrity import read_checksums
 from shardckpt.restore import hostmem
-from tests.zoo import build_zoo, model_parallel, randomize, zoo_layout_map
+from tests.zoo import build_zoo, lazy_zoo, model_parallel, randomize
 
 
 def _rss_anon() -> int:
@@ -63,16 +63,6 @@ def _source(tmp_path, dtype="float32", seed=0):
     return path, {v.path: np.asarray(v.value) for v in model.weights}
 
 
-def _lazy(dtype="float32", mesh_shape=None, **kw):
-    keras.backend.clear_session()
-    dist = None
-    if mesh_shape is not None:
-        mesh = keras.distribution.DeviceMesh(mesh_shape, ["data", "model"])
-        dist = keras.distribution.ModelParallel(layout_map=zoo_layout_map(mesh))
-        keras.distribution.set_distribution(dist)
-    with shardckpt.lazy_init():
-        model = build_zoo(dtype=dtype, **kw)
-    return model, dist
 
 
 def _assert_values(model, expected, dist=None):
@@ -91,7 +81,7 @@ def test_h5_round_trip_through_keras_load_weights_and_load_sharded(tmp_path, dty
     """The zoo (nested subclassed model, int8 variable, BatchNorm stats) in float32 and bfloat16."""
     src, expected = _source(tmp_path, dtype)
     assert any(v.dtype == np.int8 for v in expected.values())
-    arch, _ = _lazy(dtype)
+    arch, _ = lazy_zoo(dtype)
     dst = str(tmp_path / "orbax")
     report = convert(src, dst, model=arch, progress=False)
     # Keras' h5 has no key for the GRU's seed-generator state: its initial value is written.
@@ -108,7 +98,7 @@ def test_h5_round_trip_through_keras_load_weights_and_load_sharded(tmp_path, dty
     _assert_values(model, expected)
 
     # shardckpt onto a 2x4 mesh, from a lazily built model.
-    model, dist = _lazy(dtype, (2, 4))
+    model, dist = lazy_zoo(dtype, (2, 4))
     shardckpt.load_sharded(model, dst)
     _assert_values(model, expected, dist)
     got = {v.path: np.asarray(v.value) for v in model.non_trainable_variables}
@@ -153,7 +143,7 @@ def test_keras_archive_converts_without_a_model_and_keras_reads_it_under_a_distr
 
 def test_metadata_files_match_what_orbax_writes_for_the_same_tree(tmp_path):
     src, expected = _source(tmp_path)
-    arch, _ = _lazy()
+    arch, _ = lazy_zoo()
     dst = str(tmp_path / "orbax")
     convert(src, dst, model=arch, progress=False)
     tree = {"trainable_variables": {}, "non_trainable_variables": {}}
@@ -180,10 +170,10 @@ def test_metadata_files_match_what_orbax_writes_for_the_same_tree(tmp_path):
 
 def test_dtype_casts_floats_only_and_checksums_the_stored_bytes(tmp_path):
     src, expected = _source(tmp_path)
-    arch, _ = _lazy()
+    arch, _ = lazy_zoo()
     dst = str(tmp_path / "orbax")
     report = convert(src, dst, model=arch, dtype="bfloat16", progress=False)
-    model, _ = _lazy("bfloat16", rnn=True)  # lazily: no bfloat16 QR init; int8 table stays int8
+    model, _ = lazy_zoo("bfloat16", rnn=True)  # lazily: no bfloat16 QR init; int8 table stays int8
     shardckpt.load_sharded(model, dst)  # casts back where a variable is float32 (the nested block's)
     want = {}
     for v in model.weights:
@@ -211,10 +201,10 @@ def test_safetensors_index_set(tmp_path):
         weight_map.update({k: name for k in part})
     index = tmp_path / "model.safetensors.index.json"
     index.write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
-    arch, _ = _lazy()
+    arch, _ = lazy_zoo()
     dst = str(tmp_path / "orbax")
     convert(str(index), dst, model=arch, progress=False)
-    model, dist = _lazy(mesh_shape=(1, 8))
+    model, dist = lazy_zoo(mesh_shape=(1, 8))
     shardckpt.load_sharded(model, dst)
     _assert_values(model, expected, dist)
 
@@ -223,11 +213,11 @@ def test_large_tensors_stream_in_pieces_within_the_budget(tmp_path):
     """A budget far below one kernel: pieces, outer chunks and inner chunks all bounded;
     and the memory a conversion holds stays near the budget (`_rss_anon_peak`)."""
     src, expected = _source(tmp_path)
-    arch, _ = _lazy()
+    arch, _ = lazy_zoo()
     dst = str(tmp_path / "orbax")
     budget = 4096
     convert(src, dst, model=arch, max_inflight_bytes=budget, progress=False)
-    model, dist = _lazy(mesh_shape=(2, 4))
+    model, dist = lazy_zoo(mesh_shape=(2, 4))
     shardckpt.load_sharded(model, dst)
     _assert_values(model, expected, dist)
     kv = ts.KvStore.open({"driver": "ocdbt", "base": f"file://{dst}/pytree/"}).result()
@@ -278,7 +268,7 @@ def test_planned_boxes_tile_the_array_in_c_order_on_whole_outer_chunks(shape, sh
 
 def test_mesh_aligns_outer_chunks_to_the_auto_layout_shards(tmp_path):
     src, _ = _source(tmp_path)
-    arch, _ = _lazy()
+    arch, _ = lazy_zoo()
     dst = str(tmp_path / "orbax")
     convert(src, dst, model=arch, mesh=(1, 8), progress=False)
     plan = shardckpt.layout.auto_layout(arch, (1, 8))
@@ -305,7 +295,7 @@ def test_h5_without_model_names_the_fix(tmp_path):
 
 def test_existing_destination_is_refused_then_replaced_with_force(tmp_path):
     src, expected = _source(tmp_path)
-    arch, _ = _lazy()
+    arch, _ = lazy_zoo()
     dst = tmp_path / "orbax"
     dst.mkdir()
     (dst / "keep.txt").write_text("mine")
@@ -340,7 +330,7 @@ def _damage_last_dataset(path: str) -> str:
 
 def test_failure_while_streaming_leaves_nothing_and_keeps_an_old_destination(tmp_path):
     src, _ = _source(tmp_path)
-    arch, _ = _lazy()
+    arch, _ = lazy_zoo()
     _damage_last_dataset(src)
     dst = tmp_path / "orbax"
     with pytest.raises(errors.CorruptCheckpointError):
@@ -356,7 +346,7 @@ def test_failure_while_streaming_leaves_nothing_and_keeps_an_old_destination(tmp
 
 def test_truncated_source_is_refused_and_nothing_is_written(tmp_path):
     src, _ = _source(tmp_path)
-    arch, _ = _lazy()
+    arch, _ = lazy_zoo()
     size = os.path.getsize(src)
     with open(src, "r+b") as f:
         f.truncate(size // 2)

@@ -41,20 +41,6 @@ def _perturb(model, seed: int) -> None:
         v.assign(np.asarray(v.value) + 0.05 * rng.standard_normal(v.shape).astype("float32"))
 
 
-def _placed(model, plan):
-    tv = [jax.device_put(v.value, plan.sharding_for(v)) for v in model.trainable_variables]
-    ntv = [jax.device_put(v.value, plan.sharding_for(v)) for v in model.non_trainable_variables]
-    return tv, ntv
-
-
-def _max_device_bytes(arrays) -> int:
-    per_device: dict = {}
-    for arr in arrays:
-        for shard in arr.addressable_shards:
-            per_device[shard.device] = per_device.get(shard.device, 0) + shard.data.nbytes
-    return max(per_device.values())
-
-
 def _build_lazy(name: str, blocks: int):
     keras.backend.clear_session()
     with shardckpt.lazy_init():
@@ -76,10 +62,10 @@ def test_backbone_plan_split_cheap_and_exact(name):
         _perturb(model, blocks)
         assert auto_layout(model, (1, 8)).placements == plan.placements  # lazy or built: one plan
         xs = B.hub_inputs(model)
-        tv, ntv = _placed(model, plan)
+        tv, ntv = B.placed_state(model, plan.sharding_for)
         for v, arr in zip(model.trainable_variables + model.non_trainable_variables, tv + ntv):
             assert arr.sharding == NamedSharding(plan.mesh.backend_mesh, PartitionSpec(*plan[v.path].axes)), v.path
-        assert _max_device_bytes(tv + ntv) == plan.bytes_per_device()
+        assert B.max_device_bytes(tv + ntv) == plan.bytes_per_device()
         forward = jax.jit(lambda a, b, x, model=model: model.stateless_call(a, b, x)[0])
         counts.append(B.count_collectives(forward.lower(tv, ntv, xs).compile().as_text()))
         if blocks == 1:
@@ -113,7 +99,7 @@ def test_backbone_plan_split_cheap_and_exact(name):
         assert len(experts) >= 4  # at least two expert tensors in each of the two blocks
         assert all(M in plan[v.path].axes for v, _ in experts)
         total = sum(arr.nbytes for _, arr in experts)
-        assert _max_device_bytes([arr for _, arr in experts]) == total // 8
+        assert B.max_device_bytes([arr for _, arr in experts]) == total // 8
 
 
 @pytest.mark.parametrize("name", list(B.HUB_BACKBONES))

@@ -11,7 +11,7 @@ import pytest
 
 import shardckpt
 from shardckpt import errors
-from tests.zoo import build_zoo, randomize, zoo_layout_map
+from tests.zoo import build_zoo, lazy_zoo, randomize
 
 # GB, as Keras' max_shard_size takes it: ~5 KiB, so the 17 KiB zoo spans 4 shards.
 SHARD_GB = 5e-6
@@ -27,16 +27,6 @@ def _save(tmp_path, dtype="float32", seed=0):
     return path, [np.asarray(v.value) for v in model.weights]
 
 
-def _lazy(mesh_shape=None, dtype="float32"):
-    keras.backend.clear_session()
-    dist = None
-    if mesh_shape is not None:
-        mesh = keras.distribution.DeviceMesh(mesh_shape, ["data", "model"])
-        dist = keras.distribution.ModelParallel(layout_map=zoo_layout_map(mesh))
-        keras.distribution.set_distribution(dist)
-    with shardckpt.lazy_init():
-        model = build_zoo(dtype=dtype)
-    return model, dist
 
 
 def _shards(folder):
@@ -55,7 +45,7 @@ def test_sharded_index_loads_bit_exact_like_keras(tmp_path, mesh, dtype):
     for v, want in zip(reference.weights, values):
         np.testing.assert_array_equal(np.asarray(v.value), want, err_msg=v.path)
 
-    model, dist = _lazy(mesh, dtype)
+    model, dist = lazy_zoo(dtype, mesh)
     report = shardckpt.load_sharded(model, path)
     assert report.format == "h5" and report.missing == [] and report.unexpected == []
     assert report.arrays == len(values)
@@ -90,10 +80,10 @@ def test_inspect_verify_and_convert_read_the_index(tmp_path):
     report = shardckpt.verify(path)
     assert report.ok and report.arrays == len(info.arrays)
 
-    arch, _ = _lazy()
+    arch, _ = lazy_zoo()
     dst = str(tmp_path / "orbax")
     shardckpt.convert(path, dst, model=arch, progress=False)
-    model, _ = _lazy((2, 4))
+    model, _ = lazy_zoo(mesh_shape=(2, 4))
     shardckpt.load_sharded(model, dst)
     for v, want in zip(model.weights, values):
         if "seed_generator" not in v.path:
@@ -118,7 +108,7 @@ def test_missing_shard_names_group_and_file_and_loads_nothing(tmp_path):
     path, _ = _save(tmp_path)
     victim = _shards(tmp_path)[1]
     os.remove(tmp_path / victim)
-    model, _ = _lazy((1, 8))
+    model, _ = lazy_zoo(mesh_shape=(1, 8))
     with pytest.raises(errors.CheckpointNotFoundError, match=victim) as e:
         shardckpt.load_sharded(model, path)
     assert "/vars" in str(e.value)  # the group the shard holds
@@ -140,7 +130,7 @@ def test_index_path_outside_the_folder_is_refused(tmp_path):
             weight_map[group] = [f"../{first}" if n == first else n for n in names]
 
     _edit_index(path, escape)
-    model, _ = _lazy((1, 8))
+    model, _ = lazy_zoo(mesh_shape=(1, 8))
     with pytest.raises(errors.CorruptCheckpointError, match=r"outside the index's folder"):
         shardckpt.load_sharded(model, path)
     _untouched(model)
@@ -159,7 +149,7 @@ def test_group_not_in_the_named_shard_is_refused(tmp_path):
         moved["group"] = group
 
     _edit_index(path, misplace)
-    model, _ = _lazy((1, 8))
+    model, _ = lazy_zoo(mesh_shape=(1, 8))
     with pytest.raises(errors.CorruptCheckpointError, match=shards[0]) as e:
         shardckpt.load_sharded(model, path)
     assert moved["group"] in str(e.value)
@@ -171,4 +161,4 @@ def test_index_that_is_not_json_is_corrupt(tmp_path):
     with open(path, "w") as f:
         f.write("{not json")
     with pytest.raises(errors.CorruptCheckpointError, match="m.weights.json"):
-        shardckpt.load_sharded(_lazy()[0], path)
+        shardckpt.load_sharded(lazy_zoo()[0], path)

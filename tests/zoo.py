@@ -126,3 +126,22 @@ class CountingIterator:
 
     def set_state(self, state):
         self.n = int(state["n"])
+
+
+def lazy_zoo(dtype: str = "float32", mesh_shape: tuple[int, ...] | None = None, **kw):
+    """`build_zoo` under `shardckpt.lazy_init()` in a fresh Keras session.
+
+    With `mesh_shape`, a (data, model) `ModelParallel` over `zoo_layout_map` is
+    set first. Returns (model, that distribution or None).
+    """
+    import shardckpt
+
+    keras.backend.clear_session()
+    dist = None
+    if mesh_shape is not None:
+        mesh = keras.distribution.DeviceMesh(mesh_shape, ["data", "model"])
+        dist = keras.distribution.ModelParallel(layout_map=zoo_layout_map(mesh))
+        keras.distribution.set_distribution(dist)
+    with shardckpt.lazy_init():
+        model = build_zoo(dtype=dtype, **kw)
+    return model, dist

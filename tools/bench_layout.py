@@ -216,13 +216,15 @@ def _jitted_forward(model):
     return jax.jit(lambda a, b, x: model.stateless_call(a, b, x)[0])
 
 
-def _placed_state(model, sharding_of):
+def placed_state(model, sharding_of):
+    """(trainable, non-trainable) values of `model` put in `sharding_of(variable)`."""
     tv = [jax.device_put(v.value, sharding_of(v)) for v in model.trainable_variables]
     ntv = [jax.device_put(v.value, sharding_of(v)) for v in model.non_trainable_variables]
     return tv, ntv
 
 
-def _max_device_bytes(arrays) -> int:
+def max_device_bytes(arrays) -> int:
+    """The most bytes of `arrays` any one device holds."""
     per_device: dict = {}
     for arr in arrays:
         for shard in arr.addressable_shards:
@@ -240,7 +242,7 @@ def measure(build, sharding_for_model, inputs_for):
         model = build(blocks)
         sharding_of, split = sharding_for_model(model)
         xs = inputs_for(model)
-        tv, ntv = _placed_state(model, sharding_of)
+        tv, ntv = placed_state(model, sharding_of)
         forward = _jitted_forward(model)
         counts = count_collectives(forward.lower(tv, ntv, xs).compile().as_text())
         err = 0.0
@@ -250,7 +252,7 @@ def measure(build, sharding_for_model, inputs_for):
         for got, want in zip(keras.tree.flatten(forward(tv, ntv, xs)), keras.tree.flatten(one)):
             got, want = np.asarray(got), np.asarray(want)
             err = max(err, float(np.max(np.abs(got - want)) / np.max(np.abs(want))))
-        rows.append((counts, split, _max_device_bytes(tv + ntv), err))
+        rows.append((counts, split, max_device_bytes(tv + ntv), err))
     (c1, _, _, _), (c2, split, max_bytes, err) = rows
     per_block = {k: c2[k] - c1[k] for k in COLLECTIVES}
     rest = {k: c1[k] - per_block[k] for k in COLLECTIVES}
