@@ -454,3 +454,22 @@ def delete_tree(location: Location) -> None:
         store.delete_range(ts.KvStore.KeyRange()).result()
     except ValueError as e:
         raise translate(e, location, action="deleting") from e
+
+
+def delete_object(location: Location) -> None:
+    """Deletes one file or object; a missing one is no error."""
+    if not location.is_remote:
+        try:
+            os.remove(location.path)
+        except FileNotFoundError:
+            pass
+        return
+    import tensorstore as ts
+
+    store = _open_kvstore(location.parent)
+    key = location.name.encode()
+    try:
+        # The range of exactly this key (KvStore has no single-key delete).
+        store.delete_range(ts.KvStore.KeyRange(key, key + b"\0")).result()
+    except ValueError as e:
+        raise translate(e, location, action="deleting") from e

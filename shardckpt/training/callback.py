@@ -46,7 +46,7 @@ from shardckpt import _keras
 from shardckpt._keras import MonitorCallback
 from shardckpt.errors import BackgroundSaveError
 from shardckpt.formats import storage
-from shardckpt.training import iterators, preemption, resume, retention
+from shardckpt.training import bucket_save, iterators, preemption, resume, retention
 from shardckpt.training import metadata as metadata_lib
 from shardckpt.training import snapshot as snapshot_lib
 from shardckpt.training.resume import ResumeInfo
@@ -96,7 +96,8 @@ class OrbaxCheckpoint(MonitorCallback):
     ```
 
     Args:
-        directory: Root folder of the checkpoints.
+        directory: Root folder of the checkpoints, or a `gs://bucket/...` /
+            `s3://bucket/...` URL (single-process runs; see `bucket_save`).
         monitor: Metric for `save_best_only` and `keep_best`.
         verbose: 1 prints a line per save and per wait.
         save_best_only: Save only when `monitor` improves.
@@ -183,12 +184,9 @@ class OrbaxCheckpoint(MonitorCallback):
             max_to_keep=max_to_keep, keep_best=keep_best, monitor=monitor,
             higher_is_better=False, keep_period=keep_period,
         )
-        location = storage.parse(directory, what="directory")
-        storage.refuse_remote(
-            location, what="directory", reason="OrbaxCheckpoint does not save to buckets yet. "
-            "Fix: save to a local folder and copy steps to the bucket."
-        )
-        self.directory = location.path
+        # A gs:// or s3:// URL saves through bucket_save (single process).
+        self._location = storage.parse(directory, what="directory")
+        self.directory = self._location.url
         self.verbose = verbose
         self.save_best_only = save_best_only
         self.save_freq = save_freq
@@ -587,6 +585,8 @@ class OrbaxCheckpoint(MonitorCallback):
             max_to_keep=self.max_to_keep, keep_best=self.keep_best, monitor=self.monitor,
             higher_is_better=bool(higher), keep_period=self.keep_period,
         )
+        if self._location.is_remote:
+            return bucket_save.BucketCheckpointer(self._location, policy=policy, compression=self.compression)
         return ocp.training.Checkpointer(
             self.directory,
             preservation_policy=policy,

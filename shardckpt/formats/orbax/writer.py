@@ -66,15 +66,21 @@ class OrbaxStepWriter:
             else, and readers take a step without it for an interrupted save.
         compression: "none" or "zstd" (Orbax's zstd level 3 per chunk).
         chunk_byte_size: Target bytes of one stored (read) chunk; Orbax's
-            subchunking splits each written block down to it.
+            subchunking splits each written block down to it. None: one
+            chunk per written block, as Orbax's own saves without `SaveArgs`.
+        item: The step's checkpointable the arrays go to ("pytree"; the
+            training callback also writes Keras' "assets" tree).
     """
 
-    def __init__(self, step_dir: str, *, compression: str, chunk_byte_size: int) -> None:
+    def __init__(
+        self, step_dir: str, *, compression: str, chunk_byte_size: int | None, item: str = ondisk.ARRAYS_ITEM
+    ) -> None:
         if compression not in COMPRESSIONS:
             raise ValueError(f"compression must be one of {COMPRESSIONS}. Received: compression={compression!r}")
         location = storage.parse(step_dir)
         self.step_dir = location.url
-        self.tree_dir = ondisk.join(self.step_dir, ondisk.ARRAYS_ITEM)
+        self.item = item
+        self.tree_dir = ondisk.join(self.step_dir, item)
         self.compression = compression
         self.chunk_byte_size = chunk_byte_size
         if not location.is_remote:
@@ -134,14 +140,8 @@ class OrbaxStepWriter:
         target = store.with_transaction(txn)
         return target[box].write(data) if box else target.write(data)
 
-    def finish(self, *, custom_metadata: dict[str, Any], final_dir: str | None = None) -> None:
-        """Writes the metadata files that make the step a committed Orbax step.
-
-        Args:
-            custom_metadata: JSON stored as the step's `custom_metadata`.
-            final_dir: Where the step will be renamed to (recorded in the
-                commit marker, as Orbax records its final path).
-        """
+    def write_tree_metadata(self) -> None:
+        """Writes the item's `_METADATA` (the tree of every array opened)."""
         tree = {}
         for parts in sorted(self._keys):
             tree[str(parts)] = {
@@ -156,8 +156,23 @@ class OrbaxStepWriter:
             "custom_metadata": None,
         }
         ondisk.write_json(ondisk.join(self.tree_dir, ondisk.TREE_METADATA), tree_meta)
+
+    def finish(
+        self, *, custom_metadata: dict[str, Any], final_dir: str | None = None,
+        item_handlers: dict[str, str] | None = None,
+    ) -> None:
+        """Writes the metadata files that make the step a committed Orbax step.
+
+        Args:
+            custom_metadata: JSON stored as the step's `custom_metadata`.
+            final_dir: Where the step will be renamed to (recorded in the
+                commit marker, as Orbax records its final path).
+            item_handlers: The handlers of other items the caller wrote into
+                the step before (recorded beside this writer's item).
+        """
+        self.write_tree_metadata()
         step_meta = {
-            "item_handlers": {ondisk.ARRAYS_ITEM: ondisk.PYTREE_HANDLER},
+            "item_handlers": dict(sorted({**(item_handlers or {}), self.item: ondisk.PYTREE_HANDLER}.items())),
             "metrics": {},
             "performance_metrics": {},
             "init_timestamp_nsecs": self._init_ns,

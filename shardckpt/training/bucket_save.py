@@ -1,0 +1,238 @@
+"""`OrbaxCheckpoint` saving into a bucket (`gs://`, `s3://`).
+
+Orbax v1's `ocp.training.Checkpointer` reaches `gs://` only through etils'
+epath with gcsfs, and has no S3 support for arrays. In a bucket the callback
+therefore writes each step itself, with the same layout its local saves have
+(what `restore_latest`, `load_sharded`, `inspect`, `verify` and Keras' Orbax
+loaders read):
+
+- `pytree/`: the state tree, one zarr3 array per leaf in an OCDBT store,
+  written through `OrbaxStepWriter` (Orbax's own TensorStore specs), each
+  array chunked by its shards as Orbax chunks it;
+- `shardckpt_metadata/data.json`, `data_iterator/data.json`: the JSON items
+  (what Orbax's `JsonHandler` writes), `metrics/metrics` (its
+  `MetricsHandler`);
+- `model_config/` (the config string, as Orbax's `StringHandler` stores a
+  string leaf) and `assets/` (Keras' asset tree) for full saves;
+- `_CHECKPOINT_METADATA` and `orbax.checkpoint`, then `commit_success.txt`,
+  the last object written: a bucket has no rename, so a step counts as
+  committed only once that marker exists, and a killed save never does.
+
+`BucketCheckpointer` offers the part of `ocp.training.Checkpointer` the
+callback calls (`save_checkpointables`, `delete`, `wait`, `close`), so the
+callback's background thread, snapshot and resume code are the same for both.
+Retention uses the same Orbax preservation policy as local saves; old steps
+are deleted only after the new step is committed, marker first, so a step
+half-deleted by a kill is no longer taken as committed.
+
+Only single-process runs save to buckets: with several processes each would
+have to write its own shards into per-process OCDBT stores that Orbax then
+merges, which this writer does not do.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import json
+from typing import Any
+
+import jax
+import numpy as np
+
+from shardckpt.errors import UnsupportedURLError
+from shardckpt.formats import storage
+from shardckpt.formats.orbax import ondisk
+from shardckpt.formats.orbax.writer import OrbaxStepWriter
+
+_HANDLERS = "orbax.checkpoint.experimental.v1._src.handlers."
+JSON_HANDLER = _HANDLERS + "json_handler.JsonHandler"
+METRICS_HANDLER = _HANDLERS + "json_handler.MetricsHandler"
+METRICS_ITEM = "metrics"
+"""The item (and its one file's name) Orbax's training Checkpointer stores step metrics in."""
+_STRINGS_FILE = "_strings.json"  # Orbax's StringHandler file
+
+
+@dataclasses.dataclass
+class _StepInfo:
+    """What Orbax's preservation policies look at (its `PolicyCheckpointInfo`)."""
+
+    step: int
+    metrics: dict[str, Any] | None
+    time: datetime.datetime
+
+
+class BucketCheckpointer:
+    """Writes, lists and deletes the callback's steps under a bucket prefix.
+
+    Args:
+        root: The checkpoint root (a bucket location).
+        policy: An Orbax preservation policy (`retention.preservation_policy`),
+            or None to keep every step.
+        compression: zstd-compress array chunks (Orbax's zstd level 3).
+
+    Raises:
+        UnsupportedURLError: more than one JAX process.
+    """
+
+    def __init__(self, root: storage.Location, *, policy: Any, compression: bool) -> None:
+        if jax.process_count() > 1:
+            raise UnsupportedURLError(
+                f"directory={root.url!r}: OrbaxCheckpoint saves to a bucket only from a "
+                f"single process; this run has {jax.process_count()} JAX processes. Fix: give "
+                "OrbaxCheckpoint a folder every process shares (a mounted bucket, NFS) and "
+                "copy committed steps to the bucket, or train in one process."
+            )
+        self.root = root
+        self.policy = policy
+        self.compression = compression
+        # Half-written steps of a killed run are never restored; Orbax removes
+        # its local tmp folders at start (cleanup_tmp_directories), so do we.
+        for name in ondisk.incomplete_steps(root.url):
+            storage.delete_tree(root.join(name))
+        self._steps = [
+            _StepInfo(step, self._read_metrics(step), datetime.datetime.fromtimestamp(0, datetime.timezone.utc))
+            for step in ondisk.committed_steps(root.url)
+        ]
+
+    # ---- the Checkpointer methods the callback calls -------------------------
+
+    def save_checkpointables(self, step: int, payload: dict[str, Any], *, metrics: dict[str, Any] | None = None,
+                             force: bool = True) -> None:
+        """Writes step `step` (committed last), then applies retention.
+
+        Args:
+            step: The step number (the folder name).
+            payload: `{item: value}`: the array tree under "pytree", JSON
+                dicts under the callback's JSON items, "model_config" and
+                "assets" as Keras' callback gives them.
+            metrics: Numeric logs, stored in the metrics item (the
+                preservation policy ranks steps by them).
+            force: Ignored (the callback decides when to save).
+
+        Raises:
+            ValueError: the step exists and is committed (as Orbax's
+                `StepAlreadyExistsError`).
+        """
+        del force
+        if any(info.step == step for info in self._steps):
+            raise ValueError(f"Step {step} already exists in {self.root.url!r}.")
+        step_loc = self.root.join(str(step))
+        # Objects of an earlier attempt at this step that never committed.
+        storage.delete_tree(step_loc)
+        handlers: dict[str, str] = {}
+        writer = OrbaxStepWriter(step_loc.url, compression="zstd" if self.compression else "none",
+                                 chunk_byte_size=None)
+        for name, value in payload.items():
+            if name == ondisk.ARRAYS_ITEM:
+                continue
+            if name == "model_config":
+                _write_strings(step_loc.join(name), value)
+                handlers[name] = ondisk.PYTREE_HANDLER
+            elif name == "assets":
+                assets = OrbaxStepWriter(step_loc.url, compression=writer.compression, chunk_byte_size=None,
+                                         item=name)
+                _write_arrays(assets, value)
+                assets.write_tree_metadata()
+                handlers[name] = ondisk.PYTREE_HANDLER
+            else:
+                ondisk.write_json(ondisk.join(step_loc.url, name, ondisk.JSON_ITEM_FILES[0]), value)
+                handlers[name] = JSON_HANDLER
+        if metrics is not None:
+            ondisk.write_json(ondisk.join(step_loc.url, METRICS_ITEM, METRICS_ITEM), metrics)
+            handlers[METRICS_ITEM] = METRICS_HANDLER
+        _write_arrays(writer, payload[ondisk.ARRAYS_ITEM])
+        writer.finish(custom_metadata={}, item_handlers=handlers)  # commit marker last
+        self._steps.append(_StepInfo(step, metrics, datetime.datetime.now(datetime.timezone.utc)))
+        self._apply_retention()
+
+    def delete(self, step: int) -> None:
+        """Deletes a step: its commit marker first, so a half-deleted step never counts."""
+        step_loc = self.root.join(str(step))
+        storage.delete_object(step_loc.join(ondisk.COMMIT_MARKER))
+        storage.delete_tree(step_loc)
+        self._steps = [info for info in self._steps if info.step != step]
+
+    def wait(self) -> None:
+        """Saves are synchronous here (the callback runs them on its worker thread)."""
+
+    def close(self) -> None:
+        """Nothing is held open between saves."""
+
+    # ---- helpers ---------------------------------------------------------------
+
+    def _apply_retention(self) -> None:
+        if self.policy is None:
+            return
+        from orbax.checkpoint._src.checkpoint_managers import preservation_policy as policies
+
+        self._steps.sort(key=lambda info: info.step)
+        keep = self.policy.should_preserve(self._steps, context=policies.PreservationContext())
+        for info, kept in list(zip(self._steps, keep)):
+            if not kept:
+                self.delete(info.step)
+
+    def _read_metrics(self, step: int) -> dict[str, Any] | None:
+        data = storage.read_bytes(self.root.join(str(step), METRICS_ITEM, METRICS_ITEM))
+        return None if data is None else json.loads(data)
+
+
+def _leaves(tree: dict[str, Any], prefix: tuple[str, ...] = ()) -> list[tuple[tuple[str, ...], Any]]:
+    out = []
+    for key in sorted(tree):
+        value = tree[key]
+        if isinstance(value, dict):
+            out += _leaves(value, (*prefix, key))
+        else:
+            out.append(((*prefix, key), value))
+    return out
+
+
+def _write_arrays(writer: OrbaxStepWriter, tree: dict[str, Any]) -> None:
+    """Writes every leaf of `tree`, one stored block per distinct shard.
+
+    Each array is chunked by its shard shape, as Orbax chunks a `jax.Array`;
+    replicated shards are written once (`replica_id == 0`). All writes go in
+    one TensorStore transaction: one OCDBT commit for the step.
+    """
+    leaves = _leaves(tree)
+    specs = []
+    for parts, value in leaves:
+        shape = tuple(value.shape)
+        if isinstance(value, jax.Array):
+            write_shape = tuple(value.sharding.shard_shape(value.shape))
+        else:
+            write_shape = shape
+        specs.append(("/".join(parts), shape, np.dtype(value.dtype), write_shape))
+    stores = writer.open_arrays(specs)
+    txn = writer.transaction()
+    copies = []
+    for (_, value), store in zip(leaves, stores, strict=True):
+        if isinstance(value, jax.Array):
+            for shard in value.addressable_shards:
+                if shard.replica_id == 0:
+                    copies.append(writer.write(store, txn, tuple(shard.index), np.asarray(shard.data)).copy)
+        else:
+            copies.append(writer.write(store, txn, (), np.asarray(value)).copy)
+    for copy in copies:
+        copy.result()
+    txn.commit_async().result()
+
+
+def _write_strings(item: storage.Location, value: dict[str, str]) -> None:
+    """A tree of string leaves, as Orbax's StringHandler writes it (`model_config`)."""
+    tree = {
+        str((key,)): {
+            "key_metadata": [{"key": key, "key_type": 2}],
+            "value_metadata": {"value_type": "string", "skip_deserialize": False},
+        }
+        for key in sorted(value)
+    }
+    ondisk.write_json(item.join(ondisk.TREE_METADATA).url, {
+        "tree_metadata": tree,
+        "use_ocdbt": True,
+        "use_zarr3": True,
+        "store_array_data_equal_to_fill_value": True,
+        "custom_metadata": None,
+    })
+    storage.write_bytes(item.join(_STRINGS_FILE), json.dumps(value, separators=(",", ":")).encode())
