@@ -91,7 +91,7 @@ class BucketCheckpointer:
         for name in ondisk.incomplete_steps(root.url):
             storage.delete_tree(root.join(name))
         self._steps = [
-            _StepInfo(step, self._read_metrics(step), datetime.datetime.fromtimestamp(0, datetime.timezone.utc))
+            _StepInfo(step, self._read_metrics(step), datetime.datetime.fromtimestamp(0, datetime.UTC))
             for step in ondisk.committed_steps(root.url)
         ]
 
@@ -123,6 +123,9 @@ class BucketCheckpointer:
         handlers: dict[str, str] = {}
         writer = OrbaxStepWriter(step_loc.url, compression="zstd" if self.compression else "none",
                                  chunk_byte_size=None)
+        # Arrays first: any object of a save killed early is under pytree/,
+        # which readers report as a step never committed.
+        _write_arrays(writer, payload[ondisk.ARRAYS_ITEM])
         for name, value in payload.items():
             if name == ondisk.ARRAYS_ITEM:
                 continue
@@ -141,9 +144,8 @@ class BucketCheckpointer:
         if metrics is not None:
             ondisk.write_json(ondisk.join(step_loc.url, METRICS_ITEM, METRICS_ITEM), metrics)
             handlers[METRICS_ITEM] = METRICS_HANDLER
-        _write_arrays(writer, payload[ondisk.ARRAYS_ITEM])
         writer.finish(custom_metadata={}, item_handlers=handlers)  # commit marker last
-        self._steps.append(_StepInfo(step, metrics, datetime.datetime.now(datetime.timezone.utc)))
+        self._steps.append(_StepInfo(step, metrics, datetime.datetime.now(datetime.UTC)))
         self._apply_retention()
 
     def delete(self, step: int) -> None:
@@ -205,6 +207,9 @@ def _write_arrays(writer: OrbaxStepWriter, tree: dict[str, Any]) -> None:
             write_shape = shape
         specs.append(("/".join(parts), shape, np.dtype(value.dtype), write_shape))
     stores = writer.open_arrays(specs)
+    for (key, _, _, write_shape), (_, value) in zip(specs, leaves):
+        if isinstance(value, jax.Array):
+            writer.record_sharding(key, value.sharding, write_shape)
     txn = writer.transaction()
     copies = []
     for (_, value), store in zip(leaves, stores, strict=True):

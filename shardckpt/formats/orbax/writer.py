@@ -25,6 +25,7 @@ same arrays.
 
 from __future__ import annotations
 
+import base64
 import os
 import time
 from typing import Any
@@ -32,6 +33,7 @@ from typing import Any
 import numpy as np
 import tensorstore as ts
 from orbax.checkpoint import type_handlers
+from orbax.checkpoint._src.metadata import sharding as sharding_metadata  # no public name; Orbax's own format
 
 from shardckpt.formats import storage
 from shardckpt.formats.base import Box
@@ -39,6 +41,8 @@ from shardckpt.formats.orbax import ondisk
 
 _DICT_KEY = 2  # Orbax's KeyType.DICT in `key_metadata`
 
+SHARDING_FILE = "_sharding"
+"""Orbax's file of the saved shardings of a tree's `jax.Array` leaves (keys: base64 parameter names)."""
 COMPRESSIONS = ("none", "zstd")
 """Array compressions shardckpt writes: none, or Orbax's zstd (level 3) per chunk."""
 DEFAULT_COMPRESSION = "none"
@@ -87,6 +91,7 @@ class OrbaxStepWriter:
             os.makedirs(self.tree_dir)
         self._context = ondisk.ts_context()
         self._keys: list[tuple[str, ...]] = []
+        self._shardings: dict[tuple[str, ...], tuple[Any, tuple[int, ...]]] = {}
         self._init_ns = time.time_ns()
 
     def open_arrays(
@@ -126,6 +131,16 @@ class OrbaxStepWriter:
         spec = ondisk.tspec_for(spec, self.tree_dir)
         return ts.open(spec, create=True, open=True, context=self._context)
 
+    def record_sharding(self, key: str, sharding: Any, write_shape: tuple[int, ...]) -> None:
+        """Records array `key` as a `jax.Array` saved from `sharding`, as Orbax records one.
+
+        Its `_METADATA` entry then says "jax.Array" with its write shape, and
+        the tree's `_sharding` file holds the sharding: what Orbax writes
+        for a `jax.Array` leaf, and what Keras' loader falls back on for a
+        variable it has no target sharding for.
+        """
+        self._shardings[tuple(key.split("/"))] = (sharding, tuple(write_shape))
+
     def transaction(self) -> ts.Transaction:
         """A TensorStore transaction: its writes become one OCDBT commit."""
         return ts.Transaction()
@@ -143,11 +158,20 @@ class OrbaxStepWriter:
     def write_tree_metadata(self) -> None:
         """Writes the item's `_METADATA` (the tree of every array opened)."""
         tree = {}
+        shardings = {}
         for parts in sorted(self._keys):
+            value: dict[str, Any] = {"value_type": "np.ndarray", "skip_deserialize": False}
+            if parts in self._shardings:
+                sharding, write_shape = self._shardings[parts]
+                value = {"value_type": "jax.Array", "skip_deserialize": False, "write_shape": list(write_shape)}
+                name = base64.urlsafe_b64encode(ondisk.param_name(parts).encode()).decode()
+                shardings[name] = sharding_metadata.from_jax_sharding(sharding).to_serialized_string()
             tree[str(parts)] = {
                 "key_metadata": [{"key": p, "key_type": _DICT_KEY} for p in parts],
-                "value_metadata": {"value_type": "np.ndarray", "skip_deserialize": False},
+                "value_metadata": value,
             }
+        if shardings:
+            ondisk.write_json(ondisk.join(self.tree_dir, SHARDING_FILE), shardings)
         tree_meta = {
             "tree_metadata": tree,
             "use_ocdbt": True,
