@@ -92,6 +92,8 @@ class Location:
         if not self.is_remote:
             return {"driver": "file", "path": self.path + ("/" if directory else "")}
         path = self.path + ("/" if directory and self.path else "")
+        if self.scheme == "gs":
+            _check_gcs_key_file(self)
         spec: dict[str, Any] = {"driver": _DRIVERS[self.scheme], "bucket": self.bucket, "path": path}
         if self.scheme == "s3":
             spec.update(_s3_settings())
@@ -99,6 +101,23 @@ class Location:
 
     def __str__(self) -> str:
         return self.url
+
+
+def _check_gcs_key_file(location: Location) -> None:
+    """Refuses a GOOGLE_APPLICATION_CREDENTIALS that names no file, as Google's SDKs do.
+
+    TensorStore instead goes on to the next source (the metadata server, then
+    no credentials), so the user's key would be silently ignored and a private
+    bucket would answer "denied" for an unrelated reason.
+    """
+    key_file = os.environ.get("GOOGLE_APPLICATION_CREDENTIALS")
+    if key_file and not os.environ.get("GOOGLE_AUTH_TOKEN_FOR_TESTING") and not os.path.isfile(key_file):
+        raise StorageCredentialsError(
+            f"GOOGLE_APPLICATION_CREDENTIALS={key_file!r} names no file, so there are no GCS "
+            f"credentials for {location.url!r}. Fix: point it at a service-account key file, or "
+            "unset it and run `gcloud auth application-default login` (on Google Cloud machines "
+            "the attached service account is used)."
+        )
 
 
 def _s3_settings() -> dict[str, str]:
@@ -197,6 +216,19 @@ def translate(error: BaseException, location: Location, *, action: str = "readin
         return BucketNotFoundError(
             f"The bucket {location.bucket!r} of {url!r} does not exist ({action}). Fix: create it "
             f"or correct the bucket name. {cloud} said: {_short(text)}"
+        )
+    refused = re.search(
+        r"InvalidAccessKeyId|SignatureDoesNotMatch|ExpiredToken|InvalidToken|TokenRefreshRequired|"
+        r"response code: 401|UNAUTHENTICATED|[Ii]nvalid_grant",
+        text,
+    )
+    if refused and has_credentials(location):
+        # Credentials were found and sent but are not valid: S3 says so with a
+        # 403 and one of these codes, GCS with a 401; a role would not help.
+        return StorageCredentialsError(
+            f"The {cloud} credentials in use were refused for {url!r} while {action} "
+            f"({refused.group(0)}). Fix: check or renew them ({_credential_hint(location)}). "
+            f"{cloud} said: {_short(text)}"
         )
     denied = re.search(r"response code: 403|PERMISSION_DENIED|AccessDenied|Forbidden", text)
     if denied and not has_credentials(location):
