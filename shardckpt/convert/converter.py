@@ -70,7 +70,7 @@ class ConvertReport:
         format: The source format ("h5", "keras", "safetensors").
         arrays: Arrays written.
         bytes_read: Bytes of array data read from the source.
-        bytes_on_disk: Size of `dst` on disk.
+        bytes_on_disk: Size of `dst` on disk (in a bucket: its objects' summed sizes, see `storage.du`).
         seconds: Wall time of the conversion.
         compression: "none" or "zstd".
         skipped: Source keys not converted (optimizer state: the output holds
@@ -229,7 +229,7 @@ def convert(
             _write_atomically(reader, items, dst, report, max_inflight_bytes, force, progress)
     finally:
         reader.close()
-    report.bytes_on_disk = 0 if dst_location.is_remote else _du(dst)
+    report.bytes_on_disk = storage.du(dst_location)
     report.seconds = time.perf_counter() - start
     return report
 
@@ -453,9 +453,3 @@ def _commit(txn: Any, pending: Any) -> Any:
     return txn.commit_async()
 
 
-def _du(path: str) -> int:
-    total = 0
-    for root, _, files in os.walk(path):
-        for name in files:
-            total += os.path.getsize(os.path.join(root, name))
-    return total
