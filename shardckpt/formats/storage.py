@@ -553,10 +553,10 @@ def du(location: Location) -> int:
         return (known + beyond) // 2 if beyond - known > _SIZE_WINDOW else None
 
     while True:
-        probes = {key: next_probe(*bounds[key]) for key in keys}
-        futures = {key: probe(key, offset) for key, offset in probes.items() if offset is not None}
-        if not futures:
+        probes = {key: offset for key in keys if (offset := next_probe(*bounds[key])) is not None}
+        if not probes:
             break
+        futures = {key: probe(key, offset) for key, offset in probes.items()}
         for key, future in futures.items():
             if answer(future):
                 bounds[key][0] = probes[key] + 1
