@@ -9,6 +9,9 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
+import subprocess
+import sys
 import time
 
 import keras
@@ -22,6 +25,7 @@ from tests import _train_worker as worker
 from tests.test_resume_kill import Server, _compare, _load
 
 STEPS, SAVE_FREQ = 6, 4
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _fit(directory: str, epochs: int, *, resume: bool = False):
@@ -194,3 +198,50 @@ def test_sigkill_during_a_save_into_a_bucket_resumes_from_the_last_committed_ste
     # The resumed run removed the interrupted objects and kept its last two steps.
     assert ondisk.incomplete_steps(url) == []
     assert ondisk.committed_steps(url) == [16, 18]
+
+
+_TWO_PROCESS_CHILD = r"""
+import os, sys
+os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"
+os.environ["KERAS_BACKEND"] = "jax"
+import jax
+jax.config.update("jax_cpu_collectives_implementation", "gloo")
+jax.distributed.initialize(f"127.0.0.1:{sys.argv[2]}", num_processes=2, process_id=int(sys.argv[1]))
+import keras, numpy as np
+import shardckpt
+from shardckpt import errors
+inputs = keras.Input((4,))
+model = keras.Model(inputs, keras.layers.Dense(2)(inputs))
+model.compile(optimizer="adam", loss="mse")
+try:
+    model.fit(np.zeros((8, 4), "float32"), np.zeros((8, 2), "float32"), epochs=1, verbose=0,
+              callbacks=[shardckpt.OrbaxCheckpoint(sys.argv[3], save_freq=1)])
+    print("RESULT no error")
+except errors.UnsupportedURLError as e:
+    print("RESULT", str(e))
+sys.stdout.flush()
+os._exit(0)
+"""
+
+
+def test_two_process_save_to_a_bucket_is_refused_before_anything_is_written(s3_server):
+    """Not built: per-process OCDBT stores merged at commit. Both processes get the typed error."""
+    url = f"{s3_server.new_bucket()}/ck"
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = str(s.getsockname()[1])
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env["PYTHONPATH"] = ROOT
+    procs = [subprocess.Popen([sys.executable, "-c", _TWO_PROCESS_CHILD, str(i), port, url], env=env, cwd=ROOT,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for i in range(2)]
+    try:
+        outputs = [p.communicate(timeout=120)[0] for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    for out in outputs:
+        [line] = [line for line in out.splitlines() if line.startswith("RESULT")] or [out[-3000:]]
+        assert url in line and "single process" in line and "Fix:" in line, line
+    assert storage.list_keys(storage.parse(url)) == []
