@@ -52,8 +52,8 @@ def _state(model: keras.Model) -> dict[str, tuple[np.ndarray, object]]:
     return {f"{g}/{v.path}": (np.asarray(v.value), v.value.sharding) for g, vs in groups.items() for v in vs}
 
 
-def _assert_same_state(got: keras.Model, want: keras.Model) -> None:
-    a, b = _state(got), _state(want)
+def _assert_same_state(got: keras.Model, want: keras.Model | dict) -> None:
+    a, b = _state(got), want if isinstance(want, dict) else _state(want)
     assert a.keys() == b.keys()
     for key, (value, sharding) in b.items():
         np.testing.assert_array_equal(a[key][0], value, err_msg=key)
@@ -73,7 +73,15 @@ def _download(url: str, local: str) -> None:
             f.write(storage.read_bytes(src.join(key)))
 
 
-def test_fit_into_bucket_keeps_two_steps_and_restores_and_resumes_exactly(tmp_path, bucket):
+@pytest.fixture(scope="module")
+def local_run(tmp_path_factory) -> dict:
+    """The same run, 3 epochs unbroken, saving into a local folder (the reference for both stores)."""
+    directory = str(tmp_path_factory.mktemp("local") / "ck")
+    model, data, _ = _fit(directory, epochs=3)
+    return {"state": _state(model), "iterator": data.get_state(), "step": ondisk.latest_step_dir(directory)}
+
+
+def test_fit_into_bucket_keeps_two_steps_and_restores_and_resumes_exactly(tmp_path, bucket, local_run):
     url = f"{bucket}/run"
     trained, _, _ = _fit(url, epochs=2)  # 12 batches: steps 4, 8, 12
     root = storage.parse(url)
@@ -84,8 +92,7 @@ def test_fit_into_bucket_keeps_two_steps_and_restores_and_resumes_exactly(tmp_pa
     assert shardckpt.inspect(url).step == 12 and shardckpt.verify(url).ok
 
     # The items (and array keys) of the local callback's steps.
-    reference, ref_data, _ = _fit(str(tmp_path / "local"), epochs=3)
-    local_step = ondisk.latest_step_dir(str(tmp_path / "local"))
+    local_step = local_run["step"]
     assert ondisk.items(f"{url}/12") == ondisk.items(local_step) == [
         "data_iterator", "metrics", "model_config", "pytree", "shardckpt_metadata"]
     remote_tree = ondisk.read_json(f"{url}/12/pytree/_METADATA")["tree_metadata"]
@@ -115,8 +122,8 @@ def test_fit_into_bucket_keeps_two_steps_and_restores_and_resumes_exactly(tmp_pa
     # resume=True in a fresh model: one more epoch equals the unbroken 3-epoch run.
     resumed, resumed_data, ckpt = _fit(url, epochs=3, resume=True)
     assert ckpt.resumed is not None and ckpt.resumed.step == 12
-    _assert_same_state(resumed, reference)
-    assert resumed_data.get_state() == ref_data.get_state()
+    _assert_same_state(resumed, local_run["state"])
+    assert resumed_data.get_state() == local_run["iterator"]
     assert ondisk.committed_steps(url) == [12, 16]
 
 
