@@ -177,6 +177,19 @@ class SafetensorsReader(MappedReader):
             return self.view(key, box)  # already a fresh array
         return np.array(self.view(key, box), copy=True, order="C")
 
+    def is_remote(self, key: str) -> bool:
+        """True when `key` lives in a bucket object (no memory map)."""
+        return self._where[key].remote is not None
+
+    def read_flat(self, key: str, lo: int, hi: int) -> np.ndarray:
+        """Elements `[lo, hi)` of `key` in C order, as a new 1-D array (one ranged read)."""
+        file = self._where[key]
+        spec, offset = file.entries[key]
+        flat = ArraySpec(shape=(int(np.prod(spec.shape, dtype=np.int64)),), dtype=spec.dtype)
+        if file.remote is not None:
+            return file.remote.read_box(offset, flat, (slice(lo, hi),))
+        return np.array(self.view(key, tuple(slice(0, n) for n in spec.shape)).reshape(-1)[lo:hi])
+
     def close(self) -> None:
         for file in self._files.values():
             file.close()
