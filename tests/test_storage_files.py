@@ -181,3 +181,156 @@ def test_from_preset_of_a_hugging_face_folder_in_a_bucket(tmp_path, gcs_bucket):
     local_model, remote_model = _from_preset_both(local, url)  # auto_layout on 8 devices
     _assert_same_restore(local_model, remote_model)
     assert any(not v.value.sharding.is_fully_replicated for v in remote_model.weights)
+
+
+def _embedding_h5(tmp_path, rows=4096, dim=128):
+    """A 2 MiB float32 table saved by Keras; returns (path, its values)."""
+    keras.backend.clear_session()
+    tokens = keras.Input((4,), dtype="int32")
+    model = keras.Model(tokens, keras.layers.Embedding(rows, dim, name="table")(tokens))
+    randomize(model, 9)
+    path = str(tmp_path / "table.weights.h5")
+    model.save_weights(path)
+    return path, np.asarray(model.weights[0].value)
+
+
+def _lazy_table(rows=4096, dim=128):
+    from tests.zoo import model_parallel
+
+    dist = model_parallel({"table/embeddings": ("model", None)})
+    with shardckpt.lazy_init():
+        tokens = keras.Input((4,), dtype="int32")
+        model = keras.Model(tokens, keras.layers.Embedding(rows, dim, name="table")(tokens))
+    return model, dist
+
+
+def test_a_device_box_requests_only_its_bytes_and_restore_reads_each_byte_once(tmp_path, bucket):
+    """No whole-file download: one device's rows are one request of exactly their
+    bytes; a sharded restore asks for about the file once, in requests no larger
+    than its budget."""
+    path, table = _embedding_h5(tmp_path)
+    size = os.path.getsize(path)
+    url = _upload(path, f"{bucket}/table.weights.h5")
+    reader = open_reader(url)
+    try:
+        assert not isinstance(reader, shardckpt.formats.MappedReader)  # fresh reads: budgeted
+        (key,) = reader.keys()
+        remote.TRAFFIC.reset()
+        box = (slice(512, 1024), slice(0, 128))  # device 1's rows of 8
+        np.testing.assert_array_equal(reader.read(key, box), table[box])
+        assert (remote.TRAFFIC.requests, remote.TRAFFIC.bytes) == (1, 512 * 128 * 4)
+        remote.TRAFFIC.reset()
+        np.testing.assert_array_equal(reader.read(key, (slice(7, 8), slice(40, 50))), table[7:8, 40:50])
+        assert remote.TRAFFIC.bytes == 10 * 4
+    finally:
+        reader.close()
+
+    model, dist = _lazy_table()
+    remote.TRAFFIC.reset()
+    budget = 512 * 1024
+    shardckpt.load_sharded(model, url, max_inflight_bytes=budget)
+    variable = model.weights[0]
+    np.testing.assert_array_equal(np.asarray(variable.value), table)
+    want = dist.get_variable_layout(variable).backend_layout
+    assert variable.value.sharding.is_equivalent_to(want, 2)
+    # Each data byte once; the metadata h5py reads when opening, a few cached blocks.
+    assert table.nbytes <= remote.TRAFFIC.bytes < table.nbytes + 4 * remote.BLOCK
+    assert size > table.nbytes
+    assert remote.TRAFFIC.largest <= budget
+
+
+def test_remote_file_reads_what_the_local_file_holds(tmp_path, bucket):
+    """The file object h5py and zipfile read through: any seek and read equal to the file's."""
+    path, _ = _embedding_h5(tmp_path, rows=1024, dim=64)
+    with open(path, "rb") as f:
+        data = f.read()
+    url = _upload(path, f"{bucket}/t.weights.h5")
+    obj = remote.RemoteObject(url)
+    assert obj.size == len(data)  # from the HDF5 superblock, checked against the object
+    remote.TRAFFIC.reset()
+    with obj.open() as f:
+        rng = np.random.default_rng(0)
+        for _ in range(50):
+            at = int(rng.integers(0, len(data)))
+            n = int(rng.integers(0, 3 * remote.BLOCK))
+            f.seek(at)
+            assert f.read(n) == data[at : at + n]
+        assert f.seek(-10, os.SEEK_END) == len(data) - 10
+        assert f.read() == data[-10:]
+        assert f.read(5) == b""
+    assert remote.TRAFFIC.bytes < 60 * 3 * remote.BLOCK  # block reads, never the whole 260 KiB per read
+    archive = str(tmp_path / "a.keras")
+    keras.backend.clear_session()
+    build_zoo().save(archive)
+    with open(archive, "rb") as f:
+        zipped = f.read()
+    assert remote.RemoteObject(_upload(archive, f"{bucket}/a.keras")).size == len(zipped)  # from the zip's end record
+
+
+def test_convert_inspect_and_verify_read_a_bucket_file(tmp_path, gcs_bucket, zoo_h5):
+    path, expected = zoo_h5
+    url = _upload(path, f"{gcs_bucket}/src/zoo.weights.h5")
+    info = shardckpt.inspect(url)
+    local_info = shardckpt.inspect(path)
+    assert info.path == url and info.format == local_info.format == "h5"
+    assert [(a.key, a.shape, a.dtype) for a in info.arrays] == [(a.key, a.shape, a.dtype) for a in local_info.arrays]
+    checked = shardckpt.verify(url)
+    assert checked.ok and checked.arrays == len(local_info.arrays)
+
+    model, _ = lazy_zoo()
+    dst = str(tmp_path / "orbax")
+    report = shardckpt.convert(url, dst, model=model)
+    assert report.src == url and report.format == "h5"
+    loaded, dist = lazy_zoo(mesh_shape=(2, 4))
+    shardckpt.load_sharded(loaded, dst)
+    for v in loaded.weights:
+        np.testing.assert_array_equal(np.asarray(v.value), expected[v.path], err_msg=v.path)
+        assert v.value.sharding.is_equivalent_to(dist.get_variable_layout(v).backend_layout, v.ndim), v.path
+
+    # A .keras archive in the bucket names its own architecture: no model
+    # needed. What it writes equals what converting the local archive writes.
+    keras.backend.clear_session()
+    source = build_zoo()
+    randomize(source, 10)
+    archive = str(tmp_path / "zoo.keras")
+    source.save(archive)
+    archive_url = _upload(archive, f"{gcs_bucket}/src/zoo.keras")
+    keras.backend.clear_session()  # the same auto-generated names in both builds
+    assert shardckpt.convert(archive_url, str(tmp_path / "from_bucket")).format == "keras"
+    keras.backend.clear_session()
+    shardckpt.convert(archive, str(tmp_path / "from_disk"))
+    ours, theirs = open_reader(str(tmp_path / "from_bucket")), open_reader(str(tmp_path / "from_disk"))
+    try:
+        assert ours.keys() == theirs.keys() and len(ours.keys()) > 10
+        for key in ours.keys():
+            if key.endswith("seed_generator_state"):
+                continue  # not in .keras files: convert writes an initial value (random)
+            box = tuple(slice(0, n) for n in ours.spec(key).shape)
+            np.testing.assert_array_equal(ours.read(key, box), theirs.read(key, box), err_msg=key)
+    finally:
+        ours.close()
+        theirs.close()
+
+
+def test_truncated_and_missing_bucket_files_raise_typed_errors(tmp_path, gcs_bucket, zoo_h5):
+    path, _ = zoo_h5
+    with open(path, "rb") as f:
+        data = f.read()
+    single, _, _ = _safetensors_files(tmp_path)
+    with open(single, "rb") as f:
+        tensors = f.read()
+    for name, content in (("cut.weights.h5", data[: len(data) // 2]), ("cut.safetensors", tensors[:-100])):
+        url = f"{gcs_bucket}/{name}"
+        storage.write_bytes(storage.parse(url), content)
+        model, _ = lazy_zoo(mesh_shape=(2, 4))
+        with pytest.raises(errors.CorruptCheckpointError, match=url):
+            shardckpt.load_sharded(model, url)
+        with pytest.raises(errors.CorruptCheckpointError, match=url):
+            shardckpt.verify(url)
+    for name in ("gone.weights.h5", "gone.keras", "gone.safetensors", "gone.safetensors.index.json"):
+        url = f"{gcs_bucket}/{name}"
+        model, _ = lazy_zoo(mesh_shape=(2, 4))
+        with pytest.raises(errors.CheckpointNotFoundError, match=url):
+            shardckpt.load_sharded(model, url)
+    with pytest.raises(errors.CheckpointNotFoundError, match=f"{gcs_bucket}/no-preset"):
+        shardckpt.from_preset(f"{gcs_bucket}/no-preset")

@@ -52,21 +52,29 @@ _HDF5_MAGIC = b"\x89HDF\r\n\x1a\n"
 
 
 class Traffic:
-    """Requests and bytes asked of buckets by this module, for tests and benches."""
+    """Requests and bytes asked of buckets by this module, for tests and benches.
+
+    Attributes:
+        requests: Ranged reads issued.
+        bytes: Bytes they asked for.
+        largest: Bytes of the largest one.
+    """
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self.requests = 0
         self.bytes = 0
+        self.largest = 0
 
     def add(self, nbytes: int) -> None:
         with self._lock:
             self.requests += 1
             self.bytes += nbytes
+            self.largest = max(self.largest, nbytes)
 
     def reset(self) -> None:
         with self._lock:
-            self.requests = self.bytes = 0
+            self.requests = self.bytes = self.largest = 0
 
 
 TRAFFIC = Traffic()
