@@ -177,13 +177,13 @@ class RemoteObject:
         tail = self._probe(slice(-_TAIL, None))
         if isinstance(tail, int):
             return tail
-        size = _zip_end(tail)
-        if size is None:
+        zip_size = _zip_end(tail)
+        if zip_size is None:
             raise CorruptCheckpointError(
                 f"{self.url!r} is neither an HDF5 file nor a zip archive with its end "
                 "record: it is truncated or no .weights.h5 / .keras file. Fix: upload it again."
             )
-        return size
+        return zip_size
 
     def _probe(self, byte_range: slice) -> bytes | int:
         """The bytes of `byte_range`, or the object's size when it is too short for them.
@@ -217,7 +217,7 @@ class RemoteObject:
         runs = _runs(spec.shape, spec.dtype.itemsize, box)
         requests = _merge(runs)
         pos = 0
-        for (start, stop, members), data in zip(requests, self._fetch(offset, requests), strict=True):
+        for (start, _, members), data in zip(requests, self._fetch(offset, requests), strict=True):
             view = memoryview(data)
             for a, b in members:
                 n = b - a
