@@ -334,3 +334,48 @@ def test_truncated_and_missing_bucket_files_raise_typed_errors(tmp_path, gcs_buc
             shardckpt.load_sharded(model, url)
     with pytest.raises(errors.CheckpointNotFoundError, match=f"{gcs_bucket}/no-preset"):
         shardckpt.from_preset(f"{gcs_bucket}/no-preset")
+
+
+def test_ranged_reads_of_any_box_from_threads_stay_under_the_in_flight_cap(tmp_path, gcs_bucket, monkeypatch):
+    """Boxes of every shape come back equal to numpy's, in requests of at most PART
+    bytes, with never more than the cap in flight over all threads."""
+    import concurrent.futures
+
+    from safetensors.numpy import save_file
+
+    rng = np.random.default_rng(0)
+    cube = rng.standard_normal((16, 64, 96)).astype(np.float32)  # 384 KiB
+    path = str(tmp_path / "cube.safetensors")
+    save_file({"cube": cube}, path)
+    url = _upload(path, f"{gcs_bucket}/cube.safetensors")
+    monkeypatch.setattr(remote, "PART", 16 * 1024)
+    monkeypatch.setattr(remote, "GAP", 1024)
+    cap = remote._InFlight(64 * 1024)
+    peak = []
+    acquire = cap.acquire
+
+    def counted(n, *, wait):
+        ok = acquire(n, wait=wait)
+        peak.append(cap.used)
+        return ok
+
+    monkeypatch.setattr(cap, "acquire", counted)
+    monkeypatch.setattr(remote, "_IN_FLIGHT", cap)
+    boxes = [tuple(slice(0, n) for n in cube.shape)]
+    for _ in range(40):
+        box = []
+        for n in cube.shape:
+            a = int(rng.integers(0, n))
+            box.append(slice(a, int(rng.integers(a + 1, n + 1))))
+        boxes.append(tuple(box))
+    reader = open_reader(url)
+    remote.TRAFFIC.reset()
+    try:
+        with concurrent.futures.ThreadPoolExecutor(4) as pool:
+            results = list(pool.map(lambda b: reader.read("cube", b), boxes))
+    finally:
+        reader.close()
+    for box, got in zip(boxes, results, strict=True):
+        np.testing.assert_array_equal(got, cube[box], err_msg=str(box))
+    assert remote.TRAFFIC.largest <= 16 * 1024
+    assert max(peak) <= 64 * 1024 and cap.used == 0

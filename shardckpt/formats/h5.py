@@ -104,6 +104,10 @@ class H5Reader(MappedReader):
             self._map = mmap.mmap(self._file.fileno(), 0, access=mmap.ACCESS_READ) if size else None
         self._datasets: dict[str, _Dataset] = {}
         self._h5.visititems(lambda name, obj: self._add(name, obj, base, size))
+        if self._remote is not None:
+            # Metadata is read: the many shards of a sharded preset keep no
+            # cached blocks while their arrays are read by ranges.
+            self._file.raw.drop_cache()
 
     def _read_at(self, offset: int, n: int) -> bytes:
         if self._remote is not None:

@@ -8,7 +8,8 @@ checkpoints there) with ranged reads (`KvStore.read(key, byte_range=...)`):
 - `RemoteObject.read_box` reads the bytes of one box of a contiguous array
   (an h5 dataset, a safetensors tensor): the box's runs of contiguous bytes,
   neighbours closer than `GAP` merged into one request, requests cut at
-  `PART` bytes and issued concurrently, at most `WINDOW` in flight;
+  `PART` bytes and issued concurrently, at most `INFLIGHT_BYTES` in flight
+  in the process;
 - `RemoteFile` is a read-only seekable file object over an object (what
   `h5py.File` and `zipfile` need for their metadata), with a small bounded
   cache of `BLOCK`-sized blocks so HDF5's many small metadata reads do not
@@ -39,10 +40,11 @@ from shardckpt.formats.base import ArraySpec, Box, Reader, aligned_empty
 
 GAP = 256 * 1024
 """Runs of a box closer than this are one request (a request costs more than reading the gap)."""
-PART = 16 * 1024 * 1024
+PART = 4 * 1024 * 1024
 """Largest single request; longer spans are split, and the parts read concurrently."""
-WINDOW = 8
-"""Requests of one read in flight at once: bounds the bytes held beside the result."""
+INFLIGHT_BYTES = 32 * 1024 * 1024
+"""Bytes of requests in flight at once, over every thread: what ranged reads hold
+beside their results (which restore's budget covers)."""
 BLOCK = 64 * 1024
 """Block of `RemoteFile`'s cache (HDF5 and zip metadata)."""
 CACHE_BLOCKS = 32
@@ -79,6 +81,31 @@ class Traffic:
 
 TRAFFIC = Traffic()
 """Every ranged read of this module (requests, bytes requested) since the last `reset`."""
+
+
+class _InFlight:
+    """Caps the bytes of ranged reads in flight across threads (`INFLIGHT_BYTES`)."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.used = 0
+        self._cond = threading.Condition()
+
+    def acquire(self, n: int, *, wait: bool) -> bool:
+        with self._cond:
+            if not wait and self.used + n > self.limit:
+                return False
+            self._cond.wait_for(lambda: self.used + n <= self.limit)
+            self.used += n
+            return True
+
+    def release(self, n: int) -> None:
+        with self._cond:
+            self.used -= n
+            self._cond.notify_all()
+
+
+_IN_FLIGHT = _InFlight(INFLIGHT_BYTES)
 
 
 def is_remote(path: str) -> bool:
@@ -227,19 +254,29 @@ class RemoteObject:
         return out
 
     def _fetch(self, offset: int, requests: list[tuple[int, int, list[tuple[int, int]]]]) -> Iterator[bytes]:
+        """The requests' bytes, in order, issued ahead as far as `_IN_FLIGHT` allows.
+
+        A thread waits for room only when it holds none (nothing pending), so
+        threads never wait on each other while holding bytes.
+        """
         pending: collections.deque[tuple[Any, int, int]] = collections.deque()
         it = iter(requests)
-        while True:
-            while len(pending) < WINDOW:
-                nxt = next(it, None)
-                if nxt is None:
-                    break
-                start, stop = offset + nxt[0], offset + nxt[1]
-                pending.append((self._request(start, stop), start, stop))
-            if not pending:
-                return
-            future, start, stop = pending.popleft()
-            yield self._result(future, start, stop)
+        nxt = next(it, None)
+        try:
+            while nxt is not None or pending:
+                while nxt is not None and _IN_FLIGHT.acquire(nxt[1] - nxt[0], wait=not pending):
+                    start, stop = offset + nxt[0], offset + nxt[1]
+                    pending.append((self._request(start, stop), start, stop))
+                    nxt = next(it, None)
+                future, start, stop = pending.popleft()
+                try:
+                    data = self._result(future, start, stop)
+                finally:
+                    _IN_FLIGHT.release(stop - start)
+                yield data
+        finally:
+            for _, start, stop in pending:  # an error or an abandoned read
+                _IN_FLIGHT.release(stop - start)
 
     def open(self) -> io.BufferedReader:
         """A read-only, seekable file object over the object (see `RemoteFile`)."""
@@ -340,6 +377,11 @@ class RemoteFile(io.RawIOBase):
 
     def readable(self) -> bool:
         return True
+
+    def drop_cache(self) -> None:
+        """Frees the cached blocks (once a reader has read the file's metadata)."""
+        with self._lock:
+            self._blocks.clear()
 
     def seekable(self) -> bool:
         return True
