@@ -379,3 +379,42 @@ def test_ranged_reads_of_any_box_from_threads_stay_under_the_in_flight_cap(tmp_p
         np.testing.assert_array_equal(got, cube[box], err_msg=str(box))
     assert remote.TRAFFIC.largest <= 16 * 1024
     assert max(peak) <= 64 * 1024 and cap.used == 0
+
+
+def test_strided_remaps_read_from_a_bucket_equal_numpy(tmp_path, bucket):
+    """Hugging Face tensors read as Keras variables (transposed, reshaped, reversed,
+    stacked): every box equals numpy's, reading only the elements it needs."""
+    from safetensors.numpy import save_file
+
+    from shardckpt.formats.safetensors import SafetensorsReader
+    from shardckpt.presets.hf_remap import Strided
+
+    stored = np.arange(64 * 96, dtype=np.float32).reshape(64, 96)
+    path = str(tmp_path / "w.safetensors")
+    save_file({"w": stored}, path)
+    tensors = SafetensorsReader(_upload(path, f"{bucket}/w.safetensors"))
+    hooks = [
+        lambda x: x.T,
+        lambda x: np.transpose(np.reshape(x, (8, 8, 96)), axes=(2, 0, 1)),
+        lambda x: np.reshape(x[:, 32:64], (8, 8, 32))[::-1, 1],
+        lambda x: np.stack([x.T, x.T[:, ::-1]], axis=1),
+    ]
+    rng = np.random.default_rng(1)
+    try:
+        for hook in hooks:
+            expected = hook(stored)
+            remap = hook(Strided.stored("w", stored.dtype, stored.shape))
+            for _ in range(10):
+                box = []
+                for n in expected.shape:
+                    a = int(rng.integers(0, n))
+                    box.append(slice(a, int(rng.integers(a + 1, n + 1))))
+                np.testing.assert_array_equal(remap.read(tuple(box), tensors.read_strided), expected[tuple(box)])
+        # A transposed column block: the runs of its 16 stored rows, not the tensor.
+        remote.TRAFFIC.reset()
+        box = (slice(10, 20), slice(0, 16))
+        np.testing.assert_array_equal(Strided.stored("w", stored.dtype, stored.shape).T.read(box, tensors.read_strided),
+                                      stored.T[box])
+        assert remote.TRAFFIC.bytes == 16 * 96 * 4 - (96 - 20 + 10) * 4
+    finally:
+        tensors.close()

@@ -22,7 +22,7 @@ import numpy as np
 
 from shardckpt.errors import CheckpointNotFoundError, CorruptCheckpointError
 from shardckpt.formats import storage
-from shardckpt.formats.base import ArraySpec, Box, MappedReader, full_box
+from shardckpt.formats.base import ArraySpec, Box, MappedReader, full_box, strided
 from shardckpt.formats.safetensors import SafetensorsReader
 
 CONFIG = "config.json"
@@ -127,16 +127,16 @@ class HFReader(MappedReader):
         self._remaps = dict(remaps)
         self._stored_cache: dict[str, np.ndarray] = {}
 
-    def _stored(self, key: str, lo: int, hi: int) -> np.ndarray:
-        """Elements `[lo, hi)` of stored tensor `key`, flat (`hf_remap.Fetch`)."""
+    def _stored(self, key: str, first: int, shape: tuple[int, ...], strides: tuple[int, ...]) -> np.ndarray:
+        """Elements of stored tensor `key` as `hf_remap.Fetch` describes them."""
         if self._tensors.is_remote(key):
-            return self._tensors.read_flat(key, lo, hi)  # a ranged read of just those
+            return self._tensors.read_strided(key, first, shape, strides)  # ranged reads of just those
         # A read-only view of the memory map: no bytes are read here.
-        view = self._stored_cache.get(key)
-        if view is None:
-            view = self._tensors.view(key, full_box(self._tensors.spec(key).shape)).reshape(-1)
-            self._stored_cache[key] = view
-        return view[lo:hi]
+        flat = self._stored_cache.get(key)
+        if flat is None:
+            flat = self._tensors.view(key, full_box(self._tensors.spec(key).shape)).reshape(-1)
+            self._stored_cache[key] = flat
+        return strided(flat, first, shape, strides)
 
     def keys(self) -> list[str]:
         return list(self._remaps)

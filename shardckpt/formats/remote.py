@@ -238,20 +238,54 @@ class RemoteObject:
         """
         shape = tuple(s.stop - s.start for s in box)
         out = aligned_empty(shape, spec.dtype)
-        if out.size == 0:
-            return out
-        flat = out.reshape(-1).view(np.uint8)
-        runs = _runs(spec.shape, spec.dtype.itemsize, box)
-        requests = _merge(runs)
+        if out.size:
+            self.read_runs(offset, _runs(spec.shape, spec.dtype.itemsize, box), out.reshape(-1).view(np.uint8))
+        return out
+
+    def read_strided(
+        self, offset: int, dtype: np.dtype, first: int, shape: tuple[int, ...], strides: tuple[int, ...]
+    ) -> np.ndarray:
+        """`stored.flat[first + i . strides]` for each index `i` of `shape`, of the
+        flat array of `dtype` stored at byte `offset` (see `hf_remap.Fetch`).
+
+        Only those elements are requested: in the stored order (strides
+        sorted), the axis of stride 1 makes the runs. Returns a view (axes
+        in the order asked) of one new buffer.
+        """
+        dtype = np.dtype(dtype)
+        if 0 in shape:
+            return np.empty(shape, dtype)
+        strides = tuple(strides)
+        flips = [d for d, st in enumerate(strides) if st < 0]
+        for d in flips:  # read in increasing order, flip back at the end
+            first += (shape[d] - 1) * strides[d]
+        strides = tuple(abs(st) for st in strides)
+        order = sorted(range(len(shape)), key=lambda d: -strides[d])  # stored order: outer first
+        tshape = tuple(shape[d] for d in order)
+        tstrides = [strides[d] for d in order]
+        run = tshape[-1] if tshape and tstrides[-1] == 1 else 1
+        outer = tshape[:-1] if run > 1 or not tshape else tshape
+        starts = np.array([first], np.int64)
+        for n, st in zip(outer, tstrides[: len(outer)], strict=True):
+            starts = (starts[:, None] + np.arange(n, dtype=np.int64)[None, :] * st).reshape(-1)
+        size = dtype.itemsize
+        runs = [(int(a) * size, (int(a) + run) * size) for a in starts]
+        buffer = aligned_empty(tshape, dtype)
+        self.read_runs(offset, runs, buffer.reshape(-1).view(np.uint8))
+        view = buffer.transpose(np.argsort(order))
+        return np.flip(view, tuple(flips)) if flips else view
+
+    def read_runs(self, offset: int, runs: list[tuple[int, int]], out: np.ndarray) -> None:
+        """Reads byte runs `[a, b)` (after `offset`, ascending) into `out`, one after another."""
         pos = 0
+        requests = _merge(runs)
         for (start, _, members), data in zip(requests, self._fetch(offset, requests), strict=True):
             view = memoryview(data)
             for a, b in members:
                 n = b - a
-                flat[pos : pos + n] = np.frombuffer(view[a - start : b - start], np.uint8)
+                out[pos : pos + n] = np.frombuffer(view[a - start : b - start], np.uint8)
                 pos += n
             del view, data
-        return out
 
     def _fetch(self, offset: int, requests: list[tuple[int, int, list[tuple[int, int]]]]) -> Iterator[bytes]:
         """The requests' bytes, in order, issued ahead as far as `_IN_FLIGHT` allows.
@@ -310,7 +344,7 @@ def _merge(runs: list[tuple[int, int]]) -> list[tuple[int, int, list[tuple[int, 
         while b - a > PART:  # a long run: parts of its own, read concurrently
             out.append((a, a + PART, [(a, a + PART)]))
             a += PART
-        if out and a - out[-1][1] <= GAP and b - out[-1][0] <= PART:
+        if out and 0 <= a - out[-1][1] <= GAP and b - out[-1][0] <= PART:
             start, _, members = out[-1]
             members.append((a, b))
             out[-1] = (start, b, members)

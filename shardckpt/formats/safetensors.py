@@ -20,7 +20,7 @@ import numpy as np
 
 from shardckpt.errors import CheckpointNotFoundError, CorruptCheckpointError
 from shardckpt.formats import storage
-from shardckpt.formats.base import DTYPES, ArraySpec, Box, MappedReader
+from shardckpt.formats.base import DTYPES, ArraySpec, Box, MappedReader, strided
 from shardckpt.formats.remote import RemoteObject
 
 _MAX_HEADER = 100 * 1024 * 1024  # the reference implementation's own limit
@@ -181,14 +181,14 @@ class SafetensorsReader(MappedReader):
         """True when `key` lives in a bucket object (no memory map)."""
         return self._where[key].remote is not None
 
-    def read_flat(self, key: str, lo: int, hi: int) -> np.ndarray:
-        """Elements `[lo, hi)` of `key` in C order, as a new 1-D array (one ranged read)."""
+    def read_strided(self, key: str, first: int, shape: tuple[int, ...], strides: tuple[int, ...]) -> np.ndarray:
+        """`key.flat[first + i . strides]` for each index `i` of `shape` (strides in
+        elements): from a bucket, only those elements' bytes (`RemoteObject.read_strided`)."""
         file = self._where[key]
         spec, offset = file.entries[key]
-        flat = ArraySpec(shape=(int(np.prod(spec.shape, dtype=np.int64)),), dtype=spec.dtype)
         if file.remote is not None:
-            return file.remote.read_box(offset, flat, (slice(lo, hi),))
-        return np.array(self.view(key, tuple(slice(0, n) for n in spec.shape)).reshape(-1)[lo:hi])
+            return file.remote.read_strided(offset, spec.dtype, first, shape, strides)
+        return strided(self.view(key, tuple(slice(0, n) for n in spec.shape)).reshape(-1), first, shape, strides)
 
     def close(self) -> None:
         for file in self._files.values():

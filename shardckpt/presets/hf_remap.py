@@ -35,9 +35,13 @@ from typing import Any
 import numpy as np
 
 Box = tuple[slice, ...]
-Fetch = Callable[[str, int, int], np.ndarray]
-"""`(key, lo, hi) -> elements [lo, hi) of the stored tensor, flat (C order)`: a
-read-only view of its memory map, or for a file in a bucket a ranged read."""
+Fetch = Callable[[str, int, tuple[int, ...], tuple[int, ...]], np.ndarray]
+"""`(key, first, shape, strides) -> stored.flat[first + i . strides]` for every
+index `i` of `shape` (strides in elements): a read-only view of the stored
+tensor's memory map (`strided`), or for a file in a bucket a read of just
+those elements (`SafetensorsReader.read_strided`).
+See `shardckpt.formats.base.strided`."""
+
 
 # A base address for the data-less arrays numpy computes views on. It is never
 # dereferenced; only differences of addresses (offsets) are used.
@@ -226,25 +230,9 @@ class Strided(Tensor):
 
     def view(self, box: Box, fetch: Fetch) -> np.ndarray:
         shape = tuple(s.stop - s.start for s in box)
-        # The box's first element, and the span of stored elements it touches:
-        # only those are fetched (a device's piece of a row-sharded tensor is
-        # its own rows).
+        # The box's first element; the fetch reads only the box's elements.
         first = self.offset + sum(s.start * st for s, st in zip(box, self.strides, strict=True))
-        if 0 in shape:
-            lo = hi = first
-        else:
-            lo = first + sum(min(0, (n - 1) * st) for n, st in zip(shape, self.strides, strict=True))
-            hi = first + sum(max(0, (n - 1) * st) for n, st in zip(shape, self.strides, strict=True)) + 1
-        base = fetch(self.key, lo, hi)
-        itemsize = base.dtype.itemsize
-        # np.ndarray checks that every element lies inside the fetched span.
-        return np.ndarray(
-            shape,
-            base.dtype,
-            buffer=base,
-            offset=(first - lo) * itemsize,
-            strides=tuple(s * itemsize for s in self.strides),
-        )
+        return fetch(self.key, first, shape, self.strides)
 
     def read_into(self, box: Box, fetch: Fetch, out: np.ndarray) -> None:
         out[...] = self.view(box, fetch)
