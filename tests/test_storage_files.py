@@ -418,3 +418,27 @@ def test_strided_remaps_read_from_a_bucket_equal_numpy(tmp_path, bucket):
         assert remote.TRAFFIC.bytes == 16 * 96 * 4 - (96 - 20 + 10) * 4
     finally:
         tensors.close()
+
+
+def test_from_preset_of_a_task_preset_in_a_bucket_reads_its_task_weights(tmp_path, gcs_bucket):
+    keras_hub = pytest.importorskip("keras_hub")
+    keras.backend.clear_session()
+    backbone = keras_hub.models.BertBackbone(
+        vocabulary_size=128, num_layers=1, num_heads=8, hidden_dim=64, intermediate_dim=128, max_sequence_length=16
+    )
+    task = keras_hub.models.BertTextClassifier(backbone=backbone, num_classes=4, preprocessor=None)
+    randomize(task, 11)
+    expected = _values(task)
+    local = str(tmp_path / "bert")
+    task.save_to_preset(local)
+    assert os.path.isfile(os.path.join(local, "task.weights.h5"))
+    url = _upload(local, f"{gcs_bucket}/presets/bert")
+    mesh = keras.distribution.DeviceMesh((2, 4), ["data", "model"])
+    layout = keras.distribution.LayoutMap(mesh)
+    layout[".*token_embedding/embeddings"] = ("model", None)
+    layout["logits/kernel"] = ("model", None)
+    local_model, remote_model = _from_preset_both(local, url, layout=layout, cls=keras_hub.models.TextClassifier)
+    _assert_same_restore(local_model, remote_model)
+    assert remote_model.optimizer is not None  # compiled as keras-hub's from_preset does
+    for v in remote_model.weights:
+        np.testing.assert_array_equal(np.asarray(v.value), expected[v.path], err_msg=v.path)
