@@ -336,6 +336,9 @@ def test_truncated_and_missing_bucket_files_raise_typed_errors(tmp_path, gcs_buc
             shardckpt.load_sharded(model, url)
     with pytest.raises(errors.CheckpointNotFoundError, match=f"{gcs_bucket}/no-preset"):
         shardckpt.from_preset(f"{gcs_bucket}/no-preset")
+    model, _ = lazy_zoo(mesh_shape=(2, 4))
+    with pytest.raises(errors.BucketNotFoundError, match="gs://shardckpt-no-such-bucket/m.weights.h5"):
+        shardckpt.load_sharded(model, "gs://shardckpt-no-such-bucket/m.weights.h5")
 
 
 def test_ranged_reads_of_any_box_from_threads_stay_under_the_in_flight_cap(tmp_path, gcs_bucket, monkeypatch):

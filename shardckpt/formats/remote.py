@@ -34,7 +34,7 @@ from typing import Any
 
 import numpy as np
 
-from shardckpt.errors import CheckpointNotFoundError, CorruptCheckpointError
+from shardckpt.errors import BucketNotFoundError, CheckpointNotFoundError, CorruptCheckpointError
 from shardckpt.formats import storage
 from shardckpt.formats.base import ArraySpec, Box, Reader, aligned_empty
 
@@ -146,8 +146,13 @@ class RemoteObject:
             raise self._truncated(start, stop, f"got {len(value)} bytes")
         return value
 
-    def missing(self) -> CheckpointNotFoundError:
-        """The error for "no such object"."""
+    def missing(self) -> BaseException:
+        """The error for "no such object": `BucketNotFoundError` when the bucket is missing."""
+        if storage.bucket_missing(self.location):
+            return BucketNotFoundError(
+                f"The bucket {self.location.bucket!r} of {self.url!r} does not exist. Fix: create it "
+                "or correct the bucket name."
+            )
         return CheckpointNotFoundError(
             f"No object at {self.url!r}. Fix: check the URL; list the folder with "
             f"{'gcloud storage ls' if self.location.scheme == 'gs' else 'aws s3 ls'} "
