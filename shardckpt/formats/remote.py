@@ -108,11 +108,6 @@ class _InFlight:
 _IN_FLIGHT = _InFlight(INFLIGHT_BYTES)
 
 
-def is_remote(path: str) -> bool:
-    """True for a `gs://` / `s3://` URL."""
-    return storage.parse(path).is_remote
-
-
 class RemoteObject:
     """One object in a bucket, read by byte ranges.
 
@@ -164,7 +159,7 @@ class RemoteObject:
         if typed is not error:
             return typed
         if "OUT_OF_RANGE" in str(error):
-            return self._truncated(start, stop, storage._short(str(error)))
+            return self._truncated(start, stop, " ".join(str(error).split())[:300])
         return error
 
     def _truncated(self, start: int, stop: int, said: str) -> CorruptCheckpointError:
@@ -189,10 +184,10 @@ class RemoteObject:
         """The object's size in bytes, for the file object h5py and zipfile seek in.
 
         The kvstore API reports no object size, so it comes from the object
-        itself: small objects are read whole by the suffix request made for
-        a zip's directory; a zip's size follows from its end record, an
-        HDF5 file's is its superblock's end-of-file address (checked to
-        exist).
+        itself: an HDF5 file's is its superblock's end-of-file address
+        (checked to exist), a zip's follows from its end record (in its last
+        64 KiB); an object too short for a probe is named with its size in
+        TensorStore's refusal.
         """
         if self._size is None:
             self._size = self._probe_size()
