@@ -74,9 +74,12 @@ def test_bench_hf_smoke(tmp_path):
 
 
 def test_bench_storage_smoke(tmp_path):
-    """Local disk, fake GCS and fake S3 (started by the bench itself on 127.0.0.1) all load the same values."""
+    """Orbax, .weights.h5 and safetensors from local disk, fake GCS and fake S3 (started by
+    the bench itself on 127.0.0.1) all load the same values."""
     result = _smoke("bench_storage.py", tmp_path)
-    assert [r["source"] for r in result["rows"]] == ["local disk", "fake GCS", "fake S3"]
+    assert [r["source"] for r in result["rows"]] == [
+        f"{fmt} {where}" for fmt in ("orbax", "h5", "safetensors") for where in ("local disk", "fake GCS", "fake S3")
+    ]
     assert len({r["checksum"] for r in result["rows"]}) == 1
     for row in result["rows"]:
         assert row["load_s"] > 0 and row["bytes_read"] > 0, row

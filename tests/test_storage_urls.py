@@ -104,13 +104,6 @@ def test_cli_refuses_unsupported_schemes(tmp_path, monkeypatch, h5_source, capsy
     assert not os.path.exists(tmp_path / "az:")
 
 
-@pytest.mark.parametrize("url", ["gs://bucket/preset", "s3://bucket/preset"])
-def test_from_preset_refuses_bucket_presets_by_name(url):
-    """Presets in buckets are not read yet: a typed error naming the URL, never a local folder."""
-    with pytest.raises(errors.UnsupportedURLError, match=url):
-        shardckpt.from_preset(url)
-
-
 def test_check_path_for_other_entry_points():
     assert storage.check_path("gs://b/preset/") == "gs://b/preset"
     with pytest.raises(errors.UnsupportedURLError):

@@ -2,15 +2,18 @@
 """Restore from buckets: the bench_restore model from local disk, fake GCS and fake S3.
 
 Builds the MLP stack of `tools/bench_restore.py` (default ~400M parameters,
-1.6 GB float32), saves it with Keras (`.weights.h5`) and converts it with
-`shardckpt.convert` into one Orbax step on local disk, one in a bucket of
-fake-gcs-server and one in a bucket of moto's S3 server (both started here,
-each in its own process on 127.0.0.1). Then, each in a fresh process on 8
-simulated CPU devices under the same `ModelParallel` as bench_restore, it
-builds the model under `lazy_init()` and runs `load_sharded` from each copy:
-seconds, CPU seconds, and peak anonymous memory of the load over the final
-state (RssAnon sampled during the load; the servers' memory is theirs, in
-their own processes).
+1.6 GB float32), saves it with Keras (`.weights.h5`) and with the
+`safetensors` package, and converts it with `shardckpt.convert` into one
+Orbax step. Each of the three is kept on local disk and copied into a bucket
+of fake-gcs-server and one of moto's S3 server (both started here, each in
+its own process on 127.0.0.1; moto holds its objects in memory: ~3x the
+state at full size). Then, each in a fresh process on 8 simulated CPU
+devices under the same `ModelParallel` as bench_restore, it builds the model
+under `lazy_init()` and runs `load_sharded` from each copy: seconds, CPU
+seconds, and peak anonymous memory of the load over the final state (RssAnon
+sampled during the load; the servers' memory is theirs, in their own
+processes). h5 and safetensors files in buckets are read by byte ranges
+(`shardckpt.formats.remote`), never downloaded whole.
 
 The fake servers run on this machine, so the figures show shardckpt's own
 cost of reading through TensorStore's gcs / s3 drivers (HTTP, no disk
@@ -51,10 +54,20 @@ def prepare(args) -> None:
         v.assign(rng.standard_normal(v.shape, dtype=np.float32) * 0.02)
     h5 = os.path.join(args.workdir, "model.weights.h5")
     model.save_weights(h5)
+    from safetensors.numpy import save_file
+
+    files = {"h5": h5, "safetensors": os.path.join(args.workdir, "model.safetensors")}
+    save_file({v.path: np.asarray(v.value) for v in model.weights}, files["safetensors"])
+    from shardckpt.formats import storage
+
     seconds = {}
-    for name, dst in json.loads(args.targets).items():
+    for name, (fmt, dst) in json.loads(args.targets).items():
         start = time.perf_counter()
-        shardckpt.convert(h5, dst, model=model, progress=False)
+        if fmt == "orbax":
+            shardckpt.convert(h5, dst, model=model, progress=False)
+        elif dst != files[fmt]:  # a file: uploaded as it is (one object write)
+            with open(files[fmt], "rb") as f:
+                storage.write_bytes(storage.parse(dst), f.read())
         seconds[name] = time.perf_counter() - start
     emit({"params": int(model.count_params()), "convert_s": seconds})
 
@@ -158,13 +171,17 @@ def main() -> None:
         servers = _start_servers(stack)
         for server, _ in servers.values():
             os.environ.update(server.env)  # the children's endpoints and test credentials
-        sources = {"local disk": os.path.join(args.workdir, "orbax")}
-        sources.update({f"fake {'GCS' if s == 'gs' else 'S3'}": f"{url}/orbax" for s, (_, url) in servers.items()})
+        files = {"orbax": "orbax", "h5": "model.weights.h5", "safetensors": "model.safetensors"}
+        sources = {}
+        for fmt, name in files.items():
+            sources[f"{fmt} local disk"] = (fmt, os.path.join(args.workdir, name))
+            for scheme, (_, url) in servers.items():
+                sources[f"{fmt} fake {'GCS' if scheme == 'gs' else 'S3'}"] = (fmt, f"{url}/{name}")
         info = _child(args, "--_prepare", json.dumps(sources))
         print(f"model: {info['params']:,} parameters, {info['params'] * 4 / 1e9:.3f} GB float32; "
               f"ModelParallel (1, 8 CPU devices); workdir {args.workdir}")
         rows = []
-        for name, source in sources.items():
+        for name, (_, source) in sources.items():
             runs = [_child(args, "--_run", source) for _ in range(args.repeat)]
             rows.append((name, source, info["convert_s"][name], min(runs, key=lambda r: r["load_s"])))
     finally:
@@ -177,12 +194,13 @@ def main() -> None:
 
 
 def _print(rows) -> None:
-    local = rows[0][3]["load_s"]
-    print(f"{'source':<11} {'convert s':>9} {'load s':>7} {'load CPU s':>10} {'vs local':>8} "
+    # "vs local": against the same format's load from local disk.
+    local = {name.split()[0]: r["load_s"] for name, _, _, r in rows if name.endswith("local disk")}
+    print(f"{'source':<23} {'write s':>7} {'load s':>7} {'load CPU s':>10} {'vs local':>8} "
           f"{'peak over final GB':>18}  sharding")
     for name, _, convert_s, r in rows:
-        print(f"{name:<11} {convert_s:>9.2f} {r['load_s']:>7.2f} {r['load_cpu_s']:>10.2f} "
-              f"{r['load_s'] / local:>7.2f}x {r['peak_over_final_gb']:>18.3f}  {r['sharding']}")
+        print(f"{name:<23} {convert_s:>7.2f} {r['load_s']:>7.2f} {r['load_cpu_s']:>10.2f} "
+              f"{r['load_s'] / local[name.split()[0]]:>7.2f}x {r['peak_over_final_gb']:>18.3f}  {r['sharding']}")
     sums = {r["checksum"] for _, _, _, r in rows}
     print(f"state {rows[0][3]['state_gb']:.3f} GB; same values from every source: {len(sums) == 1}")
     if len(sums) != 1:

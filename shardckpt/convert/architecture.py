@@ -8,6 +8,7 @@ code runs. The model is built under `shardckpt.lazy_init()`: no weight memory.
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import json
 import os
@@ -15,6 +16,8 @@ import zipfile
 from typing import Any
 
 from shardckpt.errors import CheckpointNotFoundError, CorruptCheckpointError, ModelRequiredError
+from shardckpt.formats import storage
+from shardckpt.formats.remote import RemoteObject
 from shardckpt.restore.lazy import lazy_init
 
 
@@ -31,11 +34,17 @@ def load_architecture(spec: str) -> Any:
     import keras
 
     if spec.endswith(".keras"):
-        if not os.path.isfile(spec):
+        location = storage.parse(spec)
+        source: Any = spec
+        if location.is_remote:
+            # In a bucket: the zip directory and config.json by byte ranges.
+            source = RemoteObject(location.url).open()
+        elif not os.path.isfile(spec):
             raise CheckpointNotFoundError(f"No .keras file at {spec!r}. Fix: check the --model path.")
         try:
-            with zipfile.ZipFile(spec) as archive:
-                config = json.loads(archive.read("config.json"))
+            with contextlib.closing(source) if location.is_remote else contextlib.nullcontext():
+                with zipfile.ZipFile(source) as archive:
+                    config = json.loads(archive.read("config.json"))
         except (zipfile.BadZipFile, KeyError, json.JSONDecodeError) as e:
             raise CorruptCheckpointError(
                 f"{spec!r} holds no readable config.json ({e}); it is not a Keras 3 .keras file "

@@ -373,7 +373,7 @@ def _custom_metadata(reader: Reader, report: ConvertReport, checksums: dict[str,
             "version": 1,
             "algorithm": integrity.ALGORITHM,
             "arrays": checksums,
-            "source": {"path": os.path.abspath(reader.path), "format": reader.format},
+            "source": {"path": storage.parse(reader.path).url, "format": reader.format},
             "compression": report.compression,
             "chunk_byte_size": CHUNK_BYTES,
         }

@@ -14,6 +14,7 @@ from shardckpt.formats.h5_sharded import ShardedH5Reader, is_sharded_index
 from shardckpt.formats.hf import is_hf_folder
 from shardckpt.formats.orbax import OrbaxReader, is_orbax_dir
 from shardckpt.formats.preset import PresetReader, is_preset_dir
+from shardckpt.formats.remote import Unmapped
 from shardckpt.formats.safetensors import SafetensorsReader
 
 __all__ = [
@@ -88,22 +89,30 @@ def detect_format(path: str) -> str:
 
 
 def _detect_remote(location: storage.Location) -> str:
-    if location.path.endswith((".h5", ".hdf5", ".keras", ".safetensors", ".json")):
-        storage.refuse_remote(
-            location,
-            what="path",
-            reason="reading .weights.h5, .keras and safetensors files from a bucket is not "
-            "supported yet (Orbax checkpoints in buckets are). Fix: copy the file to local disk, "
-            "or convert it into the bucket once: `shardckpt convert FILE "
-            f"{location.scheme}://BUCKET/PATH` and load that.",
-        )
+    # Files are told by their names (a missing object is reported when the
+    # reader opens it); folders by the objects in them.
+    path = location.path
+    if path.endswith((".h5", ".hdf5")):
+        return "h5"
+    if path.endswith(".keras"):
+        return "keras"
+    if path.endswith((".safetensors", ".safetensors.index.json")):
+        return "safetensors"
+    if path.endswith(".json") and is_sharded_index(location.url):
+        return "h5-sharded"
     if is_orbax_dir(location.url):
         return "orbax"
     if not storage.isdir(location):
         raise storage.not_found(location)
+    if is_preset_dir(location.url):
+        return "preset"
+    if is_hf_folder(location.url):
+        return "hf"
     raise UnknownFormatError(
-        f"{location.url!r} holds objects but no Orbax checkpoint. In buckets shardckpt reads "
-        "Orbax checkpoints (a root of step folders, or one step)."
+        f"{location.url!r} holds objects but no checkpoint shardckpt reads. In buckets: "
+        "Orbax checkpoints (a root of step folders, or one step), `.weights.h5` / `.keras` "
+        "files, sharded `.weights.json` indexes, `.safetensors` files and "
+        "`*.safetensors.index.json` sets, keras-hub preset folders and Hugging Face folders."
     )
 
 
@@ -125,8 +134,15 @@ def open_reader(path: str, *, cache_bytes: int = CHUNK_CACHE_BYTES, model: Any =
     """
     fmt = detect_format(path)
     location = storage.parse(path)
-    if not location.is_remote:
-        path = location.path  # file:// URLs too
+    path = location.url  # file:// URLs too
+    reader = _open(fmt, path, cache_bytes=cache_bytes, model=model)
+    if location.is_remote and fmt != "orbax":
+        # Bucket files are read by byte ranges, not mapped: a plain Reader.
+        return Unmapped(reader)
+    return reader
+
+
+def _open(fmt: str, path: str, *, cache_bytes: int, model: Any) -> Reader:
     if fmt == "hf":
         if model is None:
             raise ModelRequiredError(

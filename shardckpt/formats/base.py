@@ -178,6 +178,22 @@ def aligned_empty(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
     return raw[start : start + nbytes].view(dtype).reshape(shape)
 
 
+def strided(flat: np.ndarray, first: int, shape: tuple[int, ...], strides: tuple[int, ...]) -> np.ndarray:
+    """`flat[first + i . strides]` for every index `i` of `shape`: a view, no copy.
+
+    Args:
+        flat: A 1-D array (a stored tensor, flat).
+        first: The element at index 0.
+        shape: The view's shape.
+        strides: Its strides, in elements (negative ones included).
+    """
+    itemsize = flat.dtype.itemsize
+    # np.ndarray checks that every element lies inside `flat`.
+    return np.ndarray(
+        shape, flat.dtype, buffer=flat, offset=first * itemsize, strides=tuple(st * itemsize for st in strides)
+    )
+
+
 def full_box(shape: tuple[int, ...]) -> Box:
     """The box that covers a whole array of `shape`."""
     return tuple(slice(0, n) for n in shape)

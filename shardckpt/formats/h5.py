@@ -17,13 +17,16 @@ import mmap
 import os
 import struct
 import zipfile
+from typing import Any
 
 import h5py
 import ml_dtypes
 import numpy as np
 
 from shardckpt.errors import CheckpointNotFoundError, CorruptCheckpointError
+from shardckpt.formats import storage
 from shardckpt.formats.base import ArraySpec, Box, MappedReader
+from shardckpt.formats.remote import RemoteObject
 
 _KERAS_WEIGHTS_MEMBER = "model.weights.h5"
 _ZIP_LOCAL_HEADER = struct.Struct("<IHHHHHIIIHH")  # zip local file header, 30 bytes
@@ -42,7 +45,8 @@ class H5Reader(MappedReader):
     """Reader for `.weights.h5` and `.keras` files.
 
     Args:
-        path: A `.weights.h5` file or a `.keras` archive.
+        path: A `.weights.h5` file or a `.keras` archive, local or a
+            `gs://` / `s3://` URL (read by byte ranges, see `remote`).
 
     Raises:
         CheckpointNotFoundError: `path` does not exist.
@@ -53,45 +57,69 @@ class H5Reader(MappedReader):
     format = "h5"
 
     def __init__(self, path: str) -> None:
-        self.path = os.fspath(path)
-        if not os.path.isfile(self.path):
-            raise CheckpointNotFoundError(f"No checkpoint file at {self.path!r}.")
+        location = storage.parse(path)
+        # A bucket object is read by byte ranges (`remote`): h5py and zipfile
+        # see a file object over it, arrays are read box by box.
+        self._remote = RemoteObject(location.url) if location.is_remote else None
+        self.path = location.url if location.is_remote else os.fspath(path)
         self._zip: zipfile.ZipFile | None = None
         self._member = None
+        self._file: Any = None
+        self._map: mmap.mmap | None = None
+        if self._remote is not None:
+            size = self._remote.size  # the first request: a missing object raises here
+            self._file = self._remote.open()
+            source: Any = self._file
+        else:
+            if not os.path.isfile(self.path):
+                raise CheckpointNotFoundError(f"No checkpoint file at {self.path!r}.")
+            size = os.path.getsize(self.path)
+            source = self.path
         base = 0
         try:
-            if zipfile.is_zipfile(self.path):
+            if zipfile.is_zipfile(source):
                 self.format = "keras"
-                self._zip = zipfile.ZipFile(self.path)
+                self._zip = zipfile.ZipFile(source)
                 info = self._zip.getinfo(_KERAS_WEIGHTS_MEMBER)
                 base = self._member_data_offset(info)
                 self._member = self._zip.open(info)
                 self._h5 = h5py.File(self._member, "r")
             else:
-                self._h5 = h5py.File(self.path, "r")
+                self._h5 = h5py.File(source, "r")
         except KeyError as e:
+            self._close_files()
             raise CorruptCheckpointError(
                 f"{self.path!r} is a zip archive without {_KERAS_WEIGHTS_MEMBER!r}; "
                 "it is not a Keras 3 `.keras` file. Fix: pass a file written by "
                 "`model.save(...)` or `model.save_weights(...)`."
             ) from e
-        except (OSError, zipfile.BadZipFile) as e:
+        except (OSError, zipfile.BadZipFile, struct.error) as e:
+            self._close_files()
             raise CorruptCheckpointError(
                 f"Cannot open {self.path!r} as HDF5 / .keras: {e}. The file is "
                 "truncated or damaged. Fix: re-create it from its source."
             ) from e
-        size = os.path.getsize(self.path)
-        self._file = open(self.path, "rb")
-        self._map = mmap.mmap(self._file.fileno(), 0, access=mmap.ACCESS_READ) if size else None
+        if self._remote is None:
+            self._file = open(self.path, "rb")
+            self._map = mmap.mmap(self._file.fileno(), 0, access=mmap.ACCESS_READ) if size else None
         self._datasets: dict[str, _Dataset] = {}
         self._h5.visititems(lambda name, obj: self._add(name, obj, base, size))
+        if self._remote is not None:
+            # Metadata is read: the many shards of a sharded preset keep no
+            # cached blocks while their arrays are read by ranges.
+            self._file.raw.drop_cache()
+
+    def _read_at(self, offset: int, n: int) -> bytes:
+        if self._remote is not None:
+            return self._remote.read(offset, offset + n)
+        with open(self.path, "rb") as f:
+            f.seek(offset)
+            return f.read(n)
 
     def _member_data_offset(self, info: zipfile.ZipInfo) -> int:
         if info.compress_type != zipfile.ZIP_STORED:
             return -1  # compressed member: no memory map, h5py reads through zip
-        with open(self.path, "rb") as f:
-            f.seek(info.header_offset)
-            fields = _ZIP_LOCAL_HEADER.unpack(f.read(_ZIP_LOCAL_HEADER.size))
+        fields = _ZIP_LOCAL_HEADER.unpack(self._read_at(info.header_offset, _ZIP_LOCAL_HEADER.size))
         name_len, extra_len = fields[-2], fields[-1]
         return info.header_offset + _ZIP_LOCAL_HEADER.size + name_len + extra_len
 
@@ -121,9 +149,14 @@ class H5Reader(MappedReader):
         return self._datasets[key].spec
 
     def view(self, key: str, box: Box) -> np.ndarray:
-        """`box` of `key` without a copy where the dataset is memory-mapped."""
+        """`box` of `key` without a copy where the dataset is memory-mapped.
+
+        In a bucket, a fresh array of the box's bytes only (`RemoteObject.read_box`).
+        """
         entry = self._datasets[key]
         spec = entry.spec
+        if entry.offset is not None and self._remote is not None:
+            return self._remote.read_box(entry.offset, spec, box)
         if entry.offset is not None and self._map is not None:
             whole = np.ndarray(spec.shape, spec.dtype, buffer=self._map, offset=entry.offset)
             return whole[box]
@@ -132,6 +165,8 @@ class H5Reader(MappedReader):
     def read(self, key: str, box: Box) -> np.ndarray:
         entry = self._datasets[key]
         spec = entry.spec
+        if entry.offset is not None and self._remote is not None:
+            return self._remote.read_box(entry.offset, spec, box)
         if entry.offset is not None and self._map is not None:
             return np.array(self.view(key, box), copy=True, order="C")
         try:
@@ -146,10 +181,14 @@ class H5Reader(MappedReader):
     def close(self) -> None:
         self._datasets.clear()
         self._h5.close()
+        self._close_files()
+
+    def _close_files(self) -> None:
         if self._member is not None:
             self._member.close()
         if self._zip is not None:
             self._zip.close()
         if self._map is not None:
             self._map.close()
-        self._file.close()
+        if self._file is not None:
+            self._file.close()

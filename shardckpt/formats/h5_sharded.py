@@ -26,6 +26,7 @@ import os
 import numpy as np
 
 from shardckpt.errors import CheckpointNotFoundError, CorruptCheckpointError
+from shardckpt.formats import storage
 from shardckpt.formats.base import ArraySpec, Box, MappedReader
 from shardckpt.formats.h5 import H5Reader
 
@@ -46,11 +47,13 @@ class ShardedH5Reader(MappedReader):
     format = "h5"
 
     def __init__(self, path: str) -> None:
-        self.path = os.fspath(path)
-        if not os.path.isfile(self.path):
+        location = storage.parse(path)
+        self._remote = location.is_remote
+        self.path = location.url if self._remote else os.fspath(path)
+        if not self._remote and not os.path.isfile(self.path):
             raise CheckpointNotFoundError(f"No sharded weights index at {self.path!r}.")
         weight_map = _read_index(self.path)
-        folder = os.path.dirname(os.path.realpath(self.path))
+        folder = location.parent.url if self._remote else os.path.dirname(os.path.realpath(self.path))
         self._shards: dict[str, H5Reader] = {}
         self._where: dict[str, H5Reader] = {}
         try:
@@ -65,6 +68,8 @@ class ShardedH5Reader(MappedReader):
     def _open(self, folder: str, group: str, name: str) -> H5Reader:
         if name in self._shards:
             return self._shards[name]
+        if self._remote:
+            return self._open_remote(folder, group, name)
         full = os.path.realpath(os.path.join(folder, name))
         if os.path.isabs(name) or os.path.commonpath([folder, full]) != folder:
             raise CorruptCheckpointError(
@@ -79,6 +84,27 @@ class ShardedH5Reader(MappedReader):
                 "index next to it."
             )
         shard = H5Reader(full)
+        self._shards[name] = shard
+        return shard
+
+    def _open_remote(self, folder: str, group: str, name: str) -> H5Reader:
+        # Object keys have no links to resolve: a name stays beside the index
+        # unless it climbs out ("..") or is absolute / a URL.
+        if name.startswith("/") or "://" in name or ".." in name.split("/"):
+            raise CorruptCheckpointError(
+                f"The index {self.path!r} puts group {group!r} in {name!r}, which is "
+                f"outside the index's folder {folder!r}. Shards must sit beside the "
+                "index. Fix: re-save the weights, or correct the index."
+            )
+        full = storage.parse(folder).join(name).url
+        try:
+            shard = H5Reader(full)
+        except CheckpointNotFoundError as e:
+            raise CheckpointNotFoundError(
+                f"Shard {name!r} of {self.path!r} (holding group {group!r}) does not "
+                f"exist at {full!r}. Fix: upload every *.weights.h5 shard listed in the "
+                "index next to it."
+            ) from e
         self._shards[name] = shard
         return shard
 
@@ -128,10 +154,19 @@ class ShardedH5Reader(MappedReader):
 
 def _read_index(path: str) -> dict[str, list[str]]:
     """Returns the index's weight map, every value as a list of file names."""
+    location = storage.parse(path)
     try:
-        with open(path, encoding="utf-8") as f:
-            index = json.load(f)
+        if location.is_remote:
+            data = storage.read_bytes(location)
+            if data is None:
+                raise CheckpointNotFoundError(f"No sharded weights index at {path!r}.")
+            index = json.loads(data)
+        else:
+            with open(path, encoding="utf-8") as f:
+                index = json.load(f)
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        if isinstance(e, CheckpointNotFoundError):
+            raise
         raise CorruptCheckpointError(
             f"Cannot read the sharded weights index {path!r}: {e}. Fix: re-save the "
             "weights with model.save_weights(..., max_shard_size=...)."
@@ -159,9 +194,14 @@ def is_sharded_index(path: str) -> bool:
     """True for a JSON file with a `weight_map` of `.h5` files (a Keras index)."""
     if path.endswith(".weights.json"):
         return True
+    location = storage.parse(path)
     try:
-        with open(path, encoding="utf-8") as f:
-            index = json.load(f)
+        if location.is_remote:
+            data = storage.read_bytes(location)
+            index = None if data is None else json.loads(data)
+        else:
+            with open(path, encoding="utf-8") as f:
+                index = json.load(f)
     except (OSError, UnicodeDecodeError, json.JSONDecodeError):
         return False
     weight_map = index.get("weight_map") if isinstance(index, dict) else None

@@ -21,7 +21,8 @@ from typing import Any
 import numpy as np
 
 from shardckpt.errors import CheckpointNotFoundError, CorruptCheckpointError
-from shardckpt.formats.base import ArraySpec, Box, MappedReader, full_box
+from shardckpt.formats import storage
+from shardckpt.formats.base import ArraySpec, Box, MappedReader, full_box, strided
 from shardckpt.formats.safetensors import SafetensorsReader
 
 CONFIG = "config.json"
@@ -29,17 +30,39 @@ SINGLE = "model.safetensors"
 INDEX = "model.safetensors.index.json"
 
 
+def _join(folder: str, name: str) -> str:
+    location = storage.parse(folder)
+    return location.join(name).url if location.is_remote else os.path.join(folder, name)
+
+
+def _read_json(path: str) -> Any:
+    """`path` (local or in a bucket) parsed as JSON; None when it does not exist."""
+    location = storage.parse(path)
+    if location.is_remote:
+        data = storage.read_bytes(location)  # small files: read whole
+        return None if data is None else json.loads(data)
+    if not os.path.isfile(path):
+        return None
+    with open(path) as f:
+        return json.load(f)
+
+
 def is_hf_folder(path: str) -> bool:
     """True for a folder with a Hugging Face `config.json` and safetensors weights."""
-    config = os.path.join(path, CONFIG)
-    if not os.path.isdir(path) or not os.path.isfile(config):
-        return False
-    if not (os.path.isfile(os.path.join(path, SINGLE)) or os.path.isfile(os.path.join(path, INDEX))):
-        return False
+    location = storage.parse(path)
+    if location.is_remote:
+        names = set(storage.listdir(location))
+        if CONFIG not in names or not names & {SINGLE, INDEX}:
+            return False
+    else:
+        config = os.path.join(path, CONFIG)
+        if not os.path.isdir(path) or not os.path.isfile(config):
+            return False
+        if not (os.path.isfile(os.path.join(path, SINGLE)) or os.path.isfile(os.path.join(path, INDEX))):
+            return False
     try:
-        with open(config) as f:
-            return "model_type" in json.load(f)
-    except (OSError, json.JSONDecodeError, TypeError):
+        return "model_type" in _read_json(_join(path, CONFIG))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, TypeError):
         return False
 
 
@@ -50,14 +73,13 @@ def read_config(folder: str) -> dict:
         CheckpointNotFoundError: there is none.
         CorruptCheckpointError: it is not a JSON object with a `model_type`.
     """
-    path = os.path.join(folder, CONFIG)
-    if not os.path.isfile(path):
-        raise CheckpointNotFoundError(f"No {CONFIG} in {folder!r}: not a Hugging Face folder.")
+    path = _join(folder, CONFIG)
     try:
-        with open(path) as f:
-            config = json.load(f)
-    except json.JSONDecodeError as e:
+        config = _read_json(path)
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise CorruptCheckpointError(f"{path!r} is not valid JSON ({e}). Fix: re-download the folder.") from e
+    if config is None:
+        raise CheckpointNotFoundError(f"No {CONFIG} in {folder!r}: not a Hugging Face folder.")
     if not isinstance(config, dict) or "model_type" not in config:
         raise CorruptCheckpointError(
             f"{path!r} has no 'model_type': not a Hugging Face model config. Fix: pass the "
@@ -68,16 +90,16 @@ def read_config(folder: str) -> dict:
 
 def open_tensors(folder: str) -> SafetensorsReader:
     """The folder's stored tensors: the index set if there is one, else `model.safetensors`."""
-    index = os.path.join(folder, INDEX)
-    return SafetensorsReader(index if os.path.isfile(index) else os.path.join(folder, SINGLE))
+    location = storage.parse(folder)
+    if location.is_remote:
+        has_index = INDEX in storage.listdir(location)
+    else:
+        has_index = os.path.isfile(os.path.join(folder, INDEX))
+    return SafetensorsReader(_join(folder, INDEX if has_index else SINGLE))
 
 
 def safetensors_index(folder: str) -> Any:
-    index = os.path.join(folder, INDEX)
-    if not os.path.isfile(index):
-        return None
-    with open(index) as f:
-        return json.load(f)
+    return _read_json(_join(folder, INDEX))
 
 
 class HFReader(MappedReader):
@@ -105,13 +127,16 @@ class HFReader(MappedReader):
         self._remaps = dict(remaps)
         self._stored_cache: dict[str, np.ndarray] = {}
 
-    def _stored(self, key: str) -> np.ndarray:
+    def _stored(self, key: str, first: int, shape: tuple[int, ...], strides: tuple[int, ...]) -> np.ndarray:
+        """Elements of stored tensor `key` as `hf_remap.Fetch` describes them."""
+        if self._tensors.is_remote(key):
+            return self._tensors.read_strided(key, first, shape, strides)  # ranged reads of just those
         # A read-only view of the memory map: no bytes are read here.
-        view = self._stored_cache.get(key)
-        if view is None:
-            view = self._tensors.view(key, full_box(self._tensors.spec(key).shape))
-            self._stored_cache[key] = view
-        return view
+        flat = self._stored_cache.get(key)
+        if flat is None:
+            flat = self._tensors.view(key, full_box(self._tensors.spec(key).shape)).reshape(-1)
+            self._stored_cache[key] = flat
+        return strided(flat, first, shape, strides)
 
     def keys(self) -> list[str]:
         return list(self._remaps)

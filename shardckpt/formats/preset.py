@@ -18,6 +18,7 @@ import os
 import numpy as np
 
 from shardckpt.errors import CheckpointNotFoundError
+from shardckpt.formats import storage
 from shardckpt.formats.base import ArraySpec, Box, MappedReader
 from shardckpt.formats.h5 import H5Reader
 from shardckpt.formats.h5_sharded import ShardedH5Reader
@@ -32,11 +33,25 @@ BACKBONE_PREFIX = "model/"
 TASK_PREFIX = "task/"
 
 
+def has_files(folder: str, *names: str) -> list[bool]:
+    """Whether each of `names` is a file in `folder` (a local folder or a bucket prefix)."""
+    location = storage.parse(folder)
+    if location.is_remote:
+        listed = set(storage.listdir(location))  # one request for all names
+        return [name in listed for name in names]
+    return [os.path.isfile(os.path.join(folder, name)) for name in names]
+
+
+def join(folder: str, name: str) -> str:
+    """`folder/name` for a local folder or a bucket URL."""
+    location = storage.parse(folder)
+    return location.join(name).url if location.is_remote else os.path.join(folder, name)
+
+
 def is_preset_dir(path: str) -> bool:
     """True for a folder with `config.json` and the backbone's weights."""
-    return os.path.isfile(os.path.join(path, CONFIG_FILE)) and any(
-        os.path.isfile(os.path.join(path, name)) for name in (MODEL_WEIGHTS, SHARDED_MODEL_WEIGHTS)
-    )
+    config, single, sharded = has_files(path, CONFIG_FILE, MODEL_WEIGHTS, SHARDED_MODEL_WEIGHTS)
+    return config and (single or sharded)
 
 
 def backbone_weights(folder: str) -> str:
@@ -45,10 +60,9 @@ def backbone_weights(folder: str) -> str:
     Raises:
         CheckpointNotFoundError: the folder has neither weights file.
     """
-    for name in (MODEL_WEIGHTS, SHARDED_MODEL_WEIGHTS):
-        candidate = os.path.join(folder, name)
-        if os.path.isfile(candidate):
-            return candidate
+    for name, found in zip((MODEL_WEIGHTS, SHARDED_MODEL_WEIGHTS), has_files(folder, MODEL_WEIGHTS, SHARDED_MODEL_WEIGHTS), strict=True):
+        if found:
+            return join(folder, name)
     raise CheckpointNotFoundError(
         f"The preset folder {folder!r} has neither {MODEL_WEIGHTS!r} nor "
         f"{SHARDED_MODEL_WEIGHTS!r}. Fix: pass a folder written by keras-hub's "
@@ -69,14 +83,15 @@ class PresetReader(MappedReader):
     format = "preset"
 
     def __init__(self, path: str, *, task: bool | None = None) -> None:
-        self.path = os.fspath(path)
+        location = storage.parse(path)
+        self.path = location.url if location.is_remote else os.fspath(path)
         weights = backbone_weights(self.path)
         self._parts: list[tuple[str, H5Reader | ShardedH5Reader]] = []
         try:
             reader = ShardedH5Reader(weights) if weights.endswith(".json") else H5Reader(weights)
             self._parts.append((BACKBONE_PREFIX, reader))
-            task_path = os.path.join(self.path, TASK_WEIGHTS)
-            if (task is None or task) and os.path.isfile(task_path):
+            task_path = join(self.path, TASK_WEIGHTS)
+            if (task is None or task) and has_files(self.path, TASK_WEIGHTS)[0]:
                 self._parts.append((TASK_PREFIX, H5Reader(task_path)))
         except BaseException:
             self.close()

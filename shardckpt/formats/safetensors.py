@@ -14,36 +14,53 @@ from __future__ import annotations
 import json
 import mmap
 import os
+from typing import Any
 
 import numpy as np
 
 from shardckpt.errors import CheckpointNotFoundError, CorruptCheckpointError
-from shardckpt.formats.base import DTYPES, ArraySpec, Box, MappedReader
+from shardckpt.formats import storage
+from shardckpt.formats.base import DTYPES, ArraySpec, Box, MappedReader, strided
+from shardckpt.formats.remote import RemoteObject
 
 _MAX_HEADER = 100 * 1024 * 1024  # the reference implementation's own limit
 
 
 class _File:
     def __init__(self, path: str) -> None:
-        if not os.path.isfile(path):
-            raise CheckpointNotFoundError(f"No safetensors file at {path!r}.")
         self.path = path
-        size = os.path.getsize(path)
-        with open(path, "rb") as f:
-            head = f.read(8)
-            if len(head) < 8:
-                raise _corrupt(path, "shorter than its 8-byte header length")
+        self.map: mmap.mmap | None = None
+        self.remote: RemoteObject | None = None
+        self._fh: Any = None
+        if storage.parse(path).is_remote:
+            # In a bucket: the header by two ranged reads, arrays box by box.
+            self.remote = RemoteObject(path)
+            head = self.remote.read(0, 8)
             n = int.from_bytes(head, "little")
-            if n > _MAX_HEADER or 8 + n > size:
-                raise _corrupt(path, f"header length {n} does not fit the file size {size}")
-            try:
-                header = json.loads(f.read(n))
-            except (UnicodeDecodeError, json.JSONDecodeError) as e:
-                raise _corrupt(path, f"header is not valid JSON ({e})") from e
-            self._fh = open(path, "rb")
+            if n > _MAX_HEADER:
+                raise _corrupt(path, f"header length {n} is over {_MAX_HEADER}")
+            raw = self.remote.read(8, 8 + n)
+            size = None
+        else:
+            if not os.path.isfile(path):
+                raise CheckpointNotFoundError(f"No safetensors file at {path!r}.")
+            size = os.path.getsize(path)
+            with open(path, "rb") as f:
+                head = f.read(8)
+                if len(head) < 8:
+                    raise _corrupt(path, "shorter than its 8-byte header length")
+                n = int.from_bytes(head, "little")
+                if n > _MAX_HEADER or 8 + n > size:
+                    raise _corrupt(path, f"header length {n} does not fit the file size {size}")
+                raw = f.read(n)
+        try:
+            header = json.loads(raw)
+        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise _corrupt(path, f"header is not valid JSON ({e})") from e
         header.pop("__metadata__", None)  # free-form strings, not arrays
         self.entries: dict[str, tuple[ArraySpec, int]] = {}
         data_start = 8 + n
+        end_of_data = data_start
         for key, info in header.items():
             try:
                 dtype = DTYPES[info["dtype"]]
@@ -52,19 +69,25 @@ class _File:
             except (KeyError, TypeError, ValueError) as e:
                 raise _corrupt(path, f"header entry for {key!r} is malformed ({e!r})") from e
             spec = ArraySpec(shape=shape, dtype=dtype)
-            if end - begin != spec.nbytes or data_start + end > size:
+            if end - begin != spec.nbytes or (size is not None and data_start + end > size):
                 raise _corrupt(
                     path,
                     f"array {key!r} ({info['dtype']}{list(shape)}) needs {spec.nbytes} "
                     f"bytes at {data_start + begin}..{data_start + end}, file has {size}",
                 )
+            end_of_data = max(end_of_data, data_start + end)
             self.entries[key] = (spec, data_start + begin)
-        self.map = mmap.mmap(self._fh.fileno(), 0, access=mmap.ACCESS_READ) if size else None
+        if self.remote is not None:
+            self.remote.check_end(end_of_data)  # a truncated object fails here, not mid-load
+        else:
+            self._fh = open(path, "rb")
+            self.map = mmap.mmap(self._fh.fileno(), 0, access=mmap.ACCESS_READ) if size else None
 
     def close(self) -> None:
         if self.map is not None:
             self.map.close()
-        self._fh.close()
+        if self._fh is not None:
+            self._fh.close()
 
 
 def _corrupt(path: str, what: str) -> CorruptCheckpointError:
@@ -89,23 +112,28 @@ class SafetensorsReader(MappedReader):
     format = "safetensors"
 
     def __init__(self, path: str) -> None:
-        self.path = os.fspath(path)
+        location = storage.parse(path)
+        self.path = location.url if location.is_remote else os.fspath(path)
         self._files: dict[str, _File] = {}
         self._where: dict[str, _File] = {}
         if self.path.endswith(".json"):
-            if not os.path.isfile(self.path):
+            data = _read(location) if location.is_remote else None
+            if data is None and (location.is_remote or not os.path.isfile(self.path)):
                 raise CheckpointNotFoundError(f"No safetensors index at {self.path!r}.")
             try:
-                with open(self.path) as f:
-                    weight_map = json.load(f)["weight_map"]
-            except (json.JSONDecodeError, KeyError, TypeError) as e:
+                if data is None:
+                    with open(self.path) as f:
+                        weight_map = json.load(f)["weight_map"]
+                else:
+                    weight_map = json.loads(data)["weight_map"]
+            except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError) as e:
                 raise CorruptCheckpointError(
                     f"{self.path!r} is not a safetensors index (needs a 'weight_map' "
                     f"object): {e!r}. Fix: pass the index written with the shards."
                 ) from e
-            folder = os.path.dirname(self.path)
+            folder = location.parent
             for key, name in weight_map.items():
-                file = self._open(os.path.join(folder, name))
+                file = self._open(folder.join(name).url if location.is_remote else os.path.join(folder.path, name))
                 if key not in file.entries:
                     raise CorruptCheckpointError(
                         f"Index {self.path!r} puts {key!r} in {name!r}, which has no "
@@ -132,17 +160,41 @@ class SafetensorsReader(MappedReader):
         return self._where[key].entries[key][0]
 
     def view(self, key: str, box: Box) -> np.ndarray:
-        """`box` of `key` without a copy: a read-only slice of the memory map."""
+        """`box` of `key` without a copy: a read-only slice of the memory map.
+
+        In a bucket, a fresh array of the box's bytes only (`RemoteObject.read_box`).
+        """
         file = self._where[key]
         spec, offset = file.entries[key]
+        if file.remote is not None:
+            return file.remote.read_box(offset, spec, box)
         if file.map is None or spec.nbytes == 0:
             return np.zeros(spec.shape, spec.dtype)[box]
         return np.ndarray(spec.shape, spec.dtype, buffer=file.map, offset=offset)[box]
 
     def read(self, key: str, box: Box) -> np.ndarray:
+        if self._where[key].remote is not None:
+            return self.view(key, box)  # already a fresh array
         return np.array(self.view(key, box), copy=True, order="C")
+
+    def is_remote(self, key: str) -> bool:
+        """True when `key` lives in a bucket object (no memory map)."""
+        return self._where[key].remote is not None
+
+    def read_strided(self, key: str, first: int, shape: tuple[int, ...], strides: tuple[int, ...]) -> np.ndarray:
+        """`key.flat[first + i . strides]` for each index `i` of `shape` (strides in
+        elements): from a bucket, only those elements' bytes (`RemoteObject.read_strided`)."""
+        file = self._where[key]
+        spec, offset = file.entries[key]
+        if file.remote is not None:
+            return file.remote.read_strided(offset, spec.dtype, first, shape, strides)
+        return strided(self.view(key, tuple(slice(0, n) for n in spec.shape)).reshape(-1), first, shape, strides)
 
     def close(self) -> None:
         for file in self._files.values():
             file.close()
         self._files.clear()
+
+
+def _read(location: storage.Location) -> bytes | None:
+    return storage.read_bytes(location)

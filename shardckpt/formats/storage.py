@@ -404,6 +404,11 @@ def _open_kvstore(location: Location) -> Any:
         raise translate(e, location, action="opening") from e
 
 
+def open_store(location: Location) -> Any:
+    """TensorStore's kvstore of the folder `location` (its keys are the names under it)."""
+    return _open_kvstore(location)
+
+
 def list_keys(location: Location) -> list[str]:
     """Every object key under `location` (a "folder"), relative to it, sorted.
 

@@ -35,8 +35,13 @@ from typing import Any
 import numpy as np
 
 Box = tuple[slice, ...]
-Fetch = Callable[[str], np.ndarray]
-"""`key -> the stored tensor as a read-only numpy view of its file (a memory map)`."""
+Fetch = Callable[[str, int, tuple[int, ...], tuple[int, ...]], np.ndarray]
+"""`(key, first, shape, strides) -> stored.flat[first + i . strides]` for every
+index `i` of `shape` (strides in elements): a read-only view of the stored
+tensor's memory map (`strided`), or for a file in a bucket a read of just
+those elements (`SafetensorsReader.read_strided`).
+See `shardckpt.formats.base.strided`."""
+
 
 # A base address for the data-less arrays numpy computes views on. It is never
 # dereferenced; only differences of addresses (offsets) are used.
@@ -224,17 +229,10 @@ class Strided(Tensor):
         return [self.key]
 
     def view(self, box: Box, fetch: Fetch) -> np.ndarray:
-        base = fetch(self.key)
-        itemsize = base.dtype.itemsize
-        # np.ndarray checks that every element lies inside the stored tensor.
-        full = np.ndarray(
-            self.shape,
-            base.dtype,
-            buffer=base,
-            offset=self.offset * itemsize,
-            strides=tuple(s * itemsize for s in self.strides),
-        )
-        return full[box]
+        shape = tuple(s.stop - s.start for s in box)
+        # The box's first element; the fetch reads only the box's elements.
+        first = self.offset + sum(s.start * st for s, st in zip(box, self.strides, strict=True))
+        return fetch(self.key, first, shape, self.strides)
 
     def read_into(self, box: Box, fetch: Fetch, out: np.ndarray) -> None:
         out[...] = self.view(box, fetch)

@@ -13,11 +13,15 @@ for, and its absence raises `MissingDependencyError` naming what to install.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import tempfile
+from collections.abc import Iterator
 from typing import Any
 
-from shardckpt.errors import CorruptCheckpointError, MissingDependencyError
+from shardckpt.errors import CheckpointNotFoundError, CorruptCheckpointError, MissingDependencyError
+from shardckpt.formats import storage
 from shardckpt.formats.preset import (
     CONFIG_FILE,
     MODEL_WEIGHTS,
@@ -49,15 +53,44 @@ def read_json(folder: str, name: str) -> dict[str, Any]:
     Raises:
         CorruptCheckpointError: not valid JSON, or not an object.
     """
-    path = os.path.join(folder, name)
+    location = storage.parse(folder)
+    path = location.join(name).url if location.is_remote else os.path.join(folder, name)
     try:
-        with open(path, encoding="utf-8") as f:
-            data = json.load(f)
+        if location.is_remote:
+            raw = storage.read_bytes(storage.parse(path))  # a small file: read whole
+            if raw is None:
+                raise CheckpointNotFoundError(f"No {name} in {folder!r}. Fix: upload the preset's {name}.")
+            data = json.loads(raw)
+        else:
+            with open(path, encoding="utf-8") as f:
+                data = json.load(f)
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise CorruptCheckpointError(f"{path!r} is not valid JSON: {e}. Fix: re-save the preset.") from e
     if not isinstance(data, dict):
         raise CorruptCheckpointError(f"{path!r} holds {type(data).__name__}, not a JSON object. Fix: re-save the preset.")
     return data
+
+
+@contextlib.contextmanager
+def local_configs(url: str) -> Iterator[str]:
+    """A temporary local copy of a bucket preset's files other than weights.
+
+    keras-hub builds from local folders (configs, tokenizer assets); the
+    weights files (`*.weights.h5`, `*.weights.json`) are left in the bucket.
+    """
+    location = storage.parse(url)
+    with tempfile.TemporaryDirectory(prefix="shardckpt-preset-") as local:
+        for key in storage.list_keys(location):
+            if key.endswith((".weights.h5", ".weights.json")):
+                continue
+            data = storage.read_bytes(location.join(key))
+            if data is None:
+                continue  # deleted since the listing
+            target = os.path.join(local, *key.split("/"))
+            os.makedirs(os.path.dirname(target), exist_ok=True)
+            with open(target, "wb") as f:
+                f.write(data)
+        yield local
 
 
 def build(folder: str, *, dtype: Any = None, cls: Any = None) -> Any:

@@ -27,12 +27,15 @@ from shardckpt.presets import kerashub
 
 
 def preset_kind(folder: str) -> str:
-    """Returns "keras-hub" or "hf" for a local preset folder.
+    """Returns "keras-hub" or "hf" for a preset folder (local, or a bucket URL).
 
     Raises:
         CheckpointNotFoundError: no folder, or no `config.json` in it.
         UnknownFormatError: `config.json` is neither kind.
     """
+    location = storage.parse(folder)
+    if location.is_remote:
+        return _remote_kind(location)
     if not os.path.isdir(folder):
         raise CheckpointNotFoundError(
             f"No preset folder at {folder!r}. Fix: pass a local keras-hub preset folder "
@@ -58,6 +61,31 @@ def preset_kind(folder: str) -> str:
         f"{os.path.join(folder, CONFIG_FILE)!r} has neither 'registered_name' (keras-hub "
         "preset) nor 'model_type' (Hugging Face config). Fix: pass a folder written by "
         f"keras-hub's save_to_preset or a Hugging Face model folder. Received keys: {sorted(config)[:12]}"
+    )
+
+
+def _remote_kind(location: storage.Location) -> str:
+    names = set(storage.listdir(location))
+    if not names:
+        raise storage.not_found(location)
+    if CONFIG_FILE not in names:
+        raise CheckpointNotFoundError(
+            f"{location.url!r} has no {CONFIG_FILE}, so it is no preset. Fix: upload a folder "
+            "written by keras-hub's save_to_preset or a Hugging Face model folder."
+        )
+    config = kerashub.read_json(location.url, CONFIG_FILE)
+    if "registered_name" in config or "class_name" in config:
+        if not is_preset_dir(location.url):
+            raise CheckpointNotFoundError(
+                f"The keras-hub preset {location.url!r} has no model.weights.h5 or "
+                "model.weights.json. Fix: upload the preset's weights files into it."
+            )
+        return "keras-hub"
+    if "model_type" in config:
+        return "hf"
+    raise UnknownFormatError(
+        f"{location.join(CONFIG_FILE).url!r} has neither 'registered_name' (keras-hub preset) nor "
+        f"'model_type' (Hugging Face config). Received keys: {sorted(config)[:12]}"
     )
 
 
@@ -87,7 +115,8 @@ def from_preset(
     ```
 
     Args:
-        preset: A local keras-hub preset folder (`config.json`,
+        preset: A keras-hub preset folder, local or in a bucket (`gs://...`,
+            `s3://...`; weights read by byte ranges) (`config.json`,
             `metadata.json`, `model.weights.h5` or a sharded
             `model.weights.json` + shards; for a task `task.json` and
             `task.weights.h5`), a Hugging Face model folder (`config.json`
@@ -126,6 +155,12 @@ def from_preset(
     if kind == "hf":
         hf = _hf_module(folder)
         model = hf.build(folder, dtype=dtype)
+    elif storage.parse(folder).is_remote:
+        # keras-hub reads presets from local folders: it builds from a copy of
+        # the bucket folder's small files (configs, tokenizer assets); the
+        # weights stay in the bucket and are read by byte ranges below.
+        with kerashub.local_configs(folder) as local:
+            model = kerashub.build(local, dtype=dtype, cls=cls)
     else:
         # A handle is given to keras-hub itself, which fetches what the build
         # needs (tokenizer assets of a task's preprocessor, say).
@@ -146,9 +181,9 @@ def from_preset(
 
 
 def _has_task_weights(folder: str) -> bool:
-    from shardckpt.formats.preset import TASK_WEIGHTS
+    from shardckpt.formats.preset import TASK_WEIGHTS, has_files
 
-    return os.path.isfile(os.path.join(folder, TASK_WEIGHTS))
+    return has_files(folder, TASK_WEIGHTS)[0]
 
 
 def _check_only_task_layers_missing(model: Any, report: Any) -> None:
@@ -184,14 +219,7 @@ def _local_folder(source: str, *, task: bool) -> str:
     if scheme is not None:
         # An unsupported scheme raises UnsupportedURLError here, never a local folder.
         location = storage.parse(source, what="preset")
-        storage.refuse_remote(
-            location,
-            what="preset",
-            reason="presets in buckets are not supported yet (their .weights.h5 and safetensors "
-            "files are not read from buckets). Fix: copy the folder to local disk, or use a "
-            f"keras-hub handle ({', '.join(s + '://' for s in kerashub.HANDLE_SCHEMES)}).",
-        )
-        return location.path
+        return location.url  # a bucket folder, or a file:// URL's local path
     return source  # preset_kind names what is missing
 
 
