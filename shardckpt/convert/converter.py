@@ -40,8 +40,8 @@ from typing import Any
 
 import numpy as np
 
+from shardckpt import budget as budgets
 from shardckpt import dtypes, state
-from shardckpt.budget import DEFAULT_MAX_INFLIGHT_BYTES
 from shardckpt.convert import boxes, integrity
 from shardckpt.convert.architecture import load_architecture
 from shardckpt.errors import (
@@ -130,7 +130,7 @@ def convert(
     mesh: Any = None,
     dtype: Any = None,
     compression: str = DEFAULT_COMPRESSION,
-    max_inflight_bytes: int = DEFAULT_MAX_INFLIGHT_BYTES,
+    max_inflight_bytes: int | None = None,
     force: bool = False,
     progress: bool | None = None,
 ) -> ConvertReport:
@@ -174,7 +174,8 @@ def convert(
         dtype: Cast floating-point arrays to this dtype (e.g. "bfloat16");
             integer and boolean arrays are kept.
         compression: "none" or "zstd" (see README, "Compression").
-        max_inflight_bytes: Most bytes of array data in memory at once.
+        max_inflight_bytes: Most bytes of array data in memory at once (None:
+            the host's default, `shardckpt.budget.default_max_inflight_bytes`).
         force: Replace an existing `dst` (locally only once the new one is
             complete; in a bucket the old objects are deleted first).
         progress: Show a progress bar. None: when stderr is a terminal.
@@ -199,6 +200,7 @@ def convert(
     src, dst = src_location.url, dst_location.url
     if compression not in COMPRESSIONS:
         raise ValueError(f"compression must be one of {COMPRESSIONS}. Received: compression={compression!r}")
+    max_inflight_bytes = budgets.resolve(max_inflight_bytes)
     if max_inflight_bytes < 4096:
         raise ValueError(f"max_inflight_bytes must be at least 4096. Received: {max_inflight_bytes}")
     if storage.exists(dst_location) and not force:
