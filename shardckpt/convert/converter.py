@@ -19,12 +19,12 @@ a `.weights.h5` or safetensors file; it comes from the model's architecture:
 the `.keras` file's own config, or `model=`. Keys are matched with
 `shardckpt.restore.keys`, the same code `load_sharded` uses.
 
-Chunking: each array is written in outer chunks (Orbax's "write shape") no
+Chunking: each array is written in blocks (Orbax's "write shape") no
 larger than a piece and no larger than its shard under `layout`/`mesh` when
-given, split by Orbax's subchunking into inner chunks of about
-`CHUNK_BYTES`: the inner chunk is what a restore reads, so a device of any
-later mesh reads at most one partial chunk's worth beyond its shard at each
-edge.
+given, which Orbax's `chunk_byte_size` splits into stored chunks of at most
+`CHUNK_BYTES` (4 MiB, measured): the chunk is what a restore reads, so a
+device of any later mesh reads at most one partial chunk's worth beyond its
+shard at each edge, and a large array's chunks decode in parallel.
 """
 
 from __future__ import annotations
@@ -51,13 +51,14 @@ from shardckpt.errors import (
 )
 from shardckpt.formats import detect_format, open_reader, storage
 from shardckpt.formats.base import MappedReader, Reader
+from shardckpt.formats.orbax import writer as orbax_writer
 from shardckpt.formats.orbax.writer import COMPRESSIONS, DEFAULT_COMPRESSION, OrbaxStepWriter
 from shardckpt.progress import ByteProgress
 from shardckpt.restore import keys as naming
 
-CHUNK_BYTES = 1024 * 1024
-"""Inner (read) chunk target: Orbax's subchunking warns below 1 MiB; smaller
-shards of a resharded restore are the rest of a read, not a full array."""
+CHUNK_BYTES = orbax_writer.CHUNK_BYTES
+"""Inner (read) chunk target (4 MiB, measured: see
+`shardckpt.formats.orbax.writer.CHUNK_BYTES`)."""
 
 
 @dataclasses.dataclass(kw_only=True)
