@@ -155,6 +155,8 @@ def _child(args: argparse.Namespace, *extra: str) -> dict:
 
 
 def _spread(values: list[float]) -> str:
+    if not values:
+        return "-"
     return f"{statistics.median(values):.2f} [{min(values):.2f}-{max(values):.2f}]"
 
 
@@ -164,7 +166,7 @@ def main() -> None:
     parser.add_argument("--dim", type=int, default=2048)
     parser.add_argument("--devices", type=int, default=8)
     parser.add_argument("--repeat", type=int, default=3, help="saves and shardckpt restores per configuration")
-    parser.add_argument("--keras-repeat", type=int, default=1, help="Keras restores per configuration")
+    parser.add_argument("--keras-repeat", type=int, default=1, help="Keras restores per configuration (0: none)")
     parser.add_argument("--writers", default=",".join(WRITERS))
     parser.add_argument("--chunks", default="shard,1,4,16", help="'shard' and/or inner chunk sizes in MiB")
     parser.add_argument("--compressions", default=",".join(COMPRESSIONS))
