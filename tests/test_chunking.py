@@ -1,8 +1,9 @@
-"""Chunks of the checkpoints shardckpt writes: `convert` and `OrbaxCheckpoint` store ~CHUNK_BYTES chunks.
+"""Chunks of the checkpoints shardckpt writes: `convert` and `OrbaxCheckpoint` store CHUNK_BYTES chunks.
 
-The size was chosen by `tools/bench_chunks.py`; these tests check that both
-writers store it (an 8 MiB kernel in two 4 MiB chunks; Orbax 0.12 makes each
-chunk its own zarr shard) and that the result restores bit-equal onto a mesh.
+The sizes were chosen by `tools/bench_chunks.py`; these tests check that both
+writers store them (an 8 MiB kernel: one chunk uncompressed, two 4 MiB chunks
+with zstd; Orbax 0.12 makes each chunk its own zarr shard) and that the
+result restores bit-equal onto a mesh.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import os
 import jax
 import keras
 import numpy as np
+import pytest
 import tensorstore as ts
 
 import shardckpt
@@ -38,10 +40,14 @@ def _kernel_chunks(step_dir: str) -> tuple[list[int], list[int], str]:
     return outer, inner, json.dumps(sharding["configuration"]["codecs"])
 
 
-def _assert_chunked(outer: list[int], inner: list[int]) -> None:
+def _assert_chunked(outer: list[int], inner: list[int], codecs: str, compression: str) -> None:
     assert outer == inner  # Orbax 0.12 stores each chosen chunk as its own zarr shard
-    assert CHUNK_BYTES // 2 < np.prod(inner) * 4 <= CHUNK_BYTES < IN * OUT * 4
-    assert IN % inner[0] == 0 and OUT % inner[1] == 0
+    assert ("zstd" in codecs) == (compression == "zstd"), codecs
+    if compression == "zstd":  # two chunks of the 8 MiB kernel
+        assert CHUNK_BYTES["zstd"] // 2 < np.prod(inner) * 4 <= CHUNK_BYTES["zstd"] < IN * OUT * 4
+        assert IN % inner[0] == 0 and OUT % inner[1] == 0
+    else:  # the kernel is below the cap: one chunk
+        assert inner == [IN, OUT] and IN * OUT * 4 < CHUNK_BYTES["none"]
 
 
 def _restore_on_mesh(path: str, expected: np.ndarray) -> None:
@@ -57,7 +63,8 @@ def _restore_on_mesh(path: str, expected: np.ndarray) -> None:
     assert kernel.value.sharding.spec == jax.sharding.PartitionSpec(None, "model")
 
 
-def test_convert_stores_chunk_bytes_chunks(tmp_path):
+@pytest.mark.parametrize("compression", ["none", "zstd"])
+def test_convert_stores_chunk_bytes_chunks(tmp_path, compression):
     keras.backend.clear_session()
     src = _model()
     expected = np.random.default_rng(3).standard_normal((IN, OUT), dtype=np.float32)
@@ -68,9 +75,8 @@ def test_convert_stores_chunk_bytes_chunks(tmp_path):
     with shardckpt.lazy_init():
         arch = _model()
     dst = str(tmp_path / "orbax")
-    convert(path, dst, model=arch, progress=False)
-    outer, inner, _ = _kernel_chunks(dst)
-    _assert_chunked(outer, inner)
+    convert(path, dst, model=arch, compression=compression, progress=False)
+    _assert_chunked(*_kernel_chunks(dst), compression)
     _restore_on_mesh(dst, expected)
 
 
@@ -87,7 +93,5 @@ def test_orbax_checkpoint_stores_chunk_bytes_chunks_compressed_or_not(tmp_path):
         model.fit(np.zeros((8, IN), "float32"), np.zeros((8, OUT), "float32"), epochs=1, verbose=0,
                   callbacks=[callback])
         [step] = [d for d in os.listdir(directory) if d.isdigit()]
-        outer, inner, codecs = _kernel_chunks(os.path.join(directory, step))
-        _assert_chunked(outer, inner)
-        assert ("zstd" in codecs) == compression, codecs
+        _assert_chunked(*_kernel_chunks(os.path.join(directory, step)), "zstd" if compression else "none")
         _restore_on_mesh(directory, expected)

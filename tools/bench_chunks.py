@@ -12,8 +12,8 @@ row, the median shown), then fresh processes restore it:
   `fit` under `ModelParallel` (1, 8): outer chunks are the devices' shards
   (8 MiB kernels);
 - chunk sizes: "shard" (one chunk per written block, Orbax's default) and
-  inner chunks of about 1, 4, 16 MiB (Orbax's subchunking, `chunk_byte_size`;
-  a size at or above the block is the block);
+  chunks of at most 1, 4, 16, 64 MiB (Orbax's `chunk_byte_size`, which
+  splits each block; a size at or above the block is the block);
 - compression: none, zstd (Orbax's level 3 per chunk);
 - restore: `load_sharded` into a lazily built model under `ModelParallel`
   (1, `--devices`) with the default budget (`--repeat` processes: median,
@@ -27,7 +27,7 @@ writer's current default.
 
 Usage:
     python tools/bench_chunks.py [--blocks 12] [--dim 2048] [--repeat 3] [--devices 8]
-                                 [--writers convert,callback] [--chunks shard,1,4,16]
+                                 [--writers convert,callback] [--chunks shard,1,4,16,64]
     python tools/bench_chunks.py --smoke      # a tiny model: checks the script runs
 """
 
@@ -37,10 +37,11 @@ import argparse
 import os
 import shutil
 import statistics
+import sys
 import tempfile
 import time
 
-from _bench import cpu_seconds, du, emit, run_child, setup_jax
+from _bench import ROOT, cpu_seconds, du, emit, run_child, setup_jax
 
 H5 = "model.weights.h5"
 WRITERS = ("convert", "callback")
@@ -78,8 +79,9 @@ def save(args: argparse.Namespace, writer: str, chunks: str, compression: str) -
 
         import shardckpt
         from shardckpt.convert import converter
+        from shardckpt.formats.orbax import writer as orbax_writer
 
-        converter.CHUNK_BYTES = chunk_bytes(chunks)  # type: ignore[assignment]  # the size under test
+        orbax_writer.CHUNK_BYTES[compression] = chunk_bytes(chunks)  # type: ignore[assignment]  # the size under test
         for _ in range(args.repeat):
             shutil.rmtree(dst, ignore_errors=True)
             os.sync()
@@ -168,7 +170,7 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=3, help="saves and shardckpt restores per configuration")
     parser.add_argument("--keras-repeat", type=int, default=1, help="Keras restores per configuration (0: none)")
     parser.add_argument("--writers", default=",".join(WRITERS))
-    parser.add_argument("--chunks", default="shard,1,4,16", help="'shard' and/or inner chunk sizes in MiB")
+    parser.add_argument("--chunks", default="shard,1,4,16,64", help="'shard' and/or inner chunk sizes in MiB")
     parser.add_argument("--compressions", default=",".join(COMPRESSIONS))
     parser.add_argument("--workdir", default=None)
     parser.add_argument("--smoke", action="store_true", help="a tiny model, one run per cell (checks the script)")
@@ -224,11 +226,13 @@ def _print_table(rows: list[dict]) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    from shardckpt.convert.converter import CHUNK_BYTES
+    if ROOT not in sys.path:  # this checkout's default, as the children import it (`setup_jax`)
+        sys.path.insert(0, ROOT)
+    from shardckpt.formats.orbax.writer import CHUNK_BYTES
 
-    # Ratios are to each writer's current default chunking, uncompressed.
-    current = {"convert": "shard" if CHUNK_BYTES is None else f"{CHUNK_BYTES / MIB:g}", "callback": "shard"}
-    base = {r["writer"]: r for r in rows if r["chunks"] == current[r["writer"]] and r["compression"] == "none"}
+    # Ratios are to each writer's current default, uncompressed (both writers use CHUNK_BYTES).
+    current = f"{CHUNK_BYTES['none'] / MIB:g}"
+    base = {r["writer"]: r for r in rows if r["chunks"] == current and r["compression"] == "none"}
     med = statistics.median
     table = Table(title="chunking and compression of shardckpt's writers (median [min-max])")
     for col in ("writer", "chunks MiB", "compression", "save s", "on disk GB", "restore s", "restore CPU s",

@@ -22,9 +22,10 @@ the `.keras` file's own config, or `model=`. Keys are matched with
 Chunking: each array is written in blocks (Orbax's "write shape") no
 larger than a piece and no larger than its shard under `layout`/`mesh` when
 given, which Orbax's `chunk_byte_size` splits into stored chunks of at most
-`CHUNK_BYTES` (4 MiB, measured): the chunk is what a restore reads, so a
-device of any later mesh reads at most one partial chunk's worth beyond its
-shard at each edge, and a large array's chunks decode in parallel.
+`shardckpt.formats.orbax.writer.CHUNK_BYTES` (64 MiB uncompressed, 4 MiB
+with zstd, measured): the chunk is what a restore reads, so a device of any
+later mesh reads at most one partial chunk's worth beyond its shard at each
+edge, and a compressed array's chunks decode in parallel.
 """
 
 from __future__ import annotations
@@ -55,10 +56,6 @@ from shardckpt.formats.orbax import writer as orbax_writer
 from shardckpt.formats.orbax.writer import COMPRESSIONS, DEFAULT_COMPRESSION, OrbaxStepWriter
 from shardckpt.progress import ByteProgress
 from shardckpt.restore import keys as naming
-
-CHUNK_BYTES = orbax_writer.CHUNK_BYTES
-"""Inner (read) chunk target (4 MiB, measured: see
-`shardckpt.formats.orbax.writer.CHUNK_BYTES`)."""
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -318,7 +315,8 @@ def _write_atomically(
     tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(dst)}.shardckpt-tmp-", dir=parent)
     step = os.path.join(tmp, "step")
     try:
-        writer = OrbaxStepWriter(step, compression=report.compression, chunk_byte_size=CHUNK_BYTES)
+        writer = OrbaxStepWriter(step, compression=report.compression,
+                                 chunk_byte_size=orbax_writer.CHUNK_BYTES[report.compression])
         checksums = _stream(reader, items, writer, report, max_inflight, progress)
         writer.finish(custom_metadata=_custom_metadata(reader, report, checksums), final_dir=dst)
         if os.path.exists(dst):
@@ -348,7 +346,8 @@ def _write_to_bucket(
             raise DestinationExistsError(f"{dst.url!r} appeared during the conversion. Fix: pass force=True.")
         storage.delete_tree(dst)
     try:
-        writer = OrbaxStepWriter(dst.url, compression=report.compression, chunk_byte_size=CHUNK_BYTES)
+        writer = OrbaxStepWriter(dst.url, compression=report.compression,
+                                 chunk_byte_size=orbax_writer.CHUNK_BYTES[report.compression])
         checksums = _stream(reader, items, writer, report, max_inflight, progress)
         writer.finish(custom_metadata=_custom_metadata(reader, report, checksums), final_dir=dst.url)
     except ValueError as e:
@@ -378,7 +377,7 @@ def _custom_metadata(reader: Reader, report: ConvertReport, checksums: dict[str,
             "arrays": checksums,
             "source": {"path": os.path.abspath(reader.path), "format": reader.format},
             "compression": report.compression,
-            "chunk_byte_size": CHUNK_BYTES,
+            "chunk_byte_size": orbax_writer.CHUNK_BYTES[report.compression],
         }
     }
 

@@ -604,13 +604,13 @@ def _json_context(*, compression: bool) -> Any:
     would go to the PyTree handler (registered last), which cannot hold None or
     lists of mixed types.
 
-    Arrays are stored in chunks of at most 4 MiB (Orbax's `chunk_byte_size`
-    splits each device's shard), as `convert` writes them; Orbax's default is
-    one chunk per shard, which a restore decodes on one thread (a whole array
-    when it was on one device). Measured with `tools/bench_chunks.py`
-    (see `shardckpt.formats.orbax.writer.CHUNK_BYTES`).
+    Arrays are stored in chunks of at most 64 MiB, or 4 MiB with zstd
+    (Orbax's `chunk_byte_size` splits each device's shard), as `convert`
+    writes them. Orbax's default is one chunk per shard: a whole array when
+    it was on one device, which a restore decodes on one thread. Measured with
+    `tools/bench_chunks.py` (see `shardckpt.formats.orbax.writer.CHUNK_BYTES`).
     """
-    from shardckpt.formats.orbax.writer import CHUNK_BYTES  # the chunk size of every shardckpt writer
+    from shardckpt.formats.orbax.writer import CHUNK_BYTES  # chunk sizes of shardckpt's writers
 
     registry = ocp.handlers.local_registry()
     registry.add(ocp.handlers.JsonHandler, checkpointable_name=resume.METADATA_ITEM)
@@ -618,7 +618,7 @@ def _json_context(*, compression: bool) -> Any:
     context = ocp.Context()
     context.checkpointables.registry = registry
     context.array.saving.use_compression = compression
-    context.array.saving.storage_options.chunk_byte_size = CHUNK_BYTES
+    context.array.saving.storage_options.chunk_byte_size = CHUNK_BYTES["zstd" if compression else "none"]
     return context
 
 
