@@ -4,15 +4,107 @@
 of array data a call holds in host memory at once beyond its result. Its
 default, and the decoded-chunk cache that compressed formats get from it,
 live here so the library, the CLI and the benchmarks agree.
+
+The default scales with the host (`default_max_inflight_bytes`): on
+compressed checkpoints the budget sets how many chunks decode at once, so a
+fixed 256 MiB left most cores of a large host idle (README, Benchmarks).
 """
 
 from __future__ import annotations
 
-DEFAULT_MAX_INFLIGHT_BYTES = 256 * 1024 * 1024
-"""Default of `load_sharded`, `convert`, `verify` and `--max-inflight-mb`."""
+import os
+
+MIB = 1024 * 1024
+GIB = 1024 * MIB
+
+PER_CORE_BYTES = 64 * MIB
+"""Budget per usable core: room for one 64 MiB chunk decoding on each (Keras'
+Orbax checkpoints store each shard as one chunk, 64 MiB in the benchmarks)."""
+
+MIN_INFLIGHT_BYTES = 256 * MIB
+"""Floor of the default: the former fixed default, measured on 2 cores."""
+
+MAX_INFLIGHT_BYTES = 4 * GIB
+"""Cap of the default: beyond 4 GiB an H100 host's 16 cores gained nothing."""
+
+MEMORY_FRACTION = 32
+"""The default never exceeds 1/32 of the host's (or cgroup's) memory."""
 
 CHUNK_CACHE_BYTES = 32 * 1024 * 1024
 """Largest decoded-chunk cache of a compressed format's reader (Orbax)."""
+
+_CGROUP_MEMORY_MAX = "/sys/fs/cgroup/memory.max"  # cgroup v2
+_CGROUP_V1_LIMIT = "/sys/fs/cgroup/memory/memory.limit_in_bytes"
+
+
+def inflight_bytes_for(cores: int, memory_bytes: int) -> int:
+    """The default budget of a host with `cores` usable cores and `memory_bytes` of memory.
+
+    Rule: `clamp(64 MiB x cores, 256 MiB, min(4 GiB, memory / 32))`, i.e.
+    64 MiB per core, at least 256 MiB, at most 4 GiB and at most 1/32 of
+    memory; the 256 MiB floor wins over the memory bound (a host with less
+    than 8 GiB still gets 256 MiB, the former fixed default). Examples:
+    2 cores / 24 GB -> 256 MiB; 16 cores / 128 GB -> 1 GiB; 64 cores /
+    512 GB -> 4 GiB; 64 cores / 16 GiB -> 512 MiB.
+
+    Args:
+        cores: Cores this process may run on (at least 1 is assumed).
+        memory_bytes: Memory available to this process (physical memory,
+            or the cgroup limit when lower).
+
+    Returns:
+        Bytes, a multiple of 1 MiB.
+    """
+    wanted = PER_CORE_BYTES * max(1, cores)
+    ceiling = min(MAX_INFLIGHT_BYTES, max(0, memory_bytes) // MEMORY_FRACTION)
+    budget = max(MIN_INFLIGHT_BYTES, min(wanted, ceiling))
+    return budget // MIB * MIB
+
+
+def usable_cores() -> int:
+    """Cores this process may run on (its CPU affinity, else `os.cpu_count()`)."""
+    try:
+        return len(os.sched_getaffinity(0)) or 1
+    except (AttributeError, OSError):  # not on Linux
+        return os.cpu_count() or 1
+
+
+def host_memory_bytes() -> int:
+    """Physical memory, or the cgroup's memory limit when lower (containers)."""
+    try:
+        memory = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (AttributeError, ValueError, OSError):  # sysconf names missing (not POSIX)
+        memory = 0
+    limit = _cgroup_limit()
+    if limit and (not memory or limit < memory):
+        return limit
+    return memory
+
+
+def _cgroup_limit() -> int | None:
+    for path in (_CGROUP_MEMORY_MAX, _CGROUP_V1_LIMIT):
+        try:
+            with open(path) as f:
+                text = f.read().strip()
+        except OSError:
+            continue
+        if text.isdigit():  # "max" (v2) means no limit
+            return int(text)
+    return None
+
+
+def default_max_inflight_bytes() -> int:
+    """The default `max_inflight_bytes` of this host: `inflight_bytes_for` its cores and memory.
+
+    What `load_sharded`, `convert`, `verify` and `--max-inflight-mb` use when
+    no budget is given.
+    """
+    return inflight_bytes_for(usable_cores(), host_memory_bytes())
+
+
+def resolve(max_inflight_bytes: int | None) -> int:
+    """`max_inflight_bytes`, or the host's default for None."""
+    return default_max_inflight_bytes() if max_inflight_bytes is None else max_inflight_bytes
 
 
 def chunk_cache_bytes(max_inflight_bytes: int) -> int:
@@ -24,6 +116,8 @@ def chunk_cache_bytes(max_inflight_bytes: int) -> int:
     every read goes through (zarr shard indexes, OCDBT nodes): without any
     cache, reads of small chunks were about a third slower. A larger cache
     keeps consumed chunks alive, memory beyond the budget (see CHANGELOG for
-    the figures that set 32 MiB).
+    the figures that set 32 MiB). The cap holds whatever the budget: a host
+    whose default budget is 1-4 GiB still gets 32 MiB, since what the cache
+    must hold does not grow with the number of chunks decoding at once.
     """
     return min(max_inflight_bytes, CHUNK_CACHE_BYTES)

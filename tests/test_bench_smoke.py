@@ -14,6 +14,8 @@ import sys
 
 import pytest
 
+from shardckpt.budget import default_max_inflight_bytes
+
 TOOLS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tools")
 BENCHES = sorted(os.path.basename(p) for p in glob.glob(os.path.join(TOOLS, "bench_*.py")))
 # bench_layout.py and bench_save.py run at --smoke in test_layout_hub.py and
@@ -62,6 +64,18 @@ def test_bench_convert_smoke(tmp_path):
     for compression in ("none", "zstd"):
         assert result["convert"][compression]["disk_bytes"] > 0
         assert result["restore"][compression]["seconds"] > 0
+
+
+@pytest.mark.slow
+def test_bench_chunks_smoke(tmp_path):
+    result = _smoke("bench_chunks.py", tmp_path)
+    cells = {(r["writer"], r["chunks"], r["compression"]) for r in result["rows"]}
+    assert cells == {(w, c, "zstd") for w in ("convert", "callback") for c in ("shard", "1")}
+    for row in result["rows"]:
+        assert row["disk_bytes"] > 0 and len(row["save_s"]) == len(row["restore_s"]) == 1, row
+        assert row["restore_s"][0] > 0 and row["keras_s"][0] > 0, row
+        assert row["sharding"] == "P('model', None)", row  # the down kernel, row-sharded
+        assert row["budget"] == default_max_inflight_bytes(), row
 
 
 @pytest.mark.slow

@@ -50,7 +50,7 @@ def _params(fn) -> dict[str, pyinspect.Parameter]:
 def test_signatures_match_the_design():
     p = _params(shardckpt.load_sharded)
     assert list(p)[:2] == ["model", "path"]
-    for kw, default in (("layout", None), ("strict", True), ("max_inflight_bytes", 256 * 2**20), ("progress", None)):
+    for kw, default in (("layout", None), ("strict", True), ("max_inflight_bytes", None), ("progress", None)):
         assert p[kw].kind is pyinspect.Parameter.KEYWORD_ONLY and p[kw].default == default, kw
 
     p = _params(shardckpt.from_preset)
@@ -71,6 +71,7 @@ def test_signatures_match_the_design():
     assert list(p)[:2] == ["src", "dst"]
     for kw in ("layout", "mesh", "dtype", "max_inflight_bytes", "progress", "force", "compression"):
         assert p[kw].kind is pyinspect.Parameter.KEYWORD_ONLY, kw
+    assert p["max_inflight_bytes"].default is None  # the host's default (shardckpt.budget)
 
     assert list(_params(shardckpt.restore_latest))[:2] == ["model", "directory"]
     assert list(_params(shardckpt.inspect))[:1] == ["path"]

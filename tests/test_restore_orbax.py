@@ -122,7 +122,7 @@ def test_accelerator_path_sends_whole_chunks_as_decoded(tmp_path):
     stored chunk (a one-device save restored onto one device: the H100 case of
     tools/bench_restore.py). CI has no accelerator, so it runs here on a CPU
     device: same values, same placement."""
-    from shardckpt.budget import DEFAULT_MAX_INFLIGHT_BYTES
+    from shardckpt.budget import default_max_inflight_bytes
     from shardckpt.formats import open_reader
     from shardckpt.restore import engine, strategies
     from shardckpt.restore.targets import resolve_layout
@@ -146,7 +146,7 @@ def test_accelerator_path_sends_whole_chunks_as_decoded(tmp_path):
     with shardckpt.lazy_init():
         model = build_zoo(rnn=False)
     reader, loads = plan(model)
-    budget = strategies.Budget(DEFAULT_MAX_INFLIGHT_BYTES)
+    budget = strategies.Budget(default_max_inflight_bytes())
     for load in loads:
         assert all(reader.is_chunk(load.job.key, p.box) for p in load.parts), load.job.key
         # On a CPU device the dispatcher decodes into pieces (the copy is what

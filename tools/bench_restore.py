@@ -141,10 +141,10 @@ def tensorstore_read(path: str, memmap: bool, warm: int) -> tuple[float, float]:
     Returns wall and CPU seconds.
     """
     _setup_jax(8)
-    from shardckpt.budget import DEFAULT_MAX_INFLIGHT_BYTES, chunk_cache_bytes
+    from shardckpt.budget import chunk_cache_bytes, default_max_inflight_bytes
     from shardckpt.formats import OrbaxReader
 
-    reader = OrbaxReader(path, cache_bytes=chunk_cache_bytes(DEFAULT_MAX_INFLIGHT_BYTES), memmap=memmap)
+    reader = OrbaxReader(path, cache_bytes=chunk_cache_bytes(default_max_inflight_bytes()), memmap=memmap)
     stores = [reader._store(k) for k in reader.keys()]
     if warm:
         warm_memory(warm)

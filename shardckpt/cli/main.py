@@ -22,7 +22,7 @@ from typing import Any
 
 os.environ.setdefault("KERAS_BACKEND", "jax")
 
-from shardckpt.budget import DEFAULT_MAX_INFLIGHT_BYTES  # noqa: E402
+from shardckpt.budget import default_max_inflight_bytes  # noqa: E402
 from shardckpt.cli.devices import simulate_cpu_devices, use_cpu_platform  # noqa: E402
 from shardckpt.errors import LayoutError, ShardckptError  # noqa: E402
 from shardckpt.formats.orbax.writer import COMPRESSIONS, DEFAULT_COMPRESSION  # noqa: E402
@@ -48,8 +48,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", help="cast floating-point arrays, e.g. bfloat16")
     p.add_argument("--compression", choices=COMPRESSIONS, default=DEFAULT_COMPRESSION,
                    help=f"chunk compression (default: {DEFAULT_COMPRESSION})")
-    p.add_argument("--max-inflight-mb", type=_positive_int, default=DEFAULT_MAX_INFLIGHT_BYTES // 2**20,
-                   help="array data in memory at once (MiB)")
+    p.add_argument("--max-inflight-mb", type=_positive_int, default=default_max_inflight_bytes() // 2**20,
+                   help="array data in memory at once (MiB; default: this host's, 64 per core within "
+                   "256 and min(4096, memory/32): %(default)s)")
     p.add_argument("--force", action="store_true", help="replace DST if it exists")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
 

@@ -19,12 +19,13 @@ a `.weights.h5` or safetensors file; it comes from the model's architecture:
 the `.keras` file's own config, or `model=`. Keys are matched with
 `shardckpt.restore.keys`, the same code `load_sharded` uses.
 
-Chunking: each array is written in outer chunks (Orbax's "write shape") no
+Chunking: each array is written in blocks (Orbax's "write shape") no
 larger than a piece and no larger than its shard under `layout`/`mesh` when
-given, split by Orbax's subchunking into inner chunks of about
-`CHUNK_BYTES`: the inner chunk is what a restore reads, so a device of any
+given, which Orbax's `chunk_byte_size` splits into stored chunks of at most
+`shardckpt.formats.orbax.writer.CHUNK_BYTES` (64 MiB uncompressed, 4 MiB
+with zstd, measured): the chunk is what a restore reads, so a device of any
 later mesh reads at most one partial chunk's worth beyond its shard at each
-edge.
+edge, and a compressed array's chunks decode in parallel.
 """
 
 from __future__ import annotations
@@ -40,8 +41,8 @@ from typing import Any
 
 import numpy as np
 
+from shardckpt import budget as budgets
 from shardckpt import dtypes, state
-from shardckpt.budget import DEFAULT_MAX_INFLIGHT_BYTES
 from shardckpt.convert import boxes, integrity
 from shardckpt.convert.architecture import load_architecture
 from shardckpt.errors import (
@@ -51,13 +52,10 @@ from shardckpt.errors import (
 )
 from shardckpt.formats import detect_format, open_reader, storage
 from shardckpt.formats.base import MappedReader, Reader
+from shardckpt.formats.orbax import writer as orbax_writer
 from shardckpt.formats.orbax.writer import COMPRESSIONS, DEFAULT_COMPRESSION, OrbaxStepWriter
 from shardckpt.progress import ByteProgress
 from shardckpt.restore import keys as naming
-
-CHUNK_BYTES = 1024 * 1024
-"""Inner (read) chunk target: Orbax's subchunking warns below 1 MiB; smaller
-shards of a resharded restore are the rest of a read, not a full array."""
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -130,7 +128,7 @@ def convert(
     mesh: Any = None,
     dtype: Any = None,
     compression: str = DEFAULT_COMPRESSION,
-    max_inflight_bytes: int = DEFAULT_MAX_INFLIGHT_BYTES,
+    max_inflight_bytes: int | None = None,
     force: bool = False,
     progress: bool | None = None,
 ) -> ConvertReport:
@@ -174,7 +172,8 @@ def convert(
         dtype: Cast floating-point arrays to this dtype (e.g. "bfloat16");
             integer and boolean arrays are kept.
         compression: "none" or "zstd" (see README, "Compression").
-        max_inflight_bytes: Most bytes of array data in memory at once.
+        max_inflight_bytes: Most bytes of array data in memory at once (None:
+            the host's default, `shardckpt.budget.default_max_inflight_bytes`).
         force: Replace an existing `dst` (locally only once the new one is
             complete; in a bucket the old objects are deleted first).
         progress: Show a progress bar. None: when stderr is a terminal.
@@ -199,6 +198,7 @@ def convert(
     src, dst = src_location.url, dst_location.url
     if compression not in COMPRESSIONS:
         raise ValueError(f"compression must be one of {COMPRESSIONS}. Received: compression={compression!r}")
+    max_inflight_bytes = budgets.resolve(max_inflight_bytes)
     if max_inflight_bytes < 4096:
         raise ValueError(f"max_inflight_bytes must be at least 4096. Received: {max_inflight_bytes}")
     if storage.exists(dst_location) and not force:
@@ -315,7 +315,8 @@ def _write_atomically(
     tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(dst)}.shardckpt-tmp-", dir=parent)
     step = os.path.join(tmp, "step")
     try:
-        writer = OrbaxStepWriter(step, compression=report.compression, chunk_byte_size=CHUNK_BYTES)
+        writer = OrbaxStepWriter(step, compression=report.compression,
+                                 chunk_byte_size=orbax_writer.CHUNK_BYTES[report.compression])
         checksums = _stream(reader, items, writer, report, max_inflight, progress)
         writer.finish(custom_metadata=_custom_metadata(reader, report, checksums), final_dir=dst)
         if os.path.exists(dst):
@@ -345,7 +346,8 @@ def _write_to_bucket(
             raise DestinationExistsError(f"{dst.url!r} appeared during the conversion. Fix: pass force=True.")
         storage.delete_tree(dst)
     try:
-        writer = OrbaxStepWriter(dst.url, compression=report.compression, chunk_byte_size=CHUNK_BYTES)
+        writer = OrbaxStepWriter(dst.url, compression=report.compression,
+                                 chunk_byte_size=orbax_writer.CHUNK_BYTES[report.compression])
         checksums = _stream(reader, items, writer, report, max_inflight, progress)
         writer.finish(custom_metadata=_custom_metadata(reader, report, checksums), final_dir=dst.url)
     except ValueError as e:
@@ -375,7 +377,7 @@ def _custom_metadata(reader: Reader, report: ConvertReport, checksums: dict[str,
             "arrays": checksums,
             "source": {"path": storage.parse(reader.path).url, "format": reader.format},
             "compression": report.compression,
-            "chunk_byte_size": CHUNK_BYTES,
+            "chunk_byte_size": orbax_writer.CHUNK_BYTES[report.compression],
         }
     }
 

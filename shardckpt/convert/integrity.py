@@ -22,7 +22,7 @@ from typing import Any
 
 import numpy as np
 
-from shardckpt.budget import DEFAULT_MAX_INFLIGHT_BYTES, chunk_cache_bytes
+from shardckpt import budget as budgets
 from shardckpt.convert.boxes import c_order_boxes
 from shardckpt.errors import ChecksumMismatchError, CorruptCheckpointError
 from shardckpt.formats import open_reader, storage
@@ -117,7 +117,7 @@ class VerifyReport:
 def verify(
     path: str | os.PathLike,
     *,
-    max_inflight_bytes: int = DEFAULT_MAX_INFLIGHT_BYTES,
+    max_inflight_bytes: int | None = None,
     advance: Callable[[int], None] | None = None,
 ) -> VerifyReport:
     """Re-reads every array of a checkpoint and checks it.
@@ -137,7 +137,8 @@ def verify(
 
     Args:
         path: Anything `shardckpt.inspect` reads.
-        max_inflight_bytes: Most bytes read into memory at once.
+        max_inflight_bytes: Most bytes read into memory at once (None: the
+            host's default, `shardckpt.budget.default_max_inflight_bytes`).
         advance: Called with the bytes of each piece read (progress bars).
 
     Returns:
@@ -148,7 +149,8 @@ def verify(
         CorruptCheckpointError: the checkpoint's index or metadata is damaged
             (no array can be located).
     """
-    reader = open_reader(os.fspath(path), cache_bytes=chunk_cache_bytes(max_inflight_bytes))
+    max_inflight_bytes = budgets.resolve(max_inflight_bytes)
+    reader = open_reader(os.fspath(path), cache_bytes=budgets.chunk_cache_bytes(max_inflight_bytes))
     try:
         report = VerifyReport(path=reader.path, format=reader.format)
         expected = read_checksums(reader.path) if reader.format == "orbax" else None

@@ -24,7 +24,7 @@ import jax
 import numpy as np
 
 from shardckpt import _keras, dtypes
-from shardckpt.budget import DEFAULT_MAX_INFLIGHT_BYTES, chunk_cache_bytes
+from shardckpt import budget as budgets
 from shardckpt.errors import IndivisibleLayoutError
 from shardckpt.formats import Reader, open_reader
 from shardckpt.progress import ByteProgress
@@ -57,6 +57,9 @@ class LoadReport:
         initialized: Lazily built variables given their own initial value:
             the checkpoint lacked them (`strict=False` only), or the format
             never stores them (Keras h5: seed-generator states, LoRA factors).
+        max_inflight_bytes: The host-memory budget the load ran with (the
+            host's default, `shardckpt.budget.default_max_inflight_bytes`,
+            when none was given).
     """
 
     path: str
@@ -69,6 +72,7 @@ class LoadReport:
     skipped: list[str] = dataclasses.field(default_factory=list)
     casts: list[str] = dataclasses.field(default_factory=list)
     initialized: list[str] = dataclasses.field(default_factory=list)
+    max_inflight_bytes: int = 0
 
     def __str__(self) -> str:
         rate = self.bytes_read / self.seconds / 2**30 if self.seconds else 0.0
@@ -95,7 +99,7 @@ def load_sharded(
     *,
     layout: Any = None,
     strict: bool = True,
-    max_inflight_bytes: int = DEFAULT_MAX_INFLIGHT_BYTES,
+    max_inflight_bytes: int | None = None,
     progress: bool | None = None,
 ) -> LoadReport:
     """Loads a checkpoint into `model`, each variable directly in its sharding.
@@ -141,7 +145,9 @@ def load_sharded(
             `shardckpt.restore.hostmem`). On compressed checkpoints (Orbax) it also
             sets how many chunks are decoded in parallel: a bigger budget
             uses more cores. An accelerator runtime's own host staging of
-            transfers comes on top.
+            transfers comes on top. None: the host's default, 64 MiB per
+            usable core, at least 256 MiB, at most min(4 GiB, memory / 32)
+            (`shardckpt.budget.inflight_bytes_for`).
         progress: Show a progress bar. None: when stderr is a terminal.
 
     Returns:
@@ -157,11 +163,12 @@ def load_sharded(
         IndivisibleLayoutError: a mesh axis does not divide a sharded dimension.
     """
     start = time.perf_counter()
+    max_inflight_bytes = budgets.resolve(max_inflight_bytes)
     if max_inflight_bytes < 1:
         raise ValueError(f"max_inflight_bytes must be positive. Received: {max_inflight_bytes}")
-    reader = open_reader(os.fspath(path), cache_bytes=chunk_cache_bytes(max_inflight_bytes), model=model)
+    reader = open_reader(os.fspath(path), cache_bytes=budgets.chunk_cache_bytes(max_inflight_bytes), model=model)
     try:
-        report = LoadReport(path=reader.path, format=reader.format)
+        report = LoadReport(path=reader.path, format=reader.format, max_inflight_bytes=max_inflight_bytes)
         jobs, to_init = match_jobs(model, reader, report, strict, resolve_layout(layout))
         total = sum(reader.spec(job.key).nbytes for job in jobs)
         show = sys.stderr.isatty() if progress is None else progress

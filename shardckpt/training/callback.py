@@ -598,18 +598,27 @@ class OrbaxCheckpoint(MonitorCallback):
 
 
 def _json_context(*, compression: bool) -> Any:
-    """The Orbax context of every save: JSON items and array compression.
+    """The Orbax context of every save: JSON items, array compression and chunking.
 
     Our metadata items go to Orbax's JsonHandler; without the registry a dict
     would go to the PyTree handler (registered last), which cannot hold None or
     lists of mixed types.
+
+    Arrays are stored in chunks of at most 64 MiB, or 4 MiB with zstd
+    (Orbax's `chunk_byte_size` splits each device's shard), as `convert`
+    writes them. Orbax's default is one chunk per shard: a whole array when
+    it was on one device, which a restore decodes on one thread. Measured with
+    `tools/bench_chunks.py` (see `shardckpt.formats.orbax.writer.CHUNK_BYTES`).
     """
+    from shardckpt.formats.orbax.writer import CHUNK_BYTES  # chunk sizes of shardckpt's writers
+
     registry = ocp.handlers.local_registry()
     registry.add(ocp.handlers.JsonHandler, checkpointable_name=resume.METADATA_ITEM)
     registry.add(ocp.handlers.JsonHandler, checkpointable_name=resume.ITERATOR_ITEM)
     context = ocp.Context()
     context.checkpointables.registry = registry
     context.array.saving.use_compression = compression
+    context.array.saving.storage_options.chunk_byte_size = CHUNK_BYTES["zstd" if compression else "none"]
     return context
 
 

@@ -50,6 +50,25 @@ DEFAULT_COMPRESSION = "none"
 (see README, "Compression")."""
 
 
+CHUNK_BYTES = {"none": 64 * 1024 * 1024, "zstd": 4 * 1024 * 1024}
+"""Largest stored (read) chunk of the checkpoints shardckpt writes (`convert`,
+`OrbaxCheckpoint`), per compression: Orbax's `chunk_byte_size` splits each
+written block (a piece or a device's shard) into chunks of at most this size,
+halving its largest dimensions first (Orbax 0.12 stores each as its own zarr
+shard). Chosen with `tools/bench_chunks.py` (1.6 GB model, 2 shared cores,
+medians of 3-5; README "Chunking and compression"):
+
+- zstd: a chunk decodes on one thread, so small chunks let a restore use
+  every core. 4 MiB chunks restored in 0.51x the time of 64 MiB ones
+  (`convert`, 8 devices) and 0.79x of one chunk per whole array
+  (`OrbaxCheckpoint`, 1 device), and 0.86-0.92x of 1 MiB ones.
+- none: nothing to decode; per-chunk overhead dominates. Onto one device,
+  64 MiB chunks restored in 0.53 s, 16 MiB in 0.82 s, 4 MiB in 1.02 s.
+  64 MiB (one core's share of the default budget) bounds what a reader
+  must hold for one chunk.
+"""
+
+
 class OrbaxStepWriter:
     """Writes one Orbax step folder holding a `pytree` item of arrays.
 
