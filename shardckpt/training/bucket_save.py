@@ -43,7 +43,7 @@ import numpy as np
 from shardckpt.errors import UnsupportedURLError
 from shardckpt.formats import storage
 from shardckpt.formats.orbax import ondisk
-from shardckpt.formats.orbax.writer import OrbaxStepWriter
+from shardckpt.formats.orbax.writer import CHUNK_BYTES, OrbaxStepWriter
 
 _HANDLERS = "orbax.checkpoint.experimental.v1._src.handlers."
 JSON_HANDLER = _HANDLERS + "json_handler.JsonHandler"
@@ -121,8 +121,10 @@ class BucketCheckpointer:
         # Objects of an earlier attempt at this step that never committed.
         storage.delete_tree(step_loc)
         handlers: dict[str, str] = {}
-        writer = OrbaxStepWriter(step_loc.url, compression="zstd" if self.compression else "none",
-                                 chunk_byte_size=None)
+        compression = "zstd" if self.compression else "none"
+        # The chunks a local save gets (the callback's Orbax context), so a
+        # step restores alike from either place.
+        writer = OrbaxStepWriter(step_loc.url, compression=compression, chunk_byte_size=CHUNK_BYTES[compression])
         # Arrays first: any object of a save killed early is under pytree/,
         # which readers report as a step never committed.
         _write_arrays(writer, payload[ondisk.ARRAYS_ITEM])
@@ -133,7 +135,7 @@ class BucketCheckpointer:
                 _write_strings(step_loc.join(name), value)
                 handlers[name] = ondisk.PYTREE_HANDLER
             elif name == "assets":
-                assets = OrbaxStepWriter(step_loc.url, compression=writer.compression, chunk_byte_size=None,
+                assets = OrbaxStepWriter(step_loc.url, compression=compression, chunk_byte_size=CHUNK_BYTES[compression],
                                          item=name)
                 _write_arrays(assets, value)
                 assets.write_tree_metadata()

@@ -46,6 +46,7 @@ from shardckpt import _keras
 from shardckpt._keras import MonitorCallback
 from shardckpt.errors import BackgroundSaveError
 from shardckpt.formats import storage
+from shardckpt.formats.orbax.writer import CHUNK_BYTES
 from shardckpt.training import bucket_save, iterators, preemption, resume, retention
 from shardckpt.training import metadata as metadata_lib
 from shardckpt.training import snapshot as snapshot_lib
@@ -610,8 +611,6 @@ def _json_context(*, compression: bool) -> Any:
     it was on one device, which a restore decodes on one thread. Measured with
     `tools/bench_chunks.py` (see `shardckpt.formats.orbax.writer.CHUNK_BYTES`).
     """
-    from shardckpt.formats.orbax.writer import CHUNK_BYTES  # chunk sizes of shardckpt's writers
-
     registry = ocp.handlers.local_registry()
     registry.add(ocp.handlers.JsonHandler, checkpointable_name=resume.METADATA_ITEM)
     registry.add(ocp.handlers.JsonHandler, checkpointable_name=resume.ITERATOR_ITEM)
