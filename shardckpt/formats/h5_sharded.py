@@ -25,7 +25,7 @@ import os
 
 import numpy as np
 
-from shardckpt.errors import CheckpointNotFoundError, CorruptCheckpointError
+from shardckpt.errors import CheckpointNotFoundError, CorruptCheckpointError, ShardckptError
 from shardckpt.formats import storage
 from shardckpt.formats.base import ArraySpec, Box, MappedReader
 from shardckpt.formats.h5 import H5Reader
@@ -154,23 +154,19 @@ class ShardedH5Reader(MappedReader):
 
 def _read_index(path: str) -> dict[str, list[str]]:
     """Returns the index's weight map, every value as a list of file names."""
-    location = storage.parse(path)
     try:
-        if location.is_remote:
-            data = storage.read_bytes(location)
-            if data is None:
-                raise CheckpointNotFoundError(f"No sharded weights index at {path!r}.")
-            index = json.loads(data)
-        else:
-            with open(path, encoding="utf-8") as f:
-                index = json.load(f)
+        # A local file or an object; typed storage errors (403, no bucket) go up as they are.
+        data = storage.read_bytes(storage.parse(path))
+        index = None if data is None else json.loads(data)
+    except ShardckptError:
+        raise
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        if isinstance(e, CheckpointNotFoundError):
-            raise
         raise CorruptCheckpointError(
             f"Cannot read the sharded weights index {path!r}: {e}. Fix: re-save the "
             "weights with model.save_weights(..., max_shard_size=...)."
         ) from e
+    if data is None:
+        raise CheckpointNotFoundError(f"No sharded weights index at {path!r}.")
     weight_map = index.get("weight_map") if isinstance(index, dict) else None
     if not isinstance(weight_map, dict):
         raise CorruptCheckpointError(
@@ -194,14 +190,11 @@ def is_sharded_index(path: str) -> bool:
     """True for a JSON file with a `weight_map` of `.h5` files (a Keras index)."""
     if path.endswith(".weights.json"):
         return True
-    location = storage.parse(path)
     try:
-        if location.is_remote:
-            data = storage.read_bytes(location)
-            index = None if data is None else json.loads(data)
-        else:
-            with open(path, encoding="utf-8") as f:
-                index = json.load(f)
+        data = storage.read_bytes(storage.parse(path))
+        index = None if data is None else json.loads(data)
+    except ShardckptError:
+        raise  # a bucket's refusal (403, no bucket) is no answer to "is it an index?"
     except (OSError, UnicodeDecodeError, json.JSONDecodeError):
         return False
     weight_map = index.get("weight_map") if isinstance(index, dict) else None

@@ -51,19 +51,16 @@ def read_json(folder: str, name: str) -> dict[str, Any]:
     """Reads `folder/name` as a JSON object.
 
     Raises:
+        CheckpointNotFoundError: no such file or object.
         CorruptCheckpointError: not valid JSON, or not an object.
     """
     location = storage.parse(folder)
     path = location.join(name).url if location.is_remote else os.path.join(folder, name)
+    raw = storage.read_bytes(storage.parse(path))  # a small file (local or an object): read whole
+    if raw is None:
+        raise CheckpointNotFoundError(f"No {name} in {folder!r}. Fix: add the preset's {name}.")
     try:
-        if location.is_remote:
-            raw = storage.read_bytes(storage.parse(path))  # a small file: read whole
-            if raw is None:
-                raise CheckpointNotFoundError(f"No {name} in {folder!r}. Fix: upload the preset's {name}.")
-            data = json.loads(raw)
-        else:
-            with open(path, encoding="utf-8") as f:
-                data = json.load(f)
+        data = json.loads(raw)
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise CorruptCheckpointError(f"{path!r} is not valid JSON: {e}. Fix: re-save the preset.") from e
     if not isinstance(data, dict):
