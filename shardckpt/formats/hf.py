@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from shardckpt.errors import CheckpointNotFoundError, CorruptCheckpointError
+from shardckpt.errors import CheckpointNotFoundError, CorruptCheckpointError, ShardckptError
 from shardckpt.formats import storage
 from shardckpt.formats.base import ArraySpec, Box, MappedReader, full_box, strided
 from shardckpt.formats.safetensors import SafetensorsReader
@@ -62,6 +62,8 @@ def is_hf_folder(path: str) -> bool:
             return False
     try:
         return "model_type" in _read_json(_join(path, CONFIG))
+    except ShardckptError:
+        raise  # a bucket's refusal is no answer to "is it a Hugging Face folder?"
     except (OSError, UnicodeDecodeError, json.JSONDecodeError, TypeError):
         return False
 
