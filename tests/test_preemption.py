@@ -5,6 +5,7 @@ uninterrupted run."""
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import time
 
@@ -107,6 +108,33 @@ def test_sigterm_saves_commits_and_stops_fit_in_process(tmp_path, save_freq, exp
     assert meta["epoch"] == 2 and meta["epoch_complete"] is True and meta["total_batches"] == 12
     if save_freq == "epoch":
         assert inspect(str(tmp_path)).steps == [0, 1, 2]
+
+
+def test_epoch_mode_keeps_the_last_whole_epoch_beside_a_preempted_one(tmp_path):
+    """save_freq="epoch", max_to_keep=1 (Keras' default): a preemption save of
+    epoch 1 keeps step 0 (epoch 0 whole) beside it. The resumed run deletes the
+    partial step 1 before it saves the whole epoch 1 under the same number; a
+    kill between the two finds step 0, not an empty folder."""
+    ckpt = OrbaxCheckpoint(str(tmp_path), save_freq="epoch", data_iterator=_Batches())
+    model = _model()
+    model.fit(ckpt.batches(), steps_per_epoch=4, epochs=3, callbacks=[_SigtermAt(6), ckpt], verbose=0)
+    assert ckpt.preempted_step == 1
+    assert inspect(str(tmp_path)).steps == [0, 1]
+    assert inspect(str(tmp_path / "0")).metadata["epoch_complete"] is True
+
+    # The window: the resumed run has deleted the partial step 1 and is killed
+    # before the whole epoch 1 commits. What is left resumes from epoch 0's end.
+    window = tmp_path / "window"
+    shutil.copytree(tmp_path / "0", window / "0")
+    info = restore_latest(_model(), str(window))
+    assert info.step == 0 and info.epoch_complete and info.total_batches == 4
+
+    again = OrbaxCheckpoint(str(tmp_path), save_freq="epoch", resume=True, data_iterator=_Batches())
+    model2 = _model()
+    model2.fit(again.batches(), steps_per_epoch=4, epochs=3, callbacks=[again], verbose=0)
+    assert again.resumed.step == 1
+    # Once whole epochs follow, max_to_keep=1 holds again.
+    assert inspect(str(tmp_path)).steps == [2]
 
 
 def test_sigterm_handler_is_only_installed_during_fit(tmp_path):

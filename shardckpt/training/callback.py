@@ -585,6 +585,7 @@ class OrbaxCheckpoint(MonitorCallback):
         policy = retention.preservation_policy(
             max_to_keep=self.max_to_keep, keep_best=self.keep_best, monitor=self.monitor,
             higher_is_better=bool(higher), keep_period=self.keep_period,
+            keep_complete_epoch=self.save_freq == "epoch",
         )
         if self._location.is_remote:
             return bucket_save.BucketCheckpointer(self._location, policy=policy, compression=self.compression)
@@ -629,13 +630,16 @@ def _complete(payload: dict[str, Any], meta: dict[str, Any], logs: dict[str, Any
 
     Returns:
         The numeric logs, which Orbax stores as the step's metrics (BestN ranks
-        steps by them).
+        steps by them), and whether the step holds a whole epoch
+        (`retention.EPOCH_COMPLETE_METRIC`).
     """
     json_logs = metadata_lib.json_logs(logs)
     meta = dict(meta, logs=json_logs, user=metadata_lib.jsonable(user),
                 best=None if best is None else metadata_lib.json_number(best))
     payload[resume.METADATA_ITEM] = meta
-    return {k: v for k, v in json_logs.items() if isinstance(v, float)}
+    metrics = {k: v for k, v in json_logs.items() if isinstance(v, float)}
+    metrics[retention.EPOCH_COMPLETE_METRIC] = 1.0 if meta["epoch_complete"] else 0.0
+    return metrics
 
 
 def _background_error(error: Exception, step: int | None, directory: str) -> BackgroundSaveError:

@@ -5,6 +5,12 @@ A step survives if any policy keeps it: the latest `max_to_keep`, the best
 step that is a multiple of `keep_period`. With `max_to_keep=None` nothing is
 ever deleted (Keras' meaning of None), so `keep_best` and `keep_period` only
 matter together with `max_to_keep`.
+
+With `save_freq="epoch"` the newest epoch-complete step is kept as well while
+a newer step holds a partial epoch (a save on preemption). Steps are named by
+epoch there, so the run that resumes from the partial step must delete it
+before it saves the completed epoch under the same number; a kill between the
+two would otherwise leave no checkpoint at all with `max_to_keep=1`.
 """
 
 from __future__ import annotations
@@ -16,6 +22,27 @@ import orbax.checkpoint.experimental.v1 as ocp
 
 _policies = ocp.training.preservation_policies
 
+EPOCH_COMPLETE_METRIC = "shardckpt_epoch_complete"
+"""Saved with each step's metrics (1.0 or 0.0) so policies can tell partial epochs."""
+
+
+class LatestCompleteEpoch:
+    """Orbax preservation policy: keeps the newest step that holds a whole epoch.
+
+    Steps saved without `EPOCH_COMPLETE_METRIC` (by Keras, or before it
+    existed) count as complete.
+    """
+
+    def should_preserve(self, checkpoints: Any, *, context: Any) -> list[bool]:
+        del context
+        keep = [False] * len(checkpoints)
+        for i in range(len(checkpoints) - 1, -1, -1):
+            metrics = checkpoints[i].metrics
+            if not isinstance(metrics, dict) or metrics.get(EPOCH_COMPLETE_METRIC, 1.0) == 1.0:
+                keep[i] = True
+                break
+        return keep
+
 
 def preservation_policy(
     *,
@@ -24,6 +51,7 @@ def preservation_policy(
     monitor: str,
     higher_is_better: bool,
     keep_period: int | None,
+    keep_complete_epoch: bool = False,
 ) -> Any:
     """Returns an Orbax preservation policy, or None to keep every step.
 
@@ -33,6 +61,8 @@ def preservation_policy(
         monitor: Metric name, looked up in the metrics saved with each step.
         higher_is_better: Direction of `monitor` (from the callback's mode).
         keep_period: Also keep every step that is a multiple of this.
+        keep_complete_epoch: Also keep the newest epoch-complete step
+            (`save_freq="epoch"`; see the module's docstring).
 
     Returns:
         A policy for `ocp.training.Checkpointer(preservation_policy=...)`.
@@ -68,4 +98,6 @@ def preservation_policy(
         )
     if keep_period is not None:
         policies.append(_policies.EveryNSteps(keep_period))
+    if keep_complete_epoch:
+        policies.append(LatestCompleteEpoch())
     return policies[0] if len(policies) == 1 else _policies.AnyPreservationPolicy(policies)
