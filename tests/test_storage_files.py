@@ -453,3 +453,20 @@ def test_from_preset_of_a_task_preset_in_a_bucket_reads_its_task_weights(tmp_pat
         np.testing.assert_array_equal(np.asarray(v.value), expected[v.path], err_msg=v.path)
         assert v.value.sharding.is_equivalent_to(dist.get_variable_layout(v).backend_layout, v.ndim), v.path
     assert remote_model.get_layer("logits").kernel.value.sharding.spec[0] == "model"
+
+
+def test_convert_from_a_gcs_bucket_into_an_s3_bucket(gcs_bucket, s3_server, zoo_h5):
+    """Both ends remote (and different clouds): the h5 is read by ranges from
+    GCS, the Orbax step written into S3, and it restores bit-equal, sharded."""
+    path, expected = zoo_h5
+    src = _upload(path, f"{gcs_bucket}/src/zoo.weights.h5")
+    dst = f"{s3_server.new_bucket()}/ckpt/0"
+    model, _ = lazy_zoo()
+    report = shardckpt.convert(src, dst, model=model)
+    assert report.src == src and report.format == "h5" and report.bytes_on_disk > 0
+    assert shardckpt.verify(dst).ok
+    loaded, dist = lazy_zoo(mesh_shape=(2, 4))
+    assert shardckpt.load_sharded(loaded, dst).path == dst
+    for v in loaded.weights:
+        np.testing.assert_array_equal(np.asarray(v.value), expected[v.path], err_msg=v.path)
+        assert v.value.sharding.is_equivalent_to(dist.get_variable_layout(v).backend_layout, v.ndim), v.path
