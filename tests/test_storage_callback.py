@@ -227,6 +227,9 @@ try:
 except errors.UnsupportedURLError as e:
     print("RESULT", str(e))
 sys.stdout.flush()
+# Both leave together: process 0 hosts the coordination service, and a
+# process still running when it exits is terminated by JAX before it prints.
+jax.distributed.shutdown()
 os._exit(0)
 """
 
