@@ -14,20 +14,14 @@ import pytest
 
 import shardckpt
 from shardckpt.cli import main
-from tests.zoo import build_zoo, randomize
+from tests.zoo import build_zoo, saved_zoo_h5
 
 MODEL = "tests.zoo:build_zoo"  # --model package.module:function
 
 
 @pytest.fixture
 def h5(tmp_path):
-    keras.backend.clear_session()
-    model = build_zoo()
-    randomize(model, 0)
-    path = str(tmp_path / "m.weights.h5")
-    model.save_weights(path)
-    keras.backend.clear_session()
-    return path, {v.path: np.asarray(v.value) for v in model.weights}
+    return saved_zoo_h5(str(tmp_path / "m.weights.h5"), 0)
 
 
 def _one_error_line(capsys, *needles):

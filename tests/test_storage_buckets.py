@@ -11,16 +11,11 @@ import pytest
 import shardckpt
 from shardckpt import errors
 from shardckpt.formats import storage
-from tests.zoo import CountingIterator, build_zoo, randomize, zoo_layout_map
+from tests.zoo import CountingIterator, build_zoo, randomize, saved_zoo_h5, zoo_layout_map
 
 
 def _source(tmp_path):
-    keras.backend.clear_session()
-    model = build_zoo()
-    randomize(model, 3)
-    path = str(tmp_path / "src.weights.h5")
-    model.save_weights(path)
-    return path, {v.path: np.asarray(v.value) for v in model.weights}
+    return saved_zoo_h5(str(tmp_path / "src.weights.h5"), 3)
 
 
 def _lazy_sharded():

@@ -19,7 +19,7 @@ import pytest
 import shardckpt
 from shardckpt import errors
 from shardckpt.formats import open_reader, remote, storage
-from tests.zoo import build_zoo, lazy_zoo, randomize
+from tests.zoo import build_zoo, lazy_zoo, randomize, saved_zoo_h5
 
 
 def _upload(local: str, url: str) -> str:
@@ -52,12 +52,7 @@ def _assert_same_restore(local_model, remote_model):
 
 @pytest.fixture
 def zoo_h5(tmp_path):
-    keras.backend.clear_session()
-    model = build_zoo()
-    randomize(model, 5)
-    path = str(tmp_path / "zoo.weights.h5")
-    model.save_weights(path)
-    return path, _values(model)
+    return saved_zoo_h5(str(tmp_path / "zoo.weights.h5"), 5)
 
 
 def _load_both(local: str, url: str):

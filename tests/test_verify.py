@@ -15,21 +15,16 @@ from shardckpt import errors
 from shardckpt.cli import main
 from shardckpt.convert.converter import convert
 from shardckpt.convert.integrity import read_checksums, verify
-from tests.zoo import build_zoo, randomize
+from tests.zoo import build_zoo, randomize, saved_zoo_h5
 
 
 def _converted(tmp_path):
-    keras.backend.clear_session()
-    model = build_zoo()
-    randomize(model, 0)
-    src = str(tmp_path / "m.weights.h5")
-    model.save_weights(src)
-    keras.backend.clear_session()
+    src, values = saved_zoo_h5(str(tmp_path / "m.weights.h5"), 0)
     with shardckpt.lazy_init():
         arch = build_zoo()
     dst = str(tmp_path / "orbax")
     convert(src, dst, model=arch, progress=False)
-    return dst, {v.path: np.asarray(v.value) for v in model.weights}
+    return dst, values
 
 
 def _flip_byte_of(dst: str, data: np.ndarray) -> None:

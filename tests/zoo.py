@@ -73,6 +73,22 @@ def randomize(model: keras.Model, seed: int = 0) -> None:
         v.assign(value)
 
 
+def saved_zoo_h5(path: str, seed: int) -> tuple[str, dict[str, np.ndarray]]:
+    """Builds the zoo with `randomize(seed)` values and saves it with Keras' `save_weights`.
+
+    Returns:
+        `path` and the saved values by variable path. The Keras session is
+        cleared afterwards, so the next build gets the same names.
+    """
+    keras.backend.clear_session()
+    model = build_zoo()
+    randomize(model, seed)
+    model.save_weights(path)
+    values = {v.path: np.asarray(v.value) for v in model.weights}
+    keras.backend.clear_session()
+    return path, values
+
+
 def zoo_layout_map(mesh: keras.distribution.DeviceMesh) -> keras.distribution.LayoutMap:
     """Shards kernels and embeddings over the "model" axis, columns and rows."""
     lm = keras.distribution.LayoutMap(mesh)
