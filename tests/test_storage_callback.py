@@ -255,3 +255,27 @@ def test_two_process_save_to_a_bucket_is_refused_before_anything_is_written(s3_s
         [line] = [line for line in out.splitlines() if line.startswith("RESULT")] or [out[-3000:]]
         assert url in line and "single process" in line and "Fix:" in line, line
     assert storage.list_keys(storage.parse(url)) == []
+
+
+def test_a_bucket_save_larger_than_the_budget_commits_in_pieces_and_restores_exactly(gcs_server, monkeypatch):
+    """With a 256-byte budget every save stages its arrays in many transactions
+    (one OCDBT commit each; a shard above the budget alone), as a state
+    larger than the host's budget would; the last step still restores
+    bit-equal, in its shardings."""
+    from shardckpt import budget
+
+    commits = []
+    real = budget.default_max_inflight_bytes
+    monkeypatch.setattr(budget, "default_max_inflight_bytes", lambda: commits.append(1) or 256)
+    url = f"{gcs_server.new_bucket()}/ck"
+    model, _, _ = _fit(url, epochs=2)  # 12 batches: the last save (step 12) holds the final state
+    monkeypatch.setattr(budget, "default_max_inflight_bytes", real)
+    assert commits, "the bucket save must ask for the budget"
+    sizes = [int(np.prod(v.shape)) * 4 for v in model.weights]
+    assert sum(sizes) > 8 * 256 and max(sizes) > 256, "the weights alone must need many 256-byte transactions"
+    keras.backend.clear_session()
+    keras.distribution.set_distribution(worker.layout())
+    restored, data = worker.build_model(), worker.ShuffledIterator()
+    restored.fit(data.x[:16], data.y[:16], batch_size=16, epochs=1, verbose=0)  # builds the slots
+    assert shardckpt.restore_latest(restored, url).step == 12
+    _assert_same_state(restored, model)

@@ -40,6 +40,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from shardckpt import budget
 from shardckpt.errors import UnsupportedURLError
 from shardckpt.formats import storage
 from shardckpt.formats.orbax import ondisk
@@ -195,9 +196,13 @@ def _leaves(tree: dict[str, Any], prefix: tuple[str, ...] = ()) -> list[tuple[tu
 def _write_arrays(writer: OrbaxStepWriter, tree: dict[str, Any]) -> None:
     """Writes every leaf of `tree`, one stored block per distinct shard.
 
-    Each array is chunked by its shard shape, as Orbax chunks a `jax.Array`;
-    replicated shards are written once (`replica_id == 0`). All writes go in
-    one TensorStore transaction: one OCDBT commit for the step.
+    Each array's write blocks are its shards, as Orbax writes a `jax.Array`
+    (stored in chunks of at most `writer.chunk_byte_size`); replicated shards
+    are written once (`replica_id == 0`). TensorStore holds what a transaction
+    has staged until it commits, so the writes go in transactions of at most
+    the host's `max_inflight_bytes` each (one OCDBT commit apiece, as
+    `convert` writes): host memory beyond the state stays within that budget
+    rather than a second copy of the state.
     """
     leaves = _leaves(tree)
     specs = []
@@ -212,18 +217,29 @@ def _write_arrays(writer: OrbaxStepWriter, tree: dict[str, Any]) -> None:
     for (key, _, _, write_shape), (_, value) in zip(specs, leaves):
         if isinstance(value, jax.Array):
             writer.record_sharding(key, value.sharding, write_shape)
+    limit = budget.default_max_inflight_bytes()
     txn = writer.transaction()
-    copies = []
+    copies: list[Any] = []  # futures: TensorStore has copied the staged data
+    staged = 0
+
+    def commit(txn: Any, copies: list[Any]) -> None:
+        for copy in copies:
+            copy.result()
+        txn.commit_async().result()
+
     for (_, value), store in zip(leaves, stores, strict=True):
         if isinstance(value, jax.Array):
-            for shard in value.addressable_shards:
-                if shard.replica_id == 0:
-                    copies.append(writer.write(store, txn, tuple(shard.index), np.asarray(shard.data)).copy)
+            pieces = [(tuple(s.index), s.data) for s in value.addressable_shards if s.replica_id == 0]
         else:
-            copies.append(writer.write(store, txn, (), np.asarray(value)).copy)
-    for copy in copies:
-        copy.result()
-    txn.commit_async().result()
+            pieces = [((), value)]
+        for box, data in pieces:
+            nbytes = int(np.prod(data.shape)) * np.dtype(data.dtype).itemsize
+            if copies and staged + nbytes > limit:
+                commit(txn, copies)
+                txn, copies, staged = writer.transaction(), [], 0
+            copies.append(writer.write(store, txn, box, np.asarray(data)).copy)
+            staged += nbytes
+    commit(txn, copies)
 
 
 def _write_strings(item: storage.Location, value: dict[str, str]) -> None:
