@@ -12,7 +12,10 @@ fixed 256 MiB left most cores of a large host idle (README, Benchmarks).
 
 from __future__ import annotations
 
+import contextlib
 import os
+import threading
+from collections.abc import Iterator
 
 MIB = 1024 * 1024
 GIB = 1024 * MIB
@@ -121,3 +124,43 @@ def chunk_cache_bytes(max_inflight_bytes: int) -> int:
     must hold does not grow with the number of chunks decoding at once.
     """
     return min(max_inflight_bytes, CHUNK_CACHE_BYTES)
+
+
+class Budget:
+    """Caps bytes of host memory held at once across worker threads."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.used = 0
+        self._cond = threading.Condition()
+
+    def acquire(self, n: int) -> int:
+        """Waits for room, holds `n` bytes (at most the limit) and returns what it holds."""
+        n = min(n, self.limit)  # one variable needing more than the cap runs alone
+        with self._cond:
+            self._cond.wait_for(lambda: self.used + n <= self.limit)
+            self.used += n
+        return n
+
+    def try_acquire(self, n: int) -> int | None:
+        """Like `acquire`, but returns None at once when there is no room."""
+        n = min(n, self.limit)
+        with self._cond:
+            if self.used + n > self.limit:
+                return None
+            self.used += n
+        return n
+
+    def release(self, n: int) -> None:
+        with self._cond:
+            self.used -= n
+            self._cond.notify_all()
+
+    @contextlib.contextmanager
+    def holding(self, n: int) -> Iterator[None]:
+        """Holds `n` bytes (at most the limit) for the body."""
+        held = self.acquire(n)
+        try:
+            yield
+        finally:
+            self.release(held)

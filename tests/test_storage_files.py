@@ -18,6 +18,7 @@ import pytest
 
 import shardckpt
 from shardckpt import errors
+from shardckpt.budget import Budget
 from shardckpt.formats import open_reader, remote, storage
 from tests.zoo import build_zoo, lazy_zoo, randomize, saved_zoo_h5
 
@@ -350,16 +351,18 @@ def test_ranged_reads_of_any_box_from_threads_stay_under_the_in_flight_cap(tmp_p
     url = _upload(path, f"{gcs_bucket}/cube.safetensors")
     monkeypatch.setattr(remote, "PART", 16 * 1024)
     monkeypatch.setattr(remote, "GAP", 1024)
-    cap = remote._InFlight(64 * 1024)
+    cap = Budget(64 * 1024)
     peak = []
-    acquire = cap.acquire
 
-    def counted(n, *, wait):
-        ok = acquire(n, wait=wait)
-        peak.append(cap.used)
-        return ok
+    def counted(method):
+        def call(n):
+            held = method(n)
+            peak.append(cap.used)
+            return held
+        return call
 
-    monkeypatch.setattr(cap, "acquire", counted)
+    monkeypatch.setattr(cap, "acquire", counted(cap.acquire))
+    monkeypatch.setattr(cap, "try_acquire", counted(cap.try_acquire))
     monkeypatch.setattr(remote, "_IN_FLIGHT", cap)
     boxes = [tuple(slice(0, n) for n in cube.shape)]
     for _ in range(40):

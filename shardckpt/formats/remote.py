@@ -34,6 +34,7 @@ from typing import Any
 
 import numpy as np
 
+from shardckpt.budget import Budget
 from shardckpt.errors import BucketNotFoundError, CheckpointNotFoundError, CorruptCheckpointError
 from shardckpt.formats import storage
 from shardckpt.formats.base import ArraySpec, Box, Reader, aligned_empty
@@ -83,29 +84,8 @@ TRAFFIC = Traffic()
 """Every ranged read of this module (requests, bytes requested) since the last `reset`."""
 
 
-class _InFlight:
-    """Caps the bytes of ranged reads in flight across threads (`INFLIGHT_BYTES`)."""
-
-    def __init__(self, limit: int) -> None:
-        self.limit = limit
-        self.used = 0
-        self._cond = threading.Condition()
-
-    def acquire(self, n: int, *, wait: bool) -> bool:
-        with self._cond:
-            if not wait and self.used + n > self.limit:
-                return False
-            self._cond.wait_for(lambda: self.used + n <= self.limit)
-            self.used += n
-            return True
-
-    def release(self, n: int) -> None:
-        with self._cond:
-            self.used -= n
-            self._cond.notify_all()
-
-
-_IN_FLIGHT = _InFlight(INFLIGHT_BYTES)
+_IN_FLIGHT = Budget(INFLIGHT_BYTES)
+"""Bytes of ranged reads in flight across all threads."""
 
 
 class RemoteObject:
@@ -293,24 +273,28 @@ class RemoteObject:
         A thread waits for room only when it holds none (nothing pending), so
         threads never wait on each other while holding bytes.
         """
-        pending: collections.deque[tuple[Any, int, int]] = collections.deque()
+        pending: collections.deque[tuple[Any, int, int, int]] = collections.deque()
         it = iter(requests)
         nxt = next(it, None)
         try:
             while nxt is not None or pending:
-                while nxt is not None and _IN_FLIGHT.acquire(nxt[1] - nxt[0], wait=not pending):
+                while nxt is not None:
+                    size = nxt[1] - nxt[0]
+                    held = _IN_FLIGHT.try_acquire(size) if pending else _IN_FLIGHT.acquire(size)
+                    if held is None:
+                        break
                     start, stop = offset + nxt[0], offset + nxt[1]
-                    pending.append((self._request(start, stop), start, stop))
+                    pending.append((self._request(start, stop), start, stop, held))
                     nxt = next(it, None)
-                future, start, stop = pending.popleft()
+                future, start, stop, held = pending.popleft()
                 try:
                     data = self._result(future, start, stop)
                 finally:
-                    _IN_FLIGHT.release(stop - start)
+                    _IN_FLIGHT.release(held)
                 yield data
         finally:
-            for _, start, stop in pending:  # an error or an abandoned read
-                _IN_FLIGHT.release(stop - start)
+            for _, _, _, held in pending:  # an error or an abandoned read
+                _IN_FLIGHT.release(held)
 
     def open(self) -> io.BufferedReader:
         """A read-only, seekable file object over the object (see `RemoteFile`)."""

@@ -19,16 +19,15 @@ which builds the global `jax.Array` and makes it the variable's value.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import jax
 import numpy as np
 
 from shardckpt import _keras
+from shardckpt.budget import Budget
 from shardckpt.formats.base import (
     ALIGNMENT,
     ArraySpec,
@@ -44,36 +43,6 @@ from shardckpt.restore.targets import TargetLayout
 
 Advance = Callable[[int], None]
 """Progress callback: bytes of the checkpoint just read."""
-
-
-class Budget:
-    """Caps bytes of host memory held at once across worker threads."""
-
-    def __init__(self, limit: int) -> None:
-        self.limit = limit
-        self.used = 0
-        self._cond = threading.Condition()
-
-    def acquire(self, n: int) -> int:
-        n = min(n, self.limit)  # one variable needing more than the cap runs alone
-        with self._cond:
-            self._cond.wait_for(lambda: self.used + n <= self.limit)
-            self.used += n
-        return n
-
-    def release(self, n: int) -> None:
-        with self._cond:
-            self.used -= n
-            self._cond.notify_all()
-
-    @contextlib.contextmanager
-    def holding(self, n: int) -> Iterator[None]:
-        """Holds `n` bytes (at most the limit) for the body."""
-        held = self.acquire(n)
-        try:
-            yield
-        finally:
-            self.release(held)
 
 
 @dataclasses.dataclass
