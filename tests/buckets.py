@@ -17,7 +17,7 @@ import tempfile
 import time
 import urllib.request
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import pytest
 
@@ -132,24 +132,24 @@ def start_s3() -> tuple[FakeServer, object]:
     return FakeServer("s3", endpoint, env), server
 
 
-@pytest.fixture(scope="session")
-def gcs_server() -> Iterator[FakeServer]:
-    fake, server = start_gcs()
+def _serve(start: Callable[[], tuple[FakeServer, object]]) -> Iterator[FakeServer]:
+    """Runs a server for the session with its endpoint and credentials in the environment."""
+    fake, server = start()
     with pytest.MonkeyPatch.context() as mp:
         for key, value in fake.env.items():
             mp.setenv(key, value)
         yield fake
     server.stop()
+
+
+@pytest.fixture(scope="session")
+def gcs_server() -> Iterator[FakeServer]:
+    yield from _serve(start_gcs)
 
 
 @pytest.fixture(scope="session")
 def s3_server() -> Iterator[FakeServer]:
-    fake, server = start_s3()
-    with pytest.MonkeyPatch.context() as mp:
-        for key, value in fake.env.items():
-            mp.setenv(key, value)
-        yield fake
-    server.stop()
+    yield from _serve(start_s3)
 
 
 @pytest.fixture(params=["gs", "s3"])
