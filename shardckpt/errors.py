@@ -88,7 +88,11 @@ class CheckpointMismatchError(ShardckptError, ValueError):
         missing: Sequence[str] = (),
         unexpected: Sequence[str] = (),
         mismatched: Sequence[str] = (),
+        fmt: str = "",
+        fix: str | None = None,
     ) -> None:
+        """Args: the checkpoint `path`, the problems, the checkpoint's format
+        (`LoadReport.format`: selects the advice) and, optionally, the whole fix."""
         self.path = path
         self.missing = list(missing)
         self.unexpected = list(unexpected)
@@ -98,20 +102,60 @@ class CheckpointMismatchError(ShardckptError, ValueError):
         lines += [f"  missing from checkpoint: {p}" for p in self.missing]
         lines += [f"  not in the model: {k}" for k in self.unexpected]
         lines += [f"  mismatch: {m}" for m in self.mismatched]
-        lines.append(
-            "Fix: build the same architecture that wrote the checkpoint, or pass "
-            "strict=False to load what matches and initialise the rest. Orbax and "
-            "safetensors keys use variable paths, which contain layer names: "
-            "auto-generated names (dense_3) shift with every model built in the "
-            "process, so name your layers or call keras.backend.clear_session() "
-            "before building."
-        )
+        lines.append("Fix: " + (fix if fix is not None else _mismatch_fix(self, fmt)))
         super().__init__("\n".join(lines))
+
+
+# Formats whose keys are variable paths, which hold Keras' generated layer names.
+_PATH_KEYED = ("orbax", "safetensors")
+
+
+def _mismatch_fix(error: CheckpointMismatchError, fmt: str) -> str:
+    """The advice that applies to these problems in a checkpoint of `fmt`.
+
+    Each sentence is tested to work (tests/test_fix_hints.py): strict=False
+    skips missing and unexpected keys but never a shape mismatch, and only
+    path-keyed formats depend on generated layer names.
+    """
+    if fmt == "hf":
+        return (
+            "the Hugging Face folder lacks tensors keras-hub's converter for its model_type "
+            "reads: config.json (layers, sizes, tied embeddings) describes another model than "
+            "the safetensors files hold, or a file is missing. Re-download the complete folder "
+            "(config.json with the safetensors files it was saved with)."
+        )
+    fixes = []
+    if (error.missing or error.unexpected) and fmt in _PATH_KEYED:
+        fixes.append(
+            "name the model and its layers (name=...), or call keras.backend.clear_session() "
+            f"before building: {fmt} keys are variable paths, and auto-generated names "
+            "(sequential_1/dense_3) shift with every model built in the process"
+        )
+    if error.mismatched:
+        fixes.append(
+            "build the model with the configuration that wrote the checkpoint (layer sizes, "
+            "vocabulary, number of layers): shapes must match, strict=False does not skip them"
+        )
+    else:
+        fixes.append(
+            "build the same architecture that wrote the checkpoint, or pass strict=False to "
+            "load what matches (variables the checkpoint lacks keep their values, or get their "
+            "initializer's under lazy_init(); keys the model lacks are ignored)"
+        )
+    return "; or ".join(fixes) + "."
 
 
 class LayoutError(ShardckptError, ValueError):
     """A layout request is invalid: an unknown mesh axis, a rule whose axes do
     not fit the variable, a plan that does not match the model or devices."""
+
+
+class MeshMismatchError(LayoutError):
+    """A layout's mesh is not the active distribution's, or covers only some devices.
+
+    Loading there moves every variable off the mesh the model computes on;
+    `load_sharded(..., allow_other_mesh=True)` does it on purpose.
+    """
 
 
 class UnsupportedURLError(ShardckptError, ValueError):

@@ -157,7 +157,7 @@ def remaps(model: Any, folder: str, tensors: Any) -> dict[str, Any]:
     except MissingTensorError as e:
         from shardckpt.errors import CheckpointMismatchError
 
-        raise CheckpointMismatchError(folder, missing=[str(e.args[0])]) from e
+        raise CheckpointMismatchError(folder, missing=[str(e.args[0])], fmt="hf") from e
     return {variable.path: value for variable, value in recorded.assigned.values()}
 
 

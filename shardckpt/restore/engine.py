@@ -32,7 +32,7 @@ from shardckpt.restore import hostmem
 from shardckpt.restore import keys as naming
 from shardckpt.restore.lazy import is_unloaded, original_initializer
 from shardckpt.restore.strategies import Budget, Job, load_variable
-from shardckpt.restore.targets import TargetLayout, resolve_layout
+from shardckpt.restore.targets import TargetLayout, check_mesh, resolve_layout
 
 # Reads run on a few threads: numpy copies, h5 page faults and tensorstore
 # decoding all release the GIL, and overlapping them hides I/O latency.
@@ -101,6 +101,7 @@ def load_sharded(
     strict: bool = True,
     max_inflight_bytes: int | None = None,
     progress: bool | None = None,
+    allow_other_mesh: bool = False,
 ) -> LoadReport:
     """Loads a checkpoint into `model`, each variable directly in its sharding.
 
@@ -149,6 +150,11 @@ def load_sharded(
             usable core, at least 256 MiB, at most min(4 GiB, memory / 32)
             (`shardckpt.budget.inflight_bytes_for`).
         progress: Show a progress bar. None: when stderr is a terminal.
+        allow_other_mesh: Accept a `layout` whose mesh differs from the active
+            distribution's, or (with none active) covers only some of the
+            devices. Refused by default: every variable would move off the
+            mesh the model computes on, usually a `LayoutMap` built for another
+            mesh. Pass True for a model kept on a sub-mesh on purpose.
 
     Returns:
         A `LoadReport`.
@@ -161,11 +167,13 @@ def load_sharded(
         CheckpointMismatchError: keys missing/unexpected (strict) or shapes differ.
         DtypeMismatchError: a stored dtype cannot be cast to the variable's.
         IndivisibleLayoutError: a mesh axis does not divide a sharded dimension.
+        MeshMismatchError: `layout` is on another mesh (see `allow_other_mesh`).
     """
     start = time.perf_counter()
     max_inflight_bytes = budgets.resolve(max_inflight_bytes)
     if max_inflight_bytes < 1:
         raise ValueError(f"max_inflight_bytes must be positive. Received: {max_inflight_bytes}")
+    check_mesh(layout, allow_other_mesh=allow_other_mesh)
     reader = open_reader(os.fspath(path), cache_bytes=budgets.chunk_cache_bytes(max_inflight_bytes), model=model)
     try:
         report = LoadReport(path=reader.path, format=reader.format, max_inflight_bytes=max_inflight_bytes)

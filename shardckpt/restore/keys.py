@@ -247,6 +247,7 @@ class KeyMatch:
             entirely (optimizer state into a model without an optimizer).
         mismatched: One line per variable that cannot be loaded from its key:
             shapes differ, or the layer saves a computed value.
+        format: The checkpoint's format (`Reader.format`), for the error's advice.
     """
 
     pairs: list[tuple[str, Any]] = dataclasses.field(default_factory=list)
@@ -254,6 +255,7 @@ class KeyMatch:
     unexpected: list[str] = dataclasses.field(default_factory=list)
     skipped: list[str] = dataclasses.field(default_factory=list)
     mismatched: list[str] = dataclasses.field(default_factory=list)
+    format: str = ""
 
     def missing_lines(self) -> list[str]:
         """`missing` as `CheckpointMismatchError` lists it."""
@@ -272,6 +274,7 @@ class KeyMatch:
                 missing=self.missing_lines() if strict else (),
                 unexpected=self.unexpected if strict else (),
                 mismatched=self.mismatched,
+                fmt=self.format,
             )
 
 
@@ -286,7 +289,7 @@ def match(wanted: dict[str, Any], reader: Reader) -> KeyMatch:
     stored = set(reader.keys())
     wanted = align_optimizer_keys(wanted, stored)
     collections_stored = {collection(k, fmt) for k in stored}
-    result = KeyMatch()
+    result = KeyMatch(format=fmt)
     seen: set[int] = set()
     for key, variable in wanted.items():
         if not is_variable(variable):

@@ -14,9 +14,11 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
+import numpy as np
 from keras import distribution as kd
 
 from shardckpt import _keras
+from shardckpt.errors import MeshMismatchError
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,6 +59,68 @@ def resolve_layout(layout: Any) -> Callable[[Any], TargetLayout]:
         "layout must be None, a keras.distribution.Distribution or LayoutMap, or a "
         f"plan with layout_map() (shardckpt.auto_layout). Received: layout={layout!r}"
     )
+
+
+def mesh_of(layout: Any) -> Any:
+    """The `keras.distribution.DeviceMesh` a `layout=` value places on, or None."""
+    if layout is None:
+        return None
+    for name in ("device_mesh", "mesh"):  # Distribution / LayoutMap; LayoutPlan
+        mesh = getattr(layout, name, None)
+        if mesh is not None:
+            return mesh
+    return None
+
+
+def _ids(mesh: Any) -> list[int]:
+    # Keras' DeviceMesh.devices holds names ("cpu:0"); its JAX mesh the devices.
+    return [int(d.id) for d in np.asarray(mesh.backend_mesh.devices).reshape(-1)]
+
+
+def _describe(mesh: Any) -> str:
+    return f"{dict(zip(mesh.axis_names, mesh.shape))} on devices {_ids(mesh)}"
+
+
+def _same(a: Any, b: Any) -> bool:
+    return list(a.axis_names) == list(b.axis_names) and tuple(a.shape) == tuple(b.shape) and _ids(a) == _ids(b)
+
+
+def check_mesh(layout: Any, *, allow_other_mesh: bool = False) -> None:
+    """Refuses a layout that would move the model off the mesh it runs on.
+
+    Keras places every computation on the active distribution's mesh: a
+    variable loaded onto another mesh (other devices, or a subset of them)
+    makes the next step fail or silently move data across devices. Without an
+    active distribution, a mesh of fewer devices than JAX has leaves the rest
+    idle. Either is usually a mistake (a `LayoutMap` built for another mesh).
+
+    Args:
+        layout: The `layout=` value (see `resolve_layout`).
+        allow_other_mesh: Load there anyway (on purpose: a model kept on a
+            sub-mesh, e.g. beside another one).
+
+    Raises:
+        MeshMismatchError: naming both meshes and the fix.
+    """
+    mesh = mesh_of(layout)
+    if mesh is None or allow_other_mesh:
+        return
+    active = kd.distribution()
+    if active is not None and not _same(mesh, active.device_mesh):
+        raise MeshMismatchError(
+            f"The layout places variables on mesh {_describe(mesh)}, but the active Keras "
+            f"distribution runs on {_describe(active.device_mesh)}: every variable would move "
+            "off the mesh the model computes on. Fix: build the layout on the active "
+            "distribution's mesh (keras.distribution.distribution().device_mesh), set the "
+            "layout's distribution first, or pass allow_other_mesh=True to load there on purpose."
+        )
+    if active is None and len(_ids(mesh)) < jax.device_count():
+        raise MeshMismatchError(
+            f"The layout places variables on mesh {_describe(mesh)}, {len(_ids(mesh))} "
+            f"of the {jax.device_count()} devices. Fix: build the mesh over every device "
+            "(keras.distribution.DeviceMesh(shape, axes) with a shape whose product is "
+            f"{jax.device_count()}), or pass allow_other_mesh=True to use only these on purpose."
+        )
 
 
 def _current(variable: Any) -> TargetLayout:
