@@ -353,3 +353,17 @@ def test_readers_declare_their_capabilities(tmp_path):
         finally:
             reader.close()
 
+
+
+def test_load_into_a_model_on_one_device_then_fit_builds_its_optimizer(tmp_path):
+    """No distribution, optimizer not built yet: fit after the load builds Adam's
+    slots from the loaded variables (their recorded layout once broke that)."""
+    src, _ = _fresh(build_zoo, rnn=False)
+    randomize(src)
+    path = _write(src, tmp_path, "h5")
+    model, _ = _fresh(build_zoo, rnn=False)
+    model.compile(optimizer="adam", loss="mse")
+    shardckpt.load_sharded(model, path)
+    x = np.arange(64, dtype="int32").reshape(8, 8) % 32
+    model.fit(x, np.zeros((8, 8, 32), "float32"), epochs=1, batch_size=4, verbose=0)
+    assert int(model.optimizer.iterations) == 2

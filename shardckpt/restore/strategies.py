@@ -252,7 +252,12 @@ def place(load: Load, buffers: list[np.ndarray]) -> int:
 
 def assign(variable: Any, value: jax.Array, target: TargetLayout) -> Any:
     """Makes `value` the variable's value in `target`; returns the value it replaced."""
-    layout = target.keras_layout if target.keras_layout is not None else target.sharding
+    layout = target.keras_layout
+    if layout is None and isinstance(target.sharding, jax.sharding.NamedSharding):
+        layout = target.sharding
+    # Keras records a TensorLayout, a NamedSharding or None (its default
+    # placement); a SingleDeviceSharding there breaks variables made from this
+    # one later (optimizer slots built by fit: "no attribute 'mesh'").
     return _keras.set_value(variable, value, layout=layout)
 
 
