@@ -98,3 +98,27 @@ def test_missing_array_is_reported(tmp_path):
     assert report.damaged == [
         "trainable_variables/conv/bias: listed in the checksums but missing from the checkpoint"
     ]
+
+
+def test_damaged_index_names_every_array_without_stray_tracebacks(tmp_path, capfd):
+    """A flipped byte in the OCDBT manifest makes every array unreachable: verify
+    names each of them in its one error line, and nothing else is printed."""
+    dst, _ = _converted(tmp_path)
+    keys = sorted(read_checksums(dst))
+    manifest = os.path.join(dst, "pytree", "manifest.ocdbt")
+    blob = bytearray(open(manifest, "rb").read())
+    blob[len(blob) // 2] ^= 0xFF
+    open(manifest, "wb").write(bytes(blob))
+    capfd.readouterr()
+    assert main(["verify", dst, "--quiet"]) == 1
+    out, err = capfd.readouterr()
+    assert out == ""
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("shardckpt verify: error: The index of"), err
+    assert f"none of its {len(keys)} array(s) can be located" in lines[0]
+    for key in keys:
+        assert repr(key) in lines[0], key
+    assert "Fix: restore from another step." in lines[0]
+    with pytest.raises(errors.CorruptCheckpointError):
+        verify(dst)
+    assert "Traceback" not in capfd.readouterr().err

@@ -36,6 +36,9 @@ from shardckpt.formats import storage
 from shardckpt.formats.base import ArraySpec, Box, ChunkedReader
 from shardckpt.formats.orbax import ondisk
 
+# The root of an OCDBT store: the file that names its b-tree.
+_MANIFEST = "manifest.ocdbt"
+
 
 class OrbaxReader(ChunkedReader):
     """Reader for one step of an Orbax checkpoint.
@@ -75,6 +78,7 @@ class OrbaxReader(ChunkedReader):
         if self.location.is_remote:
             self._open_remote()
             return
+        self._check_index()
         try:
             tree = ocp.metadata(self.path, checkpointable_name=os.path.basename(self.tree_dir))
             leaves = jax.tree_util.tree_flatten_with_path(tree.metadata)[0]
@@ -118,6 +122,26 @@ class OrbaxReader(ChunkedReader):
             self._specs[key] = ArraySpec(shape=tuple(store.shape), dtype=np.dtype(store.dtype.numpy_dtype))
             self._stores[key] = store
 
+    def _check_index(self) -> None:
+        # Reads the OCDBT manifest and b-tree (a key listing) before Orbax's
+        # metadata call does: on a damaged index that call fails in
+        # concurrent tasks whose errors surface as absl warnings and stray
+        # asyncio tracebacks ("Task exception was never retrieved", "Event
+        # loop is closed") after ours, and names one array. Here no array can
+        # be located, so every one is named.
+        if not os.path.exists(os.path.join(self.tree_dir, _MANIFEST)):
+            return  # not OCDBT (one zarr folder per array): nothing shared to check
+        try:
+            spec = {"driver": "ocdbt", "base": f"file://{os.path.abspath(self.tree_dir)}"}
+            ts.KvStore.open(spec, context=self._context).result().list().result()
+        except ValueError as e:
+            arrays = sorted(self._recorded_arrays())
+            raise CorruptCheckpointError(
+                f"The index of {self.tree_dir!r} ({_MANIFEST} and its b-tree) is damaged, so none "
+                f"of its {len(arrays)} array(s) can be located: {', '.join(repr(k) for k in arrays)} "
+                f"({e}). Fix: restore from another step."
+            ) from e
+
     def _check_all_listed(self) -> None:
         # Orbax's metadata call logs and drops arrays whose store it cannot
         # open (a damaged OCDBT node), returning a smaller tree; compare with
@@ -128,8 +152,8 @@ class OrbaxReader(ChunkedReader):
         if lost:
             raise CorruptCheckpointError(
                 f"{len(lost)} array(s) of {self.tree_dir!r} cannot be opened although "
-                f"the checkpoint lists them (first: {lost[0]!r}); its data files are "
-                "damaged. Fix: restore from another step."
+                f"the checkpoint lists them: {', '.join(repr(k) for k in lost)}; its data "
+                "files are damaged. Fix: restore from another step."
             )
 
     def _store(self, key: str) -> ts.TensorStore:
