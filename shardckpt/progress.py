@@ -57,3 +57,28 @@ class ByteProgress:
         if self._progress is not None and self._task is not None:
             with self._lock:
                 self._progress.advance(self._task, n)
+
+
+_UNITS = ("B", "KiB", "MiB", "GiB", "TiB")
+
+
+def format_bytes(nbytes: float) -> str:
+    """`nbytes` in the largest binary unit that keeps the number >= 1: "512 B", "1.50 MiB".
+
+    Three significant digits, so a small load does not read "0.0 MiB".
+    """
+    value, unit = float(nbytes), 0
+    while abs(value) >= 1024 and unit < len(_UNITS) - 1:
+        value, unit = value / 1024, unit + 1
+    if unit == 0:
+        return f"{int(value)} B"
+    digits = 2 if abs(value) < 10 else 1 if abs(value) < 100 else 0
+    return f"{value:.{digits}f} {_UNITS[unit]}"
+
+
+def format_rate(nbytes: float, seconds: float) -> str:
+    """A transfer rate with a unit that fits it ("3.41 MiB/s", "1.20 GiB/s");
+    "-" when no time was measured."""
+    if seconds <= 0:
+        return "- B/s"
+    return f"{format_bytes(nbytes / seconds)}/s"

@@ -22,6 +22,7 @@ from typing import Any
 
 os.environ.setdefault("KERAS_BACKEND", "jax")
 
+from shardckpt._version import __version__  # noqa: E402
 from shardckpt.budget import default_max_inflight_bytes  # noqa: E402
 from shardckpt.cli.devices import simulate_cpu_devices, use_cpu_platform  # noqa: E402
 from shardckpt.errors import LayoutError, ShardckptError  # noqa: E402
@@ -34,6 +35,7 @@ def _parser() -> argparse.ArgumentParser:
         prog="shardckpt",
         description="Load, save, convert and check sharded checkpoints of Keras 3 models on JAX.",
     )
+    parser.add_argument("--version", action="version", version=f"shardckpt {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     p = sub.add_parser(
@@ -53,6 +55,7 @@ def _parser() -> argparse.ArgumentParser:
                    "256 and min(4096, memory/32): %(default)s)")
     p.add_argument("--force", action="store_true", help="replace DST if it exists")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.add_argument("--json", action="store_true", help="print the report as JSON")
 
     p = sub.add_parser("inspect", help="show the arrays, steps and metadata of a checkpoint")
     p.add_argument("path")
@@ -63,13 +66,24 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
 
-    p = sub.add_parser("plan", help="show a layout plan and per-device memory for a model")
-    p.add_argument("model", help="package.module:function or a .keras file")
+    p = sub.add_parser(
+        "plan",
+        help="show a layout plan and per-device memory for a model",
+        description="Plan a tensor-parallel layout for MODEL, built without weights "
+        "(shardckpt.lazy_init), and show per-device memory.",
+    )
+    p.add_argument(
+        "model",
+        help="package.module:function (returns a Keras model), a .keras file (its config only), "
+        "or a keras-hub preset folder (save_to_preset; its config.json only)",
+    )
     p.add_argument("--mesh", default="1x8", help="mesh shape, data x model (default 1x8)")
     p.add_argument("--optimizer", help="optimizer whose slots to count, e.g. adam")
+    p.add_argument("--json", action="store_true", help="print the plan and memory as JSON")
 
     p = sub.add_parser("demo", help="the guided tour on 8 simulated CPU devices")
     p.add_argument("--workdir", help="keep the files here (default: a temporary folder)")
+    p.add_argument("--json", action="store_true", help="print the outcome and the tour's lines as JSON")
     return parser
 
 
@@ -128,7 +142,10 @@ def _convert(args: argparse.Namespace) -> int:
         force=args.force,
         progress=False if args.quiet else None,
     )
-    print(report)
+    if args.json:
+        print(json.dumps(dataclasses.asdict(report), indent=2, default=str))
+    else:
+        print(report)
     return 0
 
 
@@ -196,13 +213,20 @@ def _verify(args: argparse.Namespace) -> int:
 def _plan(args: argparse.Namespace) -> int:
     from shardckpt.cli.plan import run_plan
 
-    return run_plan(args.model, args.mesh, args.optimizer)
+    return run_plan(args.model, args.mesh, args.optimizer, as_json=args.json)
 
 
 def _demo(args: argparse.Namespace) -> int:
     from shardckpt.cli.demo import run_demo
 
-    return run_demo(workdir=args.workdir)
+    if not args.json:
+        return run_demo(workdir=args.workdir)
+    from rich.text import Text
+
+    lines: list[str] = []
+    code = run_demo(workdir=args.workdir, echo=lambda x: lines.append(Text.from_markup(str(x)).plain))
+    print(json.dumps({"ok": code == 0, "workdir": args.workdir, "lines": lines}, indent=2))
+    return code
 
 
 _COMMANDS = {"convert": _convert, "inspect": _inspect, "verify": _verify, "plan": _plan, "demo": _demo}

@@ -8,6 +8,7 @@ folder (`save_to_preset`: its `config.json` only). The model is built under
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import sys
@@ -22,7 +23,7 @@ from shardckpt.restore.lazy import lazy_init
 __all__ = ["parse_mesh", "run_plan"]
 
 
-def run_plan(model: str, mesh: str, optimizer: str | None) -> int:
+def run_plan(model: str, mesh: str, optimizer: str | None, *, as_json: bool = False) -> int:
     """Prints the layout plan of MODEL on a mesh and its per-device memory.
 
     Example:
@@ -36,6 +37,8 @@ def run_plan(model: str, mesh: str, optimizer: str | None) -> int:
             preset folder.
         mesh: Mesh shape such as "1x8" (axes data x model; one number: model only).
         optimizer: Optimizer name whose slots to count, or None.
+        as_json: Print one JSON object (the plan as `LayoutPlan.to_json` writes
+            it, byte counts and problems) instead of the table.
 
     Returns:
         0 when the plan validates, 1 when `validate()` lists problems.
@@ -53,6 +56,20 @@ def run_plan(model: str, mesh: str, optimizer: str | None) -> int:
     )
     built = load_preset_architecture(model) if os.path.isdir(model) else load_architecture(model)
     plan = auto_layout(built, shape)
+    problems = plan.validate(built)
+    if as_json:
+        params = sum(p.nbytes for p in plan.placements)
+        data = {
+            "plan": json.loads(plan.to_json()),
+            "parameter_bytes": params,
+            "sharded_fraction": plan.sharded_fraction(),
+            "bytes_per_device": plan.bytes_per_device(),
+            "optimizer": optimizer,
+            "bytes_per_device_with_optimizer": plan.bytes_per_device(optimizer) if optimizer else None,
+            "problems": problems,
+        }
+        print(json.dumps(data, indent=2))
+        return 1 if problems else 0
     # Piped output (logs, CI) gets wide rows instead of paths folded at 80 columns.
     console = Console(width=None if sys.stdout.isatty() else 200)
     console.print(plan.explain())
@@ -61,7 +78,6 @@ def run_plan(model: str, mesh: str, optimizer: str | None) -> int:
     console.print(f"per device (weights): {plan.bytes_per_device():,} bytes")
     if optimizer:
         console.print(f"per device (weights + {optimizer} slots): {plan.bytes_per_device(optimizer):,} bytes")
-    problems = plan.validate(built)
     for line in problems:
         console.print(f"[red]problem:[/red] {line}")
     return 1 if problems else 0

@@ -54,7 +54,7 @@ from shardckpt.formats import detect_format, open_reader, storage
 from shardckpt.formats.base import MappedReader, Reader
 from shardckpt.formats.orbax import writer as orbax_writer
 from shardckpt.formats.orbax.writer import COMPRESSIONS, DEFAULT_COMPRESSION, OrbaxStepWriter
-from shardckpt.progress import ByteProgress
+from shardckpt.progress import ByteProgress, format_bytes, format_rate
 from shardckpt.restore import keys as naming
 
 
@@ -92,11 +92,11 @@ class ConvertReport:
     initialized: list[str] = dataclasses.field(default_factory=list)
 
     def __str__(self) -> str:
-        rate = self.bytes_read / self.seconds / 2**30 if self.seconds else 0.0
         lines = [
-            f"Converted {self.arrays} arrays ({self.bytes_read / 2**20:.1f} MiB) from {self.format} "
-            f"{self.src!r} to Orbax {self.dst!r} in {self.seconds:.2f} s ({rate:.2f} GiB/s); "
-            f"{self.bytes_on_disk / 2**20:.1f} MiB on disk, compression {self.compression}, "
+            f"Converted {self.arrays} arrays ({format_bytes(self.bytes_read)}) from {self.format} "
+            f"{self.src!r} to Orbax {self.dst!r} in {self.seconds:.2f} s "
+            f"({format_rate(self.bytes_read, self.seconds)}); "
+            f"{format_bytes(self.bytes_on_disk)} on disk, compression {self.compression}, "
             f"{integrity.ALGORITHM} checksum per array."
         ]
         if self.skipped:

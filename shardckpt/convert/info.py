@@ -15,6 +15,7 @@ from typing import Any
 
 from shardckpt.formats import open_reader, storage
 from shardckpt.formats.orbax import ondisk
+from shardckpt.natsort import natural_sorted
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -45,7 +46,7 @@ class CheckpointInfo:
         steps: Every committed step of the Orbax root, ascending ([] otherwise).
         incomplete: Names of half-written Orbax steps (ignored by restore).
         items: Orbax checkpointables of the step ("pytree", "model_config", ...).
-        arrays: The arrays, in storage order.
+        arrays: The arrays, in natural order of their keys (`dense_2` before `dense_10`).
         metadata: The step's shardckpt metadata item, or None.
         iterator_state: The saved data-iterator states (one per process), or None.
     """
@@ -134,7 +135,7 @@ def inspect(path: str | os.PathLike) -> CheckpointInfo:
     reader = open_reader(path)
     try:
         info = CheckpointInfo(path=reader.path, format=reader.format)
-        for key in reader.keys():
+        for key in natural_sorted(reader.keys()):  # dense_2 before dense_10
             spec = reader.spec(key)
             info.arrays.append(ArrayInfo(key=key, shape=tuple(spec.shape), dtype=str(spec.dtype), nbytes=spec.nbytes))
     finally:

@@ -27,6 +27,8 @@ from shardckpt.convert.boxes import c_order_boxes
 from shardckpt.errors import ChecksumMismatchError, CorruptCheckpointError
 from shardckpt.formats import open_reader, storage
 from shardckpt.formats.orbax import ondisk
+from shardckpt.natsort import natural_sorted
+from shardckpt.progress import format_bytes
 
 METADATA_KEY = "shardckpt"
 ALGORITHM = "crc32"
@@ -108,7 +110,7 @@ class VerifyReport:
     def __str__(self) -> str:
         how = f"checksums of {self.checksummed}" if self.checksummed else "no checksums stored; read back"
         head = (
-            f"{'OK' if self.ok else 'DAMAGED'}: {self.arrays} arrays, {self.bytes_read / 2**20:.1f} MiB "
+            f"{'OK' if self.ok else 'DAMAGED'}: {self.arrays} arrays, {format_bytes(self.bytes_read)} "
             f"of {self.format} {self.path!r} ({how})"
         )
         return "\n".join([head] + [f"  damaged: {d}" for d in self.damaged])
@@ -156,9 +158,9 @@ def verify(
         expected = read_checksums(reader.path) if reader.format == "orbax" else None
         keys = reader.keys()
         if expected is not None:
-            for key in sorted(set(expected) - set(keys)):
+            for key in natural_sorted(set(expected) - set(keys)):
                 report.damaged.append(f"{key}: listed in the checksums but missing from the checkpoint")
-        for key in keys:
+        for key in natural_sorted(keys):
             problem = _check_array(reader, key, (expected or {}).get(key), max_inflight_bytes, report, advance)
             if problem:
                 report.damaged.append(f"{key}: {problem}")

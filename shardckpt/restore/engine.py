@@ -27,7 +27,7 @@ from shardckpt import _keras, dtypes
 from shardckpt import budget as budgets
 from shardckpt.errors import IndivisibleLayoutError
 from shardckpt.formats import Reader, open_reader
-from shardckpt.progress import ByteProgress
+from shardckpt.progress import ByteProgress, format_bytes, format_rate
 from shardckpt.restore import hostmem
 from shardckpt.restore import keys as naming
 from shardckpt.restore.lazy import is_unloaded, original_initializer
@@ -75,10 +75,10 @@ class LoadReport:
     max_inflight_bytes: int = 0
 
     def __str__(self) -> str:
-        rate = self.bytes_read / self.seconds / 2**30 if self.seconds else 0.0
         lines = [
-            f"Loaded {self.arrays} arrays ({self.bytes_read / 2**20:.1f} MiB) from "
-            f"{self.format} {self.path!r} in {self.seconds:.2f} s ({rate:.2f} GiB/s)."
+            f"Loaded {self.arrays} arrays ({format_bytes(self.bytes_read)}) from "
+            f"{self.format} {self.path!r} in {self.seconds:.2f} s "
+            f"({format_rate(self.bytes_read, self.seconds)})."
         ]
         for label, items in (
             ("missing", self.missing),

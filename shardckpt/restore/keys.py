@@ -43,6 +43,7 @@ import keras
 from shardckpt import _keras, state
 from shardckpt.errors import CheckpointMismatchError
 from shardckpt.formats.base import Reader
+from shardckpt.natsort import natural_sorted
 
 # Checkpoint collections that are optional: a weights-only checkpoint lacks
 # them, and a model without a built optimizer has nothing to put there.
@@ -317,7 +318,7 @@ def match(wanted: dict[str, Any], reader: Reader) -> KeyMatch:
             )
             continue
         result.pairs.append((key, variable))
-    for key in sorted(stored):
+    for key in natural_sorted(stored):
         group = collection(key, fmt)
         if is_optional_key(key, fmt) and not any(collection(k, fmt) == group for k in wanted):
             result.skipped.append(key)

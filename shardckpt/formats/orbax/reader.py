@@ -35,6 +35,7 @@ from shardckpt.errors import CorruptCheckpointError
 from shardckpt.formats import storage
 from shardckpt.formats.base import ArraySpec, Box, ChunkedReader
 from shardckpt.formats.orbax import ondisk
+from shardckpt.natsort import natural_sorted
 
 # The root of an OCDBT store: the file that names its b-tree.
 _MANIFEST = "manifest.ocdbt"
@@ -135,7 +136,7 @@ class OrbaxReader(ChunkedReader):
             spec = {"driver": "ocdbt", "base": f"file://{os.path.abspath(self.tree_dir)}"}
             ts.KvStore.open(spec, context=self._context).result().list().result()
         except ValueError as e:
-            arrays = sorted(self._recorded_arrays())
+            arrays = natural_sorted(self._recorded_arrays())
             raise CorruptCheckpointError(
                 f"The index of {self.tree_dir!r} ({_MANIFEST} and its b-tree) is damaged, so none "
                 f"of its {len(arrays)} array(s) can be located: {', '.join(repr(k) for k in arrays)} "
@@ -148,7 +149,7 @@ class OrbaxReader(ChunkedReader):
         # the tree Orbax recorded at save time so damage is not read as
         # "missing keys".
         expected = set(self._recorded_arrays())
-        lost = sorted(expected - set(self._specs))
+        lost = natural_sorted(expected - set(self._specs))
         if lost:
             raise CorruptCheckpointError(
                 f"{len(lost)} array(s) of {self.tree_dir!r} cannot be opened although "
