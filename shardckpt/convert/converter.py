@@ -56,6 +56,7 @@ from shardckpt.formats.orbax import writer as orbax_writer
 from shardckpt.formats.orbax.writer import COMPRESSIONS, DEFAULT_COMPRESSION, OrbaxStepWriter
 from shardckpt.progress import ByteProgress, format_bytes, format_rate
 from shardckpt.restore import keys as naming
+from shardckpt.types import DType, Layout, Mesh, Model
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -123,10 +124,10 @@ def convert(
     src: str | os.PathLike,
     dst: str | os.PathLike,
     *,
-    model: Any = None,
-    layout: Any = None,
-    mesh: Any = None,
-    dtype: Any = None,
+    model: Model | None = None,
+    layout: Layout = None,
+    mesh: Mesh | None = None,
+    dtype: DType = None,
     compression: str = DEFAULT_COMPRESSION,
     max_inflight_bytes: int | None = None,
     force: bool = False,

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 import jax.numpy as jnp
 
 from shardckpt.errors import LayoutError
@@ -12,11 +10,12 @@ from shardckpt.layout.mesh import resolve_mesh
 from shardckpt.layout.plan import LayoutPlan, Placement
 from shardckpt.layout.rules import RulesLike, match_rule, normalize_rules
 from shardckpt.layout.trace import trace_model
+from shardckpt.types import Mesh, Model
 
 
 def auto_layout(
-    model: Any,
-    mesh: Any,
+    model: Model,
+    mesh: Mesh,
     *,
     model_axis: str = "model",
     batch_axis: str | None = None,

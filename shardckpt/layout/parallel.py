@@ -22,16 +22,17 @@ from shardckpt.layout.mesh import resolve_mesh
 from shardckpt.layout.plan import LayoutPlan
 from shardckpt.layout.rules import RulesLike
 from shardckpt.restore.lazy import is_unloaded
+from shardckpt.types import Mesh, Model
 
 # Module-level alias so that tests can observe every placement (peak memory).
 _device_put = jax.device_put
 
 
 def parallelize(
-    model: Any,
-    mesh: Any = None,
+    model: Model,
+    mesh: Mesh | None = None,
     *,
-    devices: Sequence[Any] | None = None,
+    devices: Sequence[jax.Device] | None = None,
     model_axis: str = "model",
     batch_axis: str | None = None,
     rules: RulesLike = None,

@@ -18,6 +18,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import keras
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 from keras import distribution as kd
@@ -157,7 +158,7 @@ class LayoutPlan:
         sizes = dict(zip(self.mesh.axis_names, self.mesh.shape))
         return math.prod(sizes[a] for a in axes if a is not None)
 
-    def bytes_per_device(self, optimizer: Any = None) -> int:
+    def bytes_per_device(self, optimizer: str | keras.optimizers.Optimizer | None = None) -> int:
         """Bytes of variables on the most loaded device.
 
         Args:

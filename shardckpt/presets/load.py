@@ -24,6 +24,7 @@ from shardckpt.errors import CheckpointNotFoundError, UnknownFormatError
 from shardckpt.formats import storage
 from shardckpt.formats.preset import CONFIG_FILE, is_preset_dir
 from shardckpt.presets import kerashub
+from shardckpt.types import DType, Layout, Mesh, Model
 
 
 def preset_kind(folder: str) -> str:
@@ -92,11 +93,11 @@ def _remote_kind(location: storage.Location) -> str:
 def from_preset(
     preset: str | os.PathLike,
     *,
-    mesh: Any = None,
-    layout: Any = None,
-    dtype: Any = None,
-    cls: Any = None,
-) -> Any:
+    mesh: Mesh | None = None,
+    layout: Layout = None,
+    dtype: DType = None,
+    cls: type[Model] | None = None,
+) -> Model:
     """Builds a pretrained model and loads every variable straight into its sharding.
 
     The model is built under `shardckpt.lazy_init()` from the preset's config

@@ -33,6 +33,7 @@ from shardckpt.restore import keys as naming
 from shardckpt.restore.lazy import is_unloaded, original_initializer
 from shardckpt.restore.strategies import Budget, Job, load_variable
 from shardckpt.restore.targets import TargetLayout, check_mesh, resolve_layout
+from shardckpt.types import Layout, Model
 
 # Reads run on a few threads: numpy copies, h5 page faults and tensorstore
 # decoding all release the GIL, and overlapping them hides I/O latency.
@@ -94,10 +95,10 @@ class LoadReport:
 
 
 def load_sharded(
-    model: Any,
-    path: str | os.PathLike,
+    model: Model,
+    path: str | os.PathLike[str],
     *,
-    layout: Any = None,
+    layout: Layout = None,
     strict: bool = True,
     max_inflight_bytes: int | None = None,
     progress: bool | None = None,

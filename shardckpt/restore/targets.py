@@ -19,6 +19,7 @@ from keras import distribution as kd
 
 from shardckpt import _keras
 from shardckpt.errors import MeshMismatchError
+from shardckpt.types import Layout
 
 
 @dataclasses.dataclass(frozen=True)
@@ -36,7 +37,7 @@ class TargetLayout:
     keras_layout: Any = None
 
 
-def resolve_layout(layout: Any) -> Callable[[Any], TargetLayout]:
+def resolve_layout(layout: Layout) -> Callable[[Any], TargetLayout]:
     """Returns `variable -> TargetLayout` for any accepted `layout` form.
 
     Raises:
@@ -47,8 +48,9 @@ def resolve_layout(layout: Any) -> Callable[[Any], TargetLayout]:
         if active is not None:
             return _from_distribution(active)
         return _current
-    if hasattr(layout, "sharding_for"):
-        return lambda v: TargetLayout(layout.sharding_for(v))
+    sharding_for = getattr(layout, "sharding_for", None)
+    if sharding_for is not None:
+        return lambda v: TargetLayout(sharding_for(v))
     if isinstance(layout, _keras.Distribution):
         return _from_distribution(layout)
     if hasattr(layout, "layout_map") and callable(layout.layout_map):
@@ -85,7 +87,7 @@ def _same(a: Any, b: Any) -> bool:
     return list(a.axis_names) == list(b.axis_names) and tuple(a.shape) == tuple(b.shape) and _ids(a) == _ids(b)
 
 
-def check_mesh(layout: Any, *, allow_other_mesh: bool = False) -> None:
+def check_mesh(layout: Layout, *, allow_other_mesh: bool = False) -> None:
     """Refuses a layout that would move the model off the mesh it runs on.
 
     Keras places every computation on the active distribution's mesh: a
