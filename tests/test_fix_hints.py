@@ -21,6 +21,7 @@ import safetensors.numpy as stnp
 
 import shardckpt
 from shardckpt import errors
+from shardckpt.natsort import natural_sorted
 
 
 def _seq(units=8, extra=False, names=False):
@@ -266,3 +267,20 @@ def test_unbuilt_model_hint_build_it_first_works():
         shardckpt.auto_layout(model, (1, 8))
     model.build((None, 4))  # followed
     assert len(shardckpt.auto_layout(model, (1, 8))) == 4
+
+
+def test_hugging_face_folder_inspects_and_verifies_without_a_model(tmp_path):
+    """inspect and verify of an HF folder were refused with "Fix: pass model=", an
+    argument neither takes; they read the stored tensors now."""
+    pytest.importorskip("keras_hub")
+    from tests.hf_fixtures import make_folder
+
+    folder = str(tmp_path / "llama")
+    make_folder("llama", folder)
+    stored = stnp.load_file(os.path.join(folder, "model.safetensors"))
+    info = shardckpt.inspect(folder)
+    assert info.format == "hf" and [a.key for a in info.arrays] == natural_sorted(stored)
+    assert {a.key: a.shape for a in info.arrays} == {k: v.shape for k, v in stored.items()}
+    report = shardckpt.verify(folder)
+    assert report.ok and report.arrays == len(stored)
+    assert report.bytes_read == sum(v.nbytes for v in stored.values())

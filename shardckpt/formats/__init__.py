@@ -6,12 +6,12 @@ import os
 from typing import Any
 
 from shardckpt.budget import CHUNK_CACHE_BYTES
-from shardckpt.errors import CheckpointNotFoundError, ModelRequiredError, UnknownFormatError
+from shardckpt.errors import CheckpointNotFoundError, UnknownFormatError
 from shardckpt.formats import storage
 from shardckpt.formats.base import ArraySpec, Box, ChunkedReader, MappedReader, Reader, full_box
 from shardckpt.formats.h5 import H5Reader
 from shardckpt.formats.h5_sharded import ShardedH5Reader, is_sharded_index
-from shardckpt.formats.hf import is_hf_folder
+from shardckpt.formats.hf import is_hf_folder, open_tensors
 from shardckpt.formats.orbax import OrbaxReader, is_orbax_dir
 from shardckpt.formats.preset import PresetReader, is_preset_dir
 from shardckpt.formats.remote import Unmapped
@@ -126,11 +126,10 @@ def open_reader(path: str, *, cache_bytes: int = CHUNK_CACHE_BYTES, model: Any =
         model: The model the checkpoint is read for, if known. A keras-hub
             preset folder's task weights (`task.weights.h5`) are read for a
             task only; without a model, whenever the folder has them. A
-            Hugging Face folder needs it: its tensors are named for another
-            framework, and the model says what to read.
-
-    Raises:
-        ModelRequiredError: a Hugging Face folder and no `model`.
+            Hugging Face folder is read as `model`'s variables (its tensors
+            are named for another framework, and the model says what to
+            read); without a model, as its stored tensors under their own
+            names (what `inspect` and `verify` show and check).
     """
     fmt = detect_format(path)
     location = storage.parse(path)
@@ -145,10 +144,12 @@ def open_reader(path: str, *, cache_bytes: int = CHUNK_CACHE_BYTES, model: Any =
 def _open(fmt: str, path: str, *, cache_bytes: int, model: Any) -> Reader:
     if fmt == "hf":
         if model is None:
-            raise ModelRequiredError(
-                f"{path!r} is a Hugging Face folder; reading it as Keras variables needs the "
-                "model. Fix: pass model= (shardckpt.presets.hf.build(folder) builds it)."
-            )
+            # inspect / verify: the stored tensors, which need no keras-hub.
+            # (They used to be refused with a hint to pass model=, which
+            # neither of them takes.)
+            tensors = open_tensors(path)
+            tensors.format = "hf"
+            return tensors
         from shardckpt.presets import hf  # keras-hub's name maps, imported only here
 
         return hf.open_reader(path, model)
