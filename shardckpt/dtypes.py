@@ -52,8 +52,7 @@ def check_cast(path: str, key: str, stored: np.dtype, target: np.dtype) -> None:
         raise DtypeMismatchError(
             f"Variable {path!r}: checkpoint {key!r} holds {stored}, which does not "
             f"cast to the variable's {target} without losing meaning. Fix: build "
-            f"the variable with dtype {stored} (or a wider one of the same kind), "
-            "or convert the checkpoint."
+            f"the variable with dtype {stored} (or a wider one of the same kind)."
         )
 
 

@@ -284,3 +284,39 @@ def test_hugging_face_folder_inspects_and_verifies_without_a_model(tmp_path):
     report = shardckpt.verify(folder)
     assert report.ok and report.arrays == len(stored)
     assert report.bytes_read == sum(v.nbytes for v in stored.values())
+
+
+@keras.saving.register_keras_serializable("shardckpt_tests")
+class _Table(keras.layers.Layer):
+    """A lookup table of `table_dtype` (int8: a quantized table)."""
+
+    def __init__(self, table_dtype="int8", **kwargs):
+        super().__init__(**kwargs)
+        self.table_dtype = table_dtype
+
+    def build(self, input_shape):
+        self.table = self.add_weight(
+            shape=(4, 2), dtype=self.table_dtype, initializer="zeros", trainable=False, name="table"
+        )
+
+    def call(self, x):
+        return x
+
+
+def test_dtype_hint_build_the_variable_with_the_stored_dtype_works(tmp_path):
+    path = str(tmp_path / "table.safetensors")
+    table = np.linspace(-2, 2, 8, dtype="float32").reshape(4, 2)
+    stnp.save_file({"t/table": table}, path)
+
+    def build(dtype):
+        layer = _Table(dtype, name="t")
+        layer.build((None, 2))
+        return layer
+
+    with pytest.raises(errors.DtypeMismatchError) as e:
+        shardckpt.load_sharded(build("int8"), path)
+    assert "Fix: build the variable with dtype float32" in str(e.value)
+    assert "convert" not in _fix(e.value)  # convert casts floats only: no way out there
+    layer = build("float32")  # the hint, followed
+    shardckpt.load_sharded(layer, path)
+    np.testing.assert_array_equal(np.asarray(layer.table.value), table)
