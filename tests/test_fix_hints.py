@@ -320,3 +320,24 @@ def test_dtype_hint_build_the_variable_with_the_stored_dtype_works(tmp_path):
     layer = build("float32")  # the hint, followed
     shardckpt.load_sharded(layer, path)
     np.testing.assert_array_equal(np.asarray(layer.table.value), table)
+
+
+def test_missing_shard_hint_copy_it_beside_the_index_works(tmp_path):
+    keras.backend.clear_session()
+    src = _seq()
+    index = str(tmp_path / "m.weights.json")
+    src.save_weights(index, max_shard_size=2e-7)  # 215 bytes: a shard per layer
+    values = [np.asarray(v.value) for v in src.weights]
+    shards = sorted(n for n in os.listdir(tmp_path) if n.endswith(".weights.h5"))
+    assert len(shards) >= 2
+    os.replace(tmp_path / shards[-1], tmp_path / "elsewhere.bin")
+    keras.backend.clear_session()
+    model = _seq()
+    with pytest.raises(errors.CheckpointNotFoundError) as e:
+        shardckpt.load_sharded(model, index)
+    assert repr(shards[-1]) in str(e.value)
+    assert "copy every *.weights.h5 shard listed in the index next to it" in _fix(e.value)
+    os.replace(tmp_path / "elsewhere.bin", tmp_path / shards[-1])  # the hint, followed
+    shardckpt.load_sharded(model, index)
+    for v, want in zip(model.weights, values):
+        np.testing.assert_array_equal(np.asarray(v.value), want, err_msg=v.path)
