@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import hashlib
 import io
 import json
 import os
@@ -421,8 +422,13 @@ def _run_bash(piece: Piece, command: str, filler: Filler) -> None:
         assert done.returncode == filler.exit_code, f"{piece} exited {done.returncode}:\n{done.stdout}\n{done.stderr}"
         return
     if argv[:2] == ["python3", "tools/run.py"]:
+        # tools/run.py re-installs .venv when its stamp is stale (network, minutes):
+        # refuse before that, as its own hash says.
         stamp = os.path.join(ROOT, ".venv", ".shardckpt-installed")
-        assert os.path.exists(stamp), f"{piece}: create .venv first with `python3 tools/run.py test`"
+        with open(os.path.join(ROOT, "pyproject.toml"), "rb") as f, open(os.path.join(ROOT, "tools", "run.py"), "rb") as g:
+            want = hashlib.sha256(f.read() + g.read()).hexdigest()
+        current = open(stamp).read() if os.path.exists(stamp) else None
+        assert current == want, f"{piece}: .venv is missing or stale; run `python3 tools/run.py test` once first"
         done = subprocess.run(
             [sys.executable if argv[0] == "python3" else argv[0], *argv[1:]],
             cwd=ROOT, capture_output=True, text=True, timeout=300,
