@@ -1,29 +1,19 @@
 """`OrbaxCheckpoint`: Keras' Orbax callback with little blocking and exact resume.
 
-A drop-in for `keras.callbacks.OrbaxCheckpoint` (same arguments, same meaning,
-same on-disk layout: an `ocp.training.Checkpointer` root whose steps hold the
-"pytree" state tree, plus "model_config"/"assets" for full saves). This module
-is the callback's control flow; the parts live beside it:
-
-* `options`: argument checks. `counting`: batches per epoch, fit and run.
-* `snapshot`: the copy of the state a background save writes from.
-* `saving`: the step writer (local or bucket, one save in flight, errors of
-  a background save raised as `BackgroundSaveError` at the next save or at
-  the end of training). `metadata`: the JSON item beside the arrays.
-* `retention`: latest N, best N by `monitor`, every `keep_period` steps.
-* `preemption`: SIGTERM (or JAX's preemption notice) -> a save at the next
-  step boundary, committed before `fit` stops.
-* `resume_point` / `resume`: which step a resuming `fit` continues from and
-  how it is restored (model, optimizer, metrics, seed generators, iterator,
-  host RNGs, epoch and position in the epoch), bit-identical to an
-  uninterrupted run.
+A drop-in for `keras.callbacks.OrbaxCheckpoint` (same arguments and on-disk
+layout). This module is the callback's control flow; its parts live beside
+it: `options` (argument checks), `counting` (batches per epoch, fit, run),
+`snapshot` (the copy a background save writes from), `saving` (the step
+writer: local or bucket, one save in flight), `metadata`, `retention`,
+`monitoring` (best by `monitor`), `preemption` (SIGTERM -> save, commit,
+stop), `resume_point` / `resume` / `hostrng` (which step a resuming fit
+continues from, and restoring it bit-identically).
 """
 
 from __future__ import annotations
 
 import logging
 import time
-import warnings
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -31,43 +21,32 @@ import jax
 import numpy as np
 
 from shardckpt import _keras
-from shardckpt._keras import MonitorCallback
-from shardckpt.errors import BackgroundSaveError
 from shardckpt.formats import storage
 from shardckpt.training import hostrng, iterators, options, preemption, quiet, resume, resume_point, retention, saving
 from shardckpt.training import metadata as metadata_lib
 from shardckpt.training import snapshot as snapshot_lib
 from shardckpt.training.counting import BatchCount
+from shardckpt.training.monitoring import BestTracking
 from shardckpt.training.resume import ResumeInfo
 
 _log = logging.getLogger("shardckpt")
 
 
-class OrbaxCheckpoint(MonitorCallback):
+class OrbaxCheckpoint(BestTracking):
     """Saves and resumes training state with Orbax, asynchronously and exactly.
 
-    Arguments up to `save_weights_only` are those of
-    `keras.callbacks.OrbaxCheckpoint`, in its order and with its meaning, so
-    swapping the import is enough. The rest are keyword-only additions. Steps
-    are named as Keras names them: the epoch index for `save_freq="epoch"`,
-    the number of batches trained for an integer `save_freq`.
+    Arguments up to `save_weights_only` are Keras' (order, meaning); the rest
+    are keyword-only additions. Steps are named as Keras names them: the epoch
+    for `save_freq="epoch"`, the batches trained for an integer `save_freq`.
 
-    Resume (`resume=True`; Keras' callback never resumes): at the start of
-    `fit` the latest committed step is restored and `fit` continues after it.
-    A step saved in the middle of an epoch is continued in that epoch (only
-    its remaining batches run) when `fit` draws its batches from
-    `self.batches()` over `data_iterator`, whose position the step holds. With
-    any other input the data restarts at an epoch's first batch, so the run
-    resumes from the newest step of whole epochs instead (kept beside partial
-    ones), or from the start, and logs one line saying so; steps after it are
-    written again. NumPy's and Python's global RNGs, which `fit` shuffles
-    arrays and `PyDataset`s with, are saved and restored.
+    Resume (`resume=True`): `fit` continues after the latest committed step,
+    in the middle of its epoch only when `fit` draws from `self.batches()`
+    (the step holds the iterator's position); with other inputs, from the
+    newest whole-epoch step or the start (`resume_point`), said in one line.
 
-    Preemption (`save_on_preemption=True`): while `fit` runs, a SIGTERM (or,
-    with several processes, JAX's preemption notice) makes the callback save
-    at the next step boundary (every process agrees on it), wait for the
-    commit and stop `fit`; `preempted_step` names the step. The previous
-    SIGTERM handler is back when `fit` ends; a second SIGTERM goes to it.
+    Preemption (`save_on_preemption=True`): a SIGTERM (or JAX's preemption
+    notice) saves at the next step boundary, waits for the commit and stops
+    `fit`; `preempted_step` names the step (`preemption`).
 
     Example:
 
@@ -87,30 +66,23 @@ class OrbaxCheckpoint(MonitorCallback):
         mode: "auto", "min" or "max": the direction of `monitor`.
         save_freq: "epoch", or save every this many batches.
         initial_value_threshold: Initial "best" value for `save_best_only`.
-        max_to_keep: Keep the latest N steps (None: keep every step). 1 by
-            default, as in Keras' callback.
-        save_on_background: Write in the background (training waits only for a
-            snapshot). False: each save is written before training goes on.
-        save_weights_only: Save trainable and non-trainable variables only
-            (no optimizer/metrics/model config; such a step cannot resume
-            exactly).
+        max_to_keep: Keep the latest N steps (None: every step); 1 as in Keras.
+        save_on_background: Training waits only for a snapshot (False: for the write).
+        save_weights_only: Model variables only (such a step cannot resume exactly).
         keep_best: Also keep the N best steps by `monitor` (with `max_to_keep`).
         keep_period: Also keep every step that is a multiple of this.
         metadata: A JSON dict, or a callable `(epoch, logs) -> dict`, saved under
             "user" in each step's metadata.
         data_iterator: An object with `get_state()` / `set_state(state)`.
         resume: Restore the latest committed step when `fit` starts (see above).
-        compression: zstd-compress array chunks as Keras' callback does. Off by
-            default: compression took about a third of a background save's CPU
-            time for ~10% less disk (tools/bench_save.py).
+        compression: zstd-compress array chunks as Keras does (off: a third of
+            a save's CPU time for ~10% less disk; tools/bench_save.py).
         save_on_preemption: Save and stop at the next step boundary on a
             preemption notice (see above).
-        snapshot: How a background save copies the state before training goes
-            on: "device" (an on-device copy), "host" (into pinned host memory,
-            piece by piece, within `snapshot_budget_bytes`), or "auto":
-            "device" only when every device's `memory_stats()` shows room.
-        snapshot_budget_bytes: Host mode's piece size, and the room "auto"
-            keeps free beside an on-device copy (256 MiB).
+        snapshot: The copy a background save writes from: "device", "host"
+            (pinned host memory, in pieces of `snapshot_budget_bytes`) or
+            "auto" ("device" when `memory_stats()` shows room); see `snapshot`.
+        snapshot_budget_bytes: Host mode's piece size and "auto"'s margin (256 MiB).
 
     Raises:
         ValueError: an argument is out of range.
@@ -142,7 +114,6 @@ class OrbaxCheckpoint(MonitorCallback):
         snapshot_budget_bytes: int = snapshot_lib.DEFAULT_BUDGET_BYTES,
     ) -> None:
         super().__init__(monitor, mode, initial_value_threshold)
-        self.best: float | None  # set by MonitorCallback.__init__ (initial_value_threshold)
         options.validate(save_freq=save_freq, snapshot=snapshot, snapshot_budget_bytes=snapshot_budget_bytes,
                          metadata=metadata, max_to_keep=max_to_keep, keep_best=keep_best, keep_period=keep_period,
                          monitor=monitor)
@@ -162,7 +133,7 @@ class OrbaxCheckpoint(MonitorCallback):
         self.snapshot_mode_used: str | None = None
         self.snapshot_modes: list[str] = []
         self.preempted_step: int | None = None
-        self.preemption_mode = "off"
+        self.preemption_mode = "off"  # then "signal", "jax" (JAX's preemption service) or "signal+allgather"
         self._watch = preemption.PreemptionWatch()
         self._context = saving.json_context(compression=compression)
         self._writer: saving.StepWriter | None = None
@@ -172,7 +143,6 @@ class OrbaxCheckpoint(MonitorCallback):
         self._count = BatchCount()
         self._last_saved_step: int | None = None
         self._replace_step: int | None = None
-        self._warned_monitor = False
 
     @property
     def checkpointer(self) -> Any:
@@ -184,10 +154,9 @@ class OrbaxCheckpoint(MonitorCallback):
     def batches(self) -> Iterator[Any]:
         """The batches of `data_iterator`, to pass to `fit` (call once per fit).
 
-        The iterator is set to the resumed position before its first batch is
-        pulled, and its state is recorded before every pull, so each save holds
-        the position after exactly the batches trained on (Keras pulls ahead).
-        Only input drawn from here lets a resume continue mid-epoch.
+        The iterator gets the resumed position before its first pull, and its
+        state is recorded before every pull, so a save holds the position after
+        exactly the batches trained on. Only this input resumes mid-epoch.
 
         Raises:
             ValueError: the callback has no `data_iterator`.
@@ -228,13 +197,11 @@ class OrbaxCheckpoint(MonitorCallback):
             self._set_monitor_op()
         # fit peeks its input before this hook: a started batches() is what it draws.
         tracked = self._tracker is not None and self._tracker.used
-        higher = self.monitor_op is not None and self.monitor_op(1.0, 0.0)
         policy = retention.preservation_policy(
             max_to_keep=self.max_to_keep, keep_best=self.keep_best, monitor=self.monitor,
-            higher_is_better=bool(higher), keep_period=self.keep_period,
+            higher_is_better=bool(self.monitor_op is not None and self.monitor_op(1.0, 0.0)),
             # Without batches() only whole-epoch steps resume exactly: keep the newest.
-            keep_complete_epoch=self.save_freq == "epoch" or not tracked,
-        )
+            keep_period=self.keep_period, keep_complete_epoch=self.save_freq == "epoch" or not tracked)
         self._writer = saving.StepWriter(self._location, policy=policy, compression=self.compression,
                                          background=self.save_on_background, context=self._context,
                                          waits_s=self.save_waits_s)
@@ -250,7 +217,6 @@ class OrbaxCheckpoint(MonitorCallback):
         self.preempted_step = None
         if self.save_on_preemption:
             self._watch.start()
-        # "signal", "jax" (JAX's preemption service), "signal+allgather", or "off".
         self.preemption_mode = self._watch.mode
 
     def on_epoch_begin(self, epoch: int, logs: dict | None = None) -> None:
@@ -293,12 +259,7 @@ class OrbaxCheckpoint(MonitorCallback):
         _keras.set_initial_epoch(self._model, self._previous_initial_epoch)
         try:
             if self._writer is not None:
-                try:
-                    self._writer.finish_pending()
-                except BackgroundSaveError as failure:
-                    self._writer.close(failure)
-                    raise
-                self._writer.close(None)
+                self._writer.end()
             saving.sync("shardckpt_checkpoint_cleanup")
         finally:
             quiet.stop()
@@ -329,112 +290,56 @@ class OrbaxCheckpoint(MonitorCallback):
             writer.delete(step)
             self._replace_step = None
         self._last_saved_step = step
-        if self.keep_best is not None and not self._warned_monitor and self.monitor not in (logs or {}):
-            self._warn_monitor_missing(logs, f"keep_best={self.keep_best} ranks steps by it")
+        self._check_monitor_for_keep_best(logs, self.keep_best)
         model = self.model  # Callback.model syncs the JAX state into the variables
         tree, self.snapshot_mode_used = snapshot_lib.snapshot_state(
             model, weights_only=self.save_weights_only, mode=self.snapshot, budget_bytes=self.snapshot_budget_bytes)
         self.snapshot_modes.append(self.snapshot_mode_used)
-        payload: dict[str, Any] = {resume.ARRAYS_ITEM: tree}
-        if not self.save_weights_only:
-            payload["model_config"] = {"config": self._model_config}
-            if self._assets is not None:
-                payload["assets"] = self._assets
         logs = dict(logs or {})
         user = self.metadata(self._count.epoch, logs) if callable(self.metadata) else self.metadata
         # Counters are read now: training moves them on while the save runs.
         meta = metadata_lib.step_metadata(
             self._count, step, epoch_complete=epoch_complete, save_freq=self.save_freq, monitor=self.monitor,
             weights_only=self.save_weights_only, layout=self._layout, snapshot=self.snapshot_mode_used)
-        if self._tracker is not None:
-            state = self._tracker.state_after(self._count.fit_batches)
-            payload[resume.ITERATOR_ITEM] = {"process_states": iterators.gather_json(iterators.encode_state(state))}
-        writer.save(step, payload, meta, logs, user, self.best)
+        states = None if self._tracker is None else iterators.gather_json(
+            iterators.encode_state(self._tracker.state_after(self._count.fit_batches)))
+        items = saving.payload(tree, model_config=self._model_config, assets=self._assets, iterator_states=states)
+        writer.save(step, items, meta, logs, user, self.best)
         self.save_blocking_s.append(time.perf_counter() - start)
-        if self.verbose > 0:
-            print(f"OrbaxCheckpoint: step {step} saved to {self.directory} "
-                  f"({'background' if self.save_on_background else 'written'}, "
-                  f"training blocked {self.save_blocking_s[-1] * 1e3:.1f} ms)")
-
-    def _improved(self, logs: dict | None, where: str) -> bool:
-        if self.monitor_op is None:
-            self._set_monitor_op()
-        current = (logs or {}).get(self.monitor)
-        if current is None:
-            if not self._warned_monitor:
-                self._warn_monitor_missing(logs, f"save_best_only skips the save at {where}")
-            return False
-        if not self._is_improvement(current, self.best):
-            return False
-        self.best = current
-        return True
-
-    def _warn_monitor_missing(self, logs: dict | None, consequence: str) -> None:
-        """Warns once per fit, as Keras' checkpoint callbacks warn, naming what the logs held."""
-        self._warned_monitor = True
-        warnings.warn(
-            f"Can save best model only with {self.monitor} available: the logs at this save hold "
-            f"{sorted(logs or {})} and {consequence}. Fix: monitor one of those keys, or save when "
-            f"it is there (validation metrics exist at epoch ends: save_freq='epoch'). Said once per fit.",
-            stacklevel=3)
+        self._say(logging.INFO, f"step {step} {'started' if self.save_on_background else 'written'} in "
+                                f"{self.directory} (training blocked {self.save_blocking_s[-1] * 1e3:.1f} ms).")
 
     # ---- resuming ------------------------------------------------------------
 
     def _resume(self, tracked: bool) -> None:
         point = resume_point.choose(self.directory, mid_epoch=tracked)
+        self._resume_dir = None if point is None else point.step_dir
         if point is None:
             return
-        self._resume_dir = point.step_dir
         assert self._writer is not None  # set in on_train_begin
         for step in point.newer:  # the resumed run writes them again, bit-identical
             self._writer.delete(step)
-        info = None
-        if point.step_dir is not None:
-            used = self._tracker is not None and self._tracker.used
-            info = resume.restore_step(self.model, point.step_dir, data_iterator=None if used else self.data_iterator)
-            if used and self._iterator_restored_from != point.step_dir:
-                raise RuntimeError(
-                    f"batches() restored the data iterator from {self._iterator_restored_from!r} "
-                    f"but the model resumes from {point.step_dir!r}. Fix: do not write to "
-                    f"{self.directory!r} from another process while this run starts.")
-            self._continue_after(info)
-        line = resume_point.describe(point, info, epochs=(self.params or {}).get("epochs"), directory=self.directory)
-        done = info is not None and info.epoch is not None and info.next_epoch >= (self.params or {}).get("epochs", 0)
-        self._say(logging.WARNING if point.why or done else logging.INFO, line)
-
-    def _continue_after(self, info: ResumeInfo) -> None:
-        """Sets epoch, counters, best value and host RNGs to continue after `info`'s step."""
-        self.resumed, meta = info, info.metadata
-        if info.epoch is None:
-            return  # a step Keras wrote: weights only, fit starts at its initial_epoch
-        _keras.set_initial_epoch(self._model, info.next_epoch)
-        count = self._count
-        count.total = int(meta.get("total_batches") or 0)
-        self._last_saved_step = info.step
-        if isinstance(self.save_freq, int):
-            # Saves fall on the same batches as in the uninterrupted run.
-            count.since_save = count.total % self.save_freq
-        elif not info.epoch_complete:
-            self._replace_step = info.step
-        if meta.get("best") is not None and not isinstance(meta["best"], str):
-            self.best = float(meta["best"])
-        hostrng.restore(meta.get("host_rng"))
-        if not info.epoch_complete:
-            count.resume_epoch, count.resume_offset = info.epoch, int(info.batch or 0)
-            count.resume_metrics = [np.asarray(v.value) for v in self.model.metrics_variables]
+        info = resume_point.restore(self.model, point, tracker=self._tracker, data_iterator=self.data_iterator,
+                                    iterator_restored_from=self._iterator_restored_from)
+        self.resumed = info
+        if info is not None and info.epoch is not None:  # (None: a step Keras wrote, weights only)
+            _keras.set_initial_epoch(self._model, info.next_epoch)
+            self._last_saved_step = info.step
+            if self.save_freq == "epoch" and not info.epoch_complete:
+                self._replace_step = info.step
+            if info.metadata.get("best") is not None and not isinstance(info.metadata["best"], str):
+                self.best = float(info.metadata["best"])
+            hostrng.restore(info.metadata.get("host_rng"))
+            self._count.continue_after(info.metadata, save_freq=self.save_freq,
+                                       metrics=[np.asarray(v.value) for v in self.model.metrics_variables])
+        self._say(*resume_point.describe(point, info, epochs=(self.params or {}).get("epochs"),
+                                         directory=self.directory))
 
     def _restore_iterator_early(self) -> None:
         """Sets the iterator's saved position before fit pulls its first batch."""
-        if not self.resume:
-            return
-        step_dir = self._resume_dir if self._resume_decided else resume.latest_step_dir(self.directory)
-        if step_dir is None:
-            return
-        item = resume.read_json_item(step_dir, resume.ITERATOR_ITEM)
-        state = resume.iterator_state_for_process(item, jax.process_index())
-        if state is not None:
-            self.data_iterator.set_state(state)
-        self._iterator_restored_from = step_dir
+        if self.resume:
+            step_dir = self._resume_dir if self._resume_decided else resume.latest_step_dir(self.directory)
+            self._iterator_restored_from = resume_point.set_iterator(self.data_iterator, step_dir)
 
     def _say(self, level: int, message: str) -> None:
         _log.log(level, "OrbaxCheckpoint: %s", message)

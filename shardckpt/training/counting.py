@@ -95,3 +95,19 @@ class BatchCount:
             return False
         self.since_save = 0
         return True
+
+    def continue_after(self, meta: dict[str, Any], *, save_freq: str | int, metrics: list[Any]) -> None:
+        """Continues the count of a resumed step (`meta`: its metadata item).
+
+        Args:
+            meta: The step's metadata (`total_batches`, `epoch`, `batch`...).
+            save_freq: The callback's; integer saves fall on the same batches
+                as in the uninterrupted run.
+            metrics: The metric accumulators restored with a partial epoch.
+        """
+        self.total = int(meta.get("total_batches") or 0)
+        if isinstance(save_freq, int):
+            self.since_save = self.total % save_freq
+        if not meta.get("epoch_complete", True):
+            self.resume_epoch, self.resume_offset = int(meta["epoch"]), int(meta.get("batch") or 0)
+            self.resume_metrics = metrics

@@ -14,9 +14,15 @@ them again, bit-identical.
 from __future__ import annotations
 
 import dataclasses
+import logging
+from typing import Any
+
+import jax
 
 from shardckpt.formats import storage
-from shardckpt.formats.orbax.ondisk import METADATA_ITEM, committed_steps, read_json_item
+from shardckpt.formats.orbax.ondisk import ITERATOR_ITEM, METADATA_ITEM, committed_steps, read_json_item
+from shardckpt.training import resume
+from shardckpt.training.iterators import IteratorTracker
 from shardckpt.training.resume import ResumeInfo
 
 WHY_NOT_MID_EPOCH = (
@@ -72,10 +78,48 @@ def choose(directory: str, *, mid_epoch: bool) -> ResumePoint | None:
     return ResumePoint(step_dir=None, latest=latest, newer=list(steps), why=WHY_NOT_MID_EPOCH)
 
 
-def describe(point: ResumePoint, info: ResumeInfo | None, *, epochs: int | None, directory: str) -> str:
-    """The one line a resume logs: the step and epoch, or that the run is complete."""
+def restore(model: Any, point: ResumePoint, *, tracker: IteratorTracker | None, data_iterator: Any,
+            iterator_restored_from: str | None) -> ResumeInfo | None:
+    """Restores `point`'s step into `model` (None when the run starts from the beginning).
+
+    The data iterator gets the step's position here unless `batches()` has
+    started already: it set the position before fit's first pull
+    (`iterator_state`), from the step that must be this one.
+
+    Raises:
+        RuntimeError: `batches()` took its position from another step (the
+            directory changed in between).
+    """
+    if point.step_dir is None:
+        return None
+    started = tracker is not None and tracker.used
+    info = resume.restore_step(model, point.step_dir, data_iterator=None if started else data_iterator)
+    if started and iterator_restored_from != point.step_dir:
+        raise RuntimeError(
+            f"batches() restored the data iterator from {iterator_restored_from!r} but the model resumes "
+            f"from {point.step_dir!r}. Fix: do not write to the checkpoint directory from another process "
+            "while this run starts.")
+    return info
+
+
+def set_iterator(data_iterator: Any, step_dir: str | None) -> str | None:
+    """Gives `data_iterator` this process's position saved in `step_dir`; returns `step_dir`."""
+    if step_dir is not None:
+        item = read_json_item(step_dir, ITERATOR_ITEM)
+        state = resume.iterator_state_for_process(item, jax.process_index())
+        if state is not None:
+            data_iterator.set_state(state)
+    return step_dir
+
+
+def describe(point: ResumePoint, info: ResumeInfo | None, *, epochs: int | None, directory: str) -> tuple[int, str]:
+    """The one line a resume logs, and its level: the step and epoch, or that the run is complete.
+
+    WARNING when the latest step is not the one continued (work is redone) or
+    when there is nothing left to train; INFO otherwise.
+    """
     if info is None:
-        return (f"not resuming from step {point.latest} in {directory}: {point.why}, and no step holds a whole "
+        return logging.WARNING, (f"not resuming from step {point.latest} in {directory}: {point.why}, and no step holds a whole "
                 f"epoch; training starts from the beginning (exact). Steps {point.newer} will be written again. "
                 "Fix: feed fit from OrbaxCheckpoint.batches() to resume mid-epoch.")
     where = (f"epoch {info.epoch} complete" if info.epoch_complete
@@ -88,5 +132,6 @@ def describe(point: ResumePoint, info: ResumeInfo | None, *, epochs: int | None,
                 f"(exact; steps {point.newer} will be written again). Fix: feed fit from "
                 "OrbaxCheckpoint.batches() to resume mid-epoch")
     if epochs is not None and info.epoch is not None and info.next_epoch >= epochs:
-        return f"{line}. The run is already complete: all {epochs} epochs are trained; fit trains nothing."
-    return f"{line}; fit continues at epoch {info.next_epoch}." if info.epoch is not None else f"{line}."
+        return logging.WARNING, f"{line}. The run is already complete: all {epochs} epochs are trained; fit trains nothing."
+    level = logging.WARNING if point.why else logging.INFO
+    return level, f"{line}; fit continues at epoch {info.next_epoch}." if info.epoch is not None else f"{line}."

@@ -143,6 +143,19 @@ class StepWriter:
         self.finish_pending()
         self.checkpointer.wait()
 
+    def end(self) -> None:
+        """Finishes the save in flight and closes the checkpointer (end of `fit`).
+
+        Raises:
+            BackgroundSaveError: the save in flight failed.
+        """
+        try:
+            self.finish_pending()
+        except BackgroundSaveError as failure:
+            self.close(failure)
+            raise
+        self.close(None)
+
     def delete(self, step: int) -> None:
         self.checkpointer.delete(step)
 
@@ -159,6 +172,18 @@ class StepWriter:
             cause = getattr(failure, "original", None)
             if cause is None or not (e is cause or (type(e) is type(cause) and str(e) == str(cause))):
                 raise
+
+
+def payload(tree: dict[str, Any], *, model_config: Any, assets: Any, iterator_states: list[Any] | None) -> dict:
+    """The items of one step: arrays, Keras' model config and assets (full saves), iterator states."""
+    items: dict[str, Any] = {resume.ARRAYS_ITEM: tree}
+    if model_config is not None:
+        items["model_config"] = {"config": model_config}
+    if assets is not None:
+        items["assets"] = assets
+    if iterator_states is not None:
+        items[resume.ITERATOR_ITEM] = {"process_states": iterator_states}
+    return items
 
 
 def json_context(*, compression: bool) -> Any:
