@@ -84,7 +84,7 @@ def restore(model: Any, point: ResumePoint, *, tracker: IteratorTracker | None, 
 
     The data iterator gets the step's position here unless `batches()` has
     started already: it set the position before fit's first pull
-    (`iterator_state`), from the step that must be this one.
+    (`set_iterator`), from the step that must be this one.
 
     Raises:
         RuntimeError: `batches()` took its position from another step (the
@@ -119,9 +119,10 @@ def describe(point: ResumePoint, info: ResumeInfo | None, *, epochs: int | None,
     when there is nothing left to train; INFO otherwise.
     """
     if info is None:
-        return logging.WARNING, (f"not resuming from step {point.latest} in {directory}: {point.why}, and no step holds a whole "
-                f"epoch; training starts from the beginning (exact). Steps {point.newer} will be written again. "
-                "Fix: feed fit from OrbaxCheckpoint.batches() to resume mid-epoch.")
+        return logging.WARNING, (
+            f"not resuming from step {point.latest} in {directory}: {point.why}, and no step holds a whole "
+            f"epoch; training starts from the beginning (exact). Steps {point.newer} will be written again. "
+            "Fix: feed fit from OrbaxCheckpoint.batches() to resume mid-epoch.")
     where = (f"epoch {info.epoch} complete" if info.epoch_complete
              else f"epoch {info.epoch}, batch {info.batch} of {info.metadata.get('steps_per_epoch')}")
     if info.epoch is None:
@@ -132,6 +133,7 @@ def describe(point: ResumePoint, info: ResumeInfo | None, *, epochs: int | None,
                 f"(exact; steps {point.newer} will be written again). Fix: feed fit from "
                 "OrbaxCheckpoint.batches() to resume mid-epoch")
     if epochs is not None and info.epoch is not None and info.next_epoch >= epochs:
-        return logging.WARNING, f"{line}. The run is already complete: all {epochs} epochs are trained; fit trains nothing."
+        done = f"The run is already complete: all {epochs} epochs are trained; fit trains nothing."
+        return logging.WARNING, f"{line}. {done}"
     level = logging.WARNING if point.why else logging.INFO
     return level, f"{line}; fit continues at epoch {info.next_epoch}." if info.epoch is not None else f"{line}."
