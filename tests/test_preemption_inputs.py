@@ -20,8 +20,6 @@ so its train step compiles once: 40 trials in about a minute.
 from __future__ import annotations
 
 import logging
-import os
-import signal
 
 import grain.python as gp
 import keras
@@ -29,24 +27,12 @@ import numpy as np
 import pytest
 
 from shardckpt.training import OrbaxCheckpoint
+from tests.test_preemption import _SigtermAt
 
 EPOCHS, STEPS, BATCH = 3, 6, 8
 N = STEPS * BATCH
 TRIALS = 10
 SAVE_FREQS = ["epoch", 2, 3, 4]  # 4 never lands on an epoch end before step 12
-
-
-class _SigtermAt(keras.callbacks.Callback):
-    """Sends this process a SIGTERM at the end of batch number `n` (from 1)."""
-
-    def __init__(self, n: int) -> None:
-        super().__init__()
-        self.n, self.seen = n, 0
-
-    def on_train_batch_end(self, batch, logs=None):
-        self.seen += 1
-        if self.seen == self.n:
-            os.kill(os.getpid(), signal.SIGTERM)
 
 
 def _data():
