@@ -205,7 +205,6 @@ class OrbaxCheckpoint(BestTracking):
         self._writer = saving.StepWriter(self._location, policy=policy, compression=self.compression,
                                          background=self.save_on_background, context=self._context,
                                          waits_s=self.save_waits_s)
-        quiet.start()
         # Config and assets do not change during fit; Keras' callback rebuilds
         # both at every save (tens of ms on the training thread).
         self._model_config = None if self.save_weights_only else _keras.serialize_model_config(self.model)
@@ -214,6 +213,7 @@ class OrbaxCheckpoint(BestTracking):
         if self.resume:
             self._resume(tracked)
         self._resume_decided = True
+        quiet.start()  # after the resume: a failed one never reaches on_train_end to stop it
         self.preempted_step = None
         if self.save_on_preemption:
             self._watch.start()
