@@ -25,6 +25,12 @@ Two adjustments to what Keras names:
   (`optimizer_variables/adam/...`), which becomes `adam_1` in a process that
   created another optimizer first. `align_optimizer_keys` matches by the path
   under the optimizer when model and checkpoint each have one optimizer.
+- Generated layer names: Orbax keys hold `variable.path`, and Keras names an
+  unnamed layer by a process-wide counter, so a model built a second time has
+  `sequential_2/dense_2/kernel` where the checkpoint has
+  `sequential_1/dense_1/kernel`. `align_generated_names` matches such keys by
+  structure, as `.weights.h5` keys (the object graph) are immune to names:
+  see its docstring.
 
 Keras' `_save_state` walk and `H5IOStore` are private (see `shardckpt._keras`):
 there is no public way to ask Keras which key a variable is saved under.
@@ -39,6 +45,7 @@ from collections.abc import Iterable, Iterator
 from typing import Any
 
 import keras
+import numpy as np
 
 from shardckpt import _keras, state
 from shardckpt.errors import CheckpointMismatchError
@@ -51,6 +58,9 @@ from shardckpt.natsort import natural_sorted
 OPTIONAL_PREFIXES = (*(f"{c}/" for c in state.OPTIONAL_COLLECTIONS), "optimizer/")
 # Keras makes object names unique by appending `_<n>` (`adam`, `adam_1`).
 _UNIQUIFIED = re.compile(r"_\d+$")
+# The same inside a key, at the end of each name ("/" between layers, "_"
+# where an optimizer slot embeds its variable's path): `sequential_1/dense_12/kernel`.
+_SUFFIXES = re.compile(r"_(\d+)(?=[/_]|$)")
 # The roles of a preset's weights files (see `preset_keys`).
 PRESET_PREFIXES = ("model/", "task/")
 
@@ -184,6 +194,58 @@ def align_optimizer_keys(wanted: dict[str, Any], stored: Iterable[str]) -> dict[
     return {(new + k[len(old) :] if k.startswith(old) else k): v for k, v in wanted.items()}
 
 
+def _pattern(key: str) -> str:
+    """`key` without Keras' uniquifying suffixes: the same for every build of a model."""
+    return _SUFFIXES.sub("", key)
+
+
+def _creation_order(key: str) -> tuple[int, ...]:
+    """The suffix counters of `key`: Keras hands them out in creation order."""
+    return tuple(int(n) for n in _SUFFIXES.findall(key))
+
+
+def align_generated_names(wanted: dict[str, Any], reader: Reader) -> dict[str, Any]:
+    """Renames the model's keys whose generated names differ from the checkpoint's.
+
+    Keys are grouped by their pattern: the key without the `_<n>` counters
+    Keras appends to generated names (`trainable_variables/sequential/dense/
+    kernel`; an optimizer slot embeds its variable's path and is grouped the
+    same way). The pattern carries the collection, the layer classes along the
+    path (a generated name is the class name in snake case) and the variable
+    name. In a group where model and checkpoint hold the same keys, nothing
+    changes: explicit names match by name, whatever their position. In a group
+    where they differ, the model's keys and the checkpoint's are paired in
+    creation order (the counters, oldest first: the position in the model),
+    and renamed only if the counts are equal and every pair has the same shape
+    and dtype. Anything else is left as it is and reported by `match` (another
+    architecture: missing and unexpected keys, each named).
+    """
+    stored = list(reader.keys())
+    theirs: dict[str, list[str]] = {}
+    for key in stored:
+        theirs.setdefault(_pattern(key), []).append(key)
+    ours: dict[str, list[str]] = {}
+    for key in wanted:
+        ours.setdefault(_pattern(key), []).append(key)
+    renames: dict[str, str] = {}
+    for pattern, mine in ours.items():
+        saved = theirs.get(pattern, [])
+        if set(saved) == set(mine) or len(saved) != len(mine):
+            continue
+        pairs = list(zip(sorted(mine, key=_creation_order), sorted(saved, key=_creation_order)))
+        if all(_same_array(wanted[key], reader.spec(other)) for key, other in pairs):
+            renames.update(pairs)
+    if not renames:
+        return wanted
+    return {renames.get(key, key): variable for key, variable in wanted.items()}
+
+
+def _same_array(variable: Any, spec: Any) -> bool:
+    if not is_variable(variable):
+        return False
+    return tuple(spec.shape) == tuple(variable.shape) and np.dtype(spec.dtype) == np.dtype(variable.dtype)
+
+
 def state_keys(model: Any) -> dict[str, Any]:
     """Returns `{state-tree key: variable}` as `model.get_state_tree()` nests them."""
     out: dict[str, Any] = {}
@@ -284,11 +346,14 @@ def match(wanted: dict[str, Any], reader: Reader) -> KeyMatch:
 
     Reads metadata only (`reader.spec`). A variable saved under two keys (a
     shared layer) is loaded once. Optimizer keys match whatever name the
-    optimizer was given (`align_optimizer_keys`).
+    optimizer was given (`align_optimizer_keys`), and Orbax keys whatever
+    names Keras generated for the layers (`align_generated_names`).
     """
     fmt = reader.format
     stored = set(reader.keys())
     wanted = align_optimizer_keys(wanted, stored)
+    if fmt == "orbax":
+        wanted = align_generated_names(wanted, reader)
     collections_stored = {collection(k, fmt) for k in stored}
     result = KeyMatch(format=fmt)
     seen: set[int] = set()

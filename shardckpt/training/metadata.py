@@ -1,4 +1,9 @@
-"""The JSON metadata item saved beside the arrays of every step."""
+"""The JSON metadata item saved beside the arrays of every step, and its assembly.
+
+A step's metadata is assembled in two parts: `step_metadata` on the training
+thread (counters move on while the save runs), `complete` on the save thread
+(turning logs into numbers waits for the step that produced them).
+"""
 
 from __future__ import annotations
 
@@ -10,6 +15,9 @@ import keras
 import numpy as np
 
 from shardckpt._version import __version__
+from shardckpt.formats.orbax.ondisk import METADATA_ITEM
+from shardckpt.training import hostrng, retention
+from shardckpt.training.counting import BatchCount
 
 FORMAT = "shardckpt.training/1"
 
@@ -79,3 +87,41 @@ def layout_of(model: Any) -> dict[str, Any]:
         "device_count": jax.device_count(),
         "variables": specs,
     }
+
+
+def step_metadata(count: BatchCount, step: int, *, epoch_complete: bool, save_freq: str | int, monitor: str,
+                  weights_only: bool, layout: dict[str, Any], snapshot: str | None) -> dict[str, Any]:
+    """The metadata item without logs, user metadata and best value (see `complete`)."""
+    return {
+        "format": FORMAT,
+        "step": int(step),
+        "epoch": int(count.epoch),
+        "epoch_complete": epoch_complete,
+        "batch": int(count.steps_per_epoch if epoch_complete and count.steps_per_epoch else count.in_epoch),
+        "steps_per_epoch": count.steps_per_epoch,
+        "total_batches": int(count.total),
+        "save_freq": save_freq,
+        "monitor": monitor,
+        "save_weights_only": weights_only,
+        "versions": versions(),
+        "layout": layout,
+        "snapshot": snapshot,
+        # fit's shuffling of arrays and PyDatasets draws from these (see hostrng).
+        "host_rng": hostrng.capture(),
+    }
+
+
+def complete(payload: dict[str, Any], meta: dict[str, Any], logs: dict[str, Any], user: Any, best: Any) -> dict:
+    """Adds logs, user metadata and best value to the metadata item of `payload`.
+
+    Returns:
+        The numeric logs, which Orbax stores as the step's metrics (BestN ranks
+        steps by them), and whether the step holds a whole epoch
+        (`retention.EPOCH_COMPLETE_METRIC`).
+    """
+    logs_json = json_logs(logs)
+    meta = dict(meta, logs=logs_json, user=jsonable(user), best=None if best is None else json_number(best))
+    payload[METADATA_ITEM] = meta
+    metrics = {k: v for k, v in logs_json.items() if isinstance(v, float)}
+    metrics[retention.EPOCH_COMPLETE_METRIC] = 1.0 if meta["epoch_complete"] else 0.0
+    return metrics

@@ -1,0 +1,139 @@
+"""Which committed step a resuming `fit` continues from, and the line that says so.
+
+A step saved in the middle of an epoch can only be continued exactly when the
+data continues where it stopped too: the callback must have seen `fit` draw
+its batches from `OrbaxCheckpoint.batches()`, whose iterator position is in
+the step. Any other input (arrays, a `PyDataset`, a generator, a dataset) is
+restarted by the resumed `fit` at the first batch of an epoch, as Keras'
+`BackupAndRestore` restarts it. Then the run resumes from the newest step that
+holds whole epochs (kept beside partial ones: `retention`), or from the start
+when there is none, and the steps after it are deleted: the resumed run writes
+them again, bit-identical.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from typing import Any
+
+import jax
+
+from shardckpt.formats import storage
+from shardckpt.formats.orbax.ondisk import ITERATOR_ITEM, METADATA_ITEM, committed_steps, read_json_item
+from shardckpt.training import resume
+from shardckpt.training.iterators import IteratorTracker
+from shardckpt.training.resume import ResumeInfo
+
+WHY_NOT_MID_EPOCH = (
+    "it holds part of an epoch and fit does not draw its batches from OrbaxCheckpoint.batches(), "
+    "so the data cannot continue where it stopped"
+)
+
+
+@dataclasses.dataclass(kw_only=True)
+class ResumePoint:
+    """Where a resuming `fit` starts.
+
+    Attributes:
+        step_dir: The step folder to restore; None: train from the start.
+        latest: The newest committed step.
+        newer: Committed steps after `step_dir`, which the run writes again.
+        why: Why the latest step is not the one restored ("" when it is).
+    """
+
+    step_dir: str | None
+    latest: int
+    newer: list[int]
+    why: str = ""
+
+
+def choose(directory: str, *, mid_epoch: bool) -> ResumePoint | None:
+    """Picks the step to resume from; None when `directory` holds no committed step.
+
+    Args:
+        directory: The checkpoint root (local or a bucket URL).
+        mid_epoch: The data continues where the latest step stopped (`fit`
+            draws from `batches()`): a partial epoch may be continued.
+    """
+    location = storage.parse(directory)
+    if not storage.isdir(location):
+        return None
+    steps = committed_steps(location.url)
+    if not steps:
+        return None
+
+    def whole(step: int) -> bool:
+        # Steps without shardckpt metadata (Keras-written) hold no position: whole.
+        meta = read_json_item(location.join(str(step)).url, METADATA_ITEM) or {}
+        return bool(meta.get("epoch_complete", True))
+
+    latest = steps[-1]
+    if mid_epoch or whole(latest):
+        return ResumePoint(step_dir=location.join(str(latest)).url, latest=latest, newer=[])
+    for step in reversed(steps[:-1]):
+        if whole(step):
+            return ResumePoint(step_dir=location.join(str(step)).url, latest=latest,
+                               newer=[s for s in steps if s > step], why=WHY_NOT_MID_EPOCH)
+    return ResumePoint(step_dir=None, latest=latest, newer=list(steps), why=WHY_NOT_MID_EPOCH)
+
+
+def restore(model: Any, point: ResumePoint, *, tracker: IteratorTracker | None, data_iterator: Any,
+            iterator_restored_from: str | None) -> ResumeInfo | None:
+    """Restores `point`'s step into `model` (None when the run starts from the beginning).
+
+    The data iterator gets the step's position here unless `batches()` has
+    started already: it set the position before fit's first pull
+    (`set_iterator`), from the step that must be this one.
+
+    Raises:
+        RuntimeError: `batches()` took its position from another step (the
+            directory changed in between).
+    """
+    if point.step_dir is None:
+        return None
+    started = tracker is not None and tracker.used
+    info = resume.restore_step(model, point.step_dir, data_iterator=None if started else data_iterator)
+    if started and iterator_restored_from != point.step_dir:
+        raise RuntimeError(
+            f"batches() restored the data iterator from {iterator_restored_from!r} but the model resumes "
+            f"from {point.step_dir!r}. Fix: do not write to the checkpoint directory from another process "
+            "while this run starts.")
+    return info
+
+
+def set_iterator(data_iterator: Any, step_dir: str | None) -> str | None:
+    """Gives `data_iterator` this process's position saved in `step_dir`; returns `step_dir`."""
+    if step_dir is not None:
+        item = read_json_item(step_dir, ITERATOR_ITEM)
+        state = resume.iterator_state_for_process(item, jax.process_index())
+        if state is not None:
+            data_iterator.set_state(state)
+    return step_dir
+
+
+def describe(point: ResumePoint, info: ResumeInfo | None, *, epochs: int | None, directory: str) -> tuple[int, str]:
+    """The one line a resume logs, and its level: the step and epoch, or that the run is complete.
+
+    WARNING when the latest step is not the one continued (work is redone) or
+    when there is nothing left to train; INFO otherwise.
+    """
+    if info is None:
+        return logging.WARNING, (
+            f"not resuming from step {point.latest} in {directory}: {point.why}, and no step holds a whole "
+            f"epoch; training starts from the beginning (exact). Steps {point.newer} will be written again. "
+            "Fix: feed fit from OrbaxCheckpoint.batches() to resume mid-epoch.")
+    where = (f"epoch {info.epoch} complete" if info.epoch_complete
+             else f"epoch {info.epoch}, batch {info.batch} of {info.metadata.get('steps_per_epoch')}")
+    if info.epoch is None:
+        where = "a step without shardckpt metadata (written by Keras?): weights restored, epoch not known"
+    line = f"resumed from step {info.step} in {directory} ({where})"
+    if point.why:
+        line = (f"step {point.latest} not resumed: {point.why}; {line}, the newest step of whole epochs "
+                f"(exact; steps {point.newer} will be written again). Fix: feed fit from "
+                "OrbaxCheckpoint.batches() to resume mid-epoch")
+    if epochs is not None and info.epoch is not None and info.next_epoch >= epochs:
+        done = f"The run is already complete: all {epochs} epochs are trained; fit trains nothing."
+        return logging.WARNING, f"{line}. {done}"
+    level = logging.WARNING if point.why else logging.INFO
+    return level, f"{line}; fit continues at epoch {info.next_epoch}." if info.epoch is not None else f"{line}."

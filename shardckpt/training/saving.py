@@ -1,0 +1,232 @@
+"""Writing steps: one Orbax step writer behind local folders and buckets, in the
+background, one save in flight.
+
+`StepWriter` owns the Orbax `Checkpointer` (or, for `gs://` / `s3://`,
+`bucket_save.BucketCheckpointer`, which takes the same calls), the worker
+thread and the save in flight. A save hands the snapshot to the worker and
+returns; the next save, `wait` or `close` first waits for it and raises its
+error as `BackgroundSaveError`. Multi-process runs keep Orbax's own async save
+on the training thread instead of the worker: Orbax's barriers may run device
+collectives, which must be issued in the same order on every process.
+
+A wait for the save in flight is recorded (`waits_s`) and warned about once
+per `fit`, only when it is a real share of the training time it held up
+(`WAIT_SHARE` of the time since the previous save started): a few
+milliseconds behind a long interval are no news.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import time
+from typing import Any
+
+import jax
+import orbax.checkpoint
+import orbax.checkpoint.experimental.v1 as ocp
+
+from shardckpt.errors import BackgroundSaveError
+from shardckpt.formats import storage
+from shardckpt.formats.orbax.writer import CHUNK_BYTES
+from shardckpt.training import bucket_save, resume
+from shardckpt.training import metadata as metadata_lib
+
+_log = logging.getLogger("shardckpt")
+
+WAIT_SHARE = 0.1
+"""A wait for the previous save is warned about above this share of the time
+since that save started (the training it delayed)."""
+
+
+class StepWriter:
+    """Writes checkpoint steps for `OrbaxCheckpoint` (one `fit` at a time).
+
+    Args:
+        location: The checkpoint root.
+        policy: The Orbax preservation policy (`retention.preservation_policy`).
+        compression: zstd-compress array chunks.
+        background: Write on a worker thread (single process) or through
+            Orbax's async save (several processes); False: write before
+            returning.
+        context: The Orbax context of the saves (`json_context`).
+        waits_s: The list each wait for a save in flight is appended to.
+    """
+
+    def __init__(self, location: storage.Location, *, policy: Any, compression: bool, background: bool,
+                 context: Any, waits_s: list[float]) -> None:
+        self.location = location
+        self.background = background
+        self.context = context
+        self.waits_s = waits_s
+        if location.is_remote:
+            self.checkpointer: Any = bucket_save.BucketCheckpointer(location, policy=policy, compression=compression)
+        else:
+            self.checkpointer = ocp.training.Checkpointer(
+                location.url,
+                preservation_policy=policy,
+                # Every call is a decision the callback already made.
+                save_decision_policy=ocp.training.save_decision_policies.FixedIntervalPolicy(1),
+                # Half-written steps of a killed run: never restored, removed here.
+                cleanup_tmp_directories=True,
+            )
+        self._executor: concurrent.futures.ThreadPoolExecutor | None = None
+        if background and jax.process_count() == 1:
+            self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="shardckpt-save")
+        self._pending: Any = None  # a Future (worker) or an Orbax AsyncResponse
+        self._pending_step: int | None = None
+        self._pending_since = 0.0
+        self._warned_wait = False
+
+    def save(self, step: int, payload: dict[str, Any], meta: dict[str, Any], logs: dict[str, Any],
+             user: Any, best: Any) -> None:
+        """Starts writing `step` (the previous save must be finished: `finish_pending`)."""
+        args = (step, payload, meta, logs, user, best)
+        if not self.background:
+            self._write(*args)
+            return
+        if self._executor is not None:
+            self._pending = self._executor.submit(self._write, *args)
+        else:
+            metrics = metadata_lib.complete(payload, meta, logs, user, best)
+            with self.context:
+                self._pending = self.checkpointer.save_checkpointables_async(step, payload, metrics=metrics, force=True)
+        self._pending_step = step
+        self._pending_since = time.perf_counter()
+
+    def _write(self, step: int, payload: dict[str, Any], meta: dict[str, Any], logs: dict[str, Any],
+               user: Any, best: Any) -> None:
+        # On the worker thread (background) or the training thread (sync). The
+        # training thread never touches the Checkpointer while a save is
+        # pending, so Orbax sees one caller at a time.
+        metrics = metadata_lib.complete(payload, meta, logs, user, best)
+        with self.context:
+            self.checkpointer.save_checkpointables(step, payload, metrics=metrics, force=True)
+
+    def finish_pending(self, waiting_for: int | None = None) -> None:
+        """Waits for the save in flight and raises its error, if any.
+
+        Args:
+            waiting_for: The step about to be saved, when a save waits (the
+                wait is then recorded, and warned about if it is long).
+
+        Raises:
+            BackgroundSaveError: the save in flight failed.
+        """
+        if self._pending is None:
+            return
+        pending, step = self._pending, self._pending_step
+        self._pending = self._pending_step = None
+        start = time.perf_counter()
+        still_running = not pending.done() if hasattr(pending, "done") else True
+        try:
+            pending.result()
+        except Exception as e:
+            raise background_error(e, step, self.location.url) from e
+        waited = time.perf_counter() - start
+        if waiting_for is None or not still_running:
+            return
+        self.waits_s.append(waited)
+        share = waited / max(start + waited - self._pending_since, 1e-9)
+        message = (f"checkpoint step {waiting_for} waited {waited:.3f} s for the background save of step "
+                   f"{step} ({share:.0%} of the training time since that save started; one save in flight "
+                   "at a time).")
+        if share < WAIT_SHARE or self._warned_wait:
+            _log.debug("OrbaxCheckpoint: %s", message)
+            return
+        self._warned_wait = True
+        _log.warning("OrbaxCheckpoint: %s Fix: save less often (save_freq), or check the write speed "
+                     "of the directory. Said once per fit; all waits are in save_waits_s.", message)
+
+    def wait(self) -> None:
+        """Blocks until every started save is committed."""
+        self.finish_pending()
+        self.checkpointer.wait()
+
+    def end(self) -> None:
+        """Finishes the save in flight and closes the checkpointer (end of `fit`).
+
+        Raises:
+            BackgroundSaveError: the save in flight failed.
+        """
+        try:
+            self.finish_pending()
+        except BackgroundSaveError as failure:
+            self.close(failure)
+            raise
+        self.close(None)
+
+    def delete(self, step: int) -> None:
+        self.checkpointer.delete(step)
+
+    def close(self, failure: BackgroundSaveError | None) -> None:
+        """Closes the checkpointer (after `finish_pending`); `failure` is being raised already."""
+        if self._executor is not None:
+            self._executor.shutdown(wait=True)
+            self._executor = None
+        try:
+            self.checkpointer.close()
+        except Exception as e:
+            # Orbax keeps a failed save's error and raises it again on close;
+            # that one is already being reported, anything else is new.
+            cause = getattr(failure, "original", None)
+            if cause is None or not (e is cause or (type(e) is type(cause) and str(e) == str(cause))):
+                raise
+
+
+def payload(tree: dict[str, Any], *, model_config: Any, assets: Any, iterator_states: list[Any] | None) -> dict:
+    """The items of one step: arrays, Keras' model config and assets (full saves), iterator states."""
+    items: dict[str, Any] = {resume.ARRAYS_ITEM: tree}
+    if model_config is not None:
+        items["model_config"] = {"config": model_config}
+    if assets is not None:
+        items["assets"] = assets
+    if iterator_states is not None:
+        items[resume.ITERATOR_ITEM] = {"process_states": iterator_states}
+    return items
+
+
+def json_context(*, compression: bool) -> Any:
+    """The Orbax context of every save: JSON items, array compression and chunking.
+
+    Our metadata items go to Orbax's JsonHandler; without the registry a dict
+    would go to the PyTree handler (registered last), which cannot hold None or
+    lists of mixed types.
+
+    Arrays are stored in chunks of at most 64 MiB, or 4 MiB with zstd
+    (Orbax's `chunk_byte_size` splits each device's shard), as `convert`
+    writes them. Orbax's default is one chunk per shard: a whole array when
+    it was on one device, which a restore decodes on one thread. Measured with
+    `tools/bench_chunks.py` (see `shardckpt.formats.orbax.writer.CHUNK_BYTES`).
+    """
+    registry = ocp.handlers.local_registry()
+    registry.add(ocp.handlers.JsonHandler, checkpointable_name=resume.METADATA_ITEM)
+    registry.add(ocp.handlers.JsonHandler, checkpointable_name=resume.ITERATOR_ITEM)
+    context = ocp.Context()
+    context.checkpointables.registry = registry
+    context.array.saving.use_compression = compression
+    context.array.saving.storage_options.chunk_byte_size = CHUNK_BYTES["zstd" if compression else "none"]
+    return context
+
+
+def background_error(error: Exception, step: int | None, directory: str) -> BackgroundSaveError:
+    """Wraps a save thread's exception; keeps it as `.original` and `.step`.
+
+    `__cause__` is set too, but Keras' traceback filtering re-raises errors
+    from `fit` with `from None`, so the attributes are what survives.
+    """
+    return BackgroundSaveError(
+        f"Saving checkpoint step {step} to {directory!r} failed in the background: "
+        f"{type(error).__name__}: {error}. The step was not committed; earlier steps "
+        "are intact. Fix: check disk space and permissions of the directory, then "
+        "rerun (training resumes from the last committed step).",
+        original=error,
+        step=step,
+    )
+
+
+def sync(key: str) -> None:
+    """A barrier of every process (nothing with one process)."""
+    if jax.process_count() > 1:
+        # The v0 public barrier (the v1 one wants an Orbax operation id).
+        orbax.checkpoint.multihost.sync_global_processes(key)
