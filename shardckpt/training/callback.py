@@ -42,7 +42,7 @@ import numpy as np
 import orbax.checkpoint
 import orbax.checkpoint.experimental.v1 as ocp
 
-from shardckpt import _keras
+from shardckpt import _keras, _orbax
 from shardckpt._keras import MonitorCallback
 from shardckpt.errors import BackgroundSaveError
 from shardckpt.formats import storage
@@ -589,6 +589,7 @@ class OrbaxCheckpoint(MonitorCallback):
         )
         if self._location.is_remote:
             return bucket_save.BucketCheckpointer(self._location, policy=policy, compression=self.compression)
+        _orbax.checksum_saves_under(self.directory)  # per-chunk crc32c, as shardckpt's own writer stores
         return ocp.training.Checkpointer(
             self.directory,
             preservation_policy=policy,
