@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import mmap
+from types import EllipsisType
 from typing import Protocol, runtime_checkable
 
 import ml_dtypes
@@ -192,6 +193,16 @@ def strided(flat: np.ndarray, first: int, shape: tuple[int, ...], strides: tuple
     return np.ndarray(
         shape, flat.dtype, buffer=flat, offset=first * itemsize, strides=tuple(st * itemsize for st in strides)
     )
+
+
+def region(array: np.ndarray, box: Box) -> np.ndarray:
+    """`array[box]`, always an array (a view where `array[box]` is one).
+
+    numpy indexes a 0-d array with the empty box `()` into a scalar, which
+    is a copy and cannot be written into; the trailing `...` keeps a 0-d view.
+    """
+    index: tuple[slice | EllipsisType, ...] = (*box, Ellipsis)
+    return array[index]
 
 
 def full_box(shape: tuple[int, ...]) -> Box:

@@ -25,7 +25,7 @@ import numpy as np
 
 from shardckpt.errors import CheckpointNotFoundError, CorruptCheckpointError, ShardckptError
 from shardckpt.formats import storage
-from shardckpt.formats.base import ArraySpec, Box, MappedReader
+from shardckpt.formats.base import ArraySpec, Box, MappedReader, region
 from shardckpt.formats.remote import RemoteObject
 
 _KERAS_WEIGHTS_MEMBER = "model.weights.h5"
@@ -178,7 +178,7 @@ class H5Reader(MappedReader):
             return self._remote.read_box(entry.offset, spec, box)
         if entry.offset is not None and self._map is not None:
             whole = np.ndarray(spec.shape, spec.dtype, buffer=self._map, offset=entry.offset)
-            return whole[box]
+            return region(whole, box)
         return self.read(key, box)
 
     def read(self, key: str, box: Box) -> np.ndarray:

@@ -20,7 +20,7 @@ import numpy as np
 
 from shardckpt.errors import CheckpointNotFoundError, CorruptCheckpointError
 from shardckpt.formats import storage
-from shardckpt.formats.base import DTYPES, ArraySpec, Box, MappedReader, strided
+from shardckpt.formats.base import DTYPES, ArraySpec, Box, MappedReader, region, strided
 from shardckpt.formats.remote import RemoteObject
 
 _MAX_HEADER = 100 * 1024 * 1024  # the reference implementation's own limit
@@ -169,8 +169,8 @@ class SafetensorsReader(MappedReader):
         if file.remote is not None:
             return file.remote.read_box(offset, spec, box)
         if file.map is None or spec.nbytes == 0:
-            return np.zeros(spec.shape, spec.dtype)[box]
-        return np.ndarray(spec.shape, spec.dtype, buffer=file.map, offset=offset)[box]
+            return region(np.zeros(spec.shape, spec.dtype), box)
+        return region(np.ndarray(spec.shape, spec.dtype, buffer=file.map, offset=offset), box)
 
     def read(self, key: str, box: Box) -> np.ndarray:
         if self._where[key].remote is not None:

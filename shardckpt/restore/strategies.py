@@ -36,6 +36,7 @@ from shardckpt.formats.base import (
     Reader,
     aligned_empty,
     copy_into,
+    region,
 )
 from shardckpt.restore import hostmem, readplan
 from shardckpt.restore.lazy import is_unloaded
@@ -196,13 +197,17 @@ def by_slabs(load: Load, reader: Reader, budget: Budget, advance: Advance) -> tu
     need = 0 if mapped or not reads else max(readplan.volume(r.box) for r in reads) * itemsize
     need += load.extra_piece_bytes(load.dtype.itemsize)
     with budget.holding(need):
-        buffers: list[np.ndarray | None] = [None] * len(load.parts)
+        # A piece with a 0 dimension holds no element, so no read copies into
+        # it: its (empty) buffer is made here.
+        buffers: list[np.ndarray | None] = [
+            aligned_empty(p.shape, load.dtype) if 0 in p.shape else None for p in load.parts
+        ]
         done = 0
         for read in reads:
             data = fetch(key, read.box)
             for copy in read.copies:
                 if not mapped and _covers(copy.dst, load.parts[copy.piece].shape):
-                    part = data[copy.src]
+                    part = region(data, copy.src)
                     if _adoptable(part, load.dtype):
                         # The views of one read cover disjoint bytes, so
                         # devices never share memory.
@@ -211,7 +216,7 @@ def by_slabs(load: Load, reader: Reader, budget: Budget, advance: Advance) -> tu
                 buffer = buffers[copy.piece]
                 if buffer is None:
                     buffer = buffers[copy.piece] = aligned_empty(load.parts[copy.piece].shape, load.dtype)
-                copy_into(buffer[copy.dst], data[copy.src])
+                copy_into(region(buffer, copy.dst), region(data, copy.src))
             del data
             nbytes = readplan.volume(read.box) * itemsize
             done += nbytes
