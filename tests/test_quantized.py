@@ -109,14 +109,23 @@ def test_orbax_from_keras_file_takes_the_policy_from_its_config(saved, tmp_path)
 
 
 def test_a_different_policy_is_refused_naming_the_kernel(saved):
-    """Built with another scheme than the checkpoint's, the load is refused, never filled by default."""
+    """Built with another scheme than the checkpoint's (or none), the load is refused, never
+    filled by default; int kernels are refused for a float model even with strict=False."""
     name, _, _, paths = saved
-    other = "int8_from_float32" if name != "int8" else "int4_from_float32"
-    with shardckpt.lazy_init():
-        model = _build(other)
     refused = (shardckpt.errors.CheckpointMismatchError, shardckpt.errors.DtypeMismatchError)
-    with pytest.raises(refused, match="kernel"):
-        shardckpt.load_sharded(model, paths["h5"])
+    for other in (None, "int8_from_float32" if name != "int8" else "int4_from_float32"):
+        keras.backend.clear_session()
+        with shardckpt.lazy_init():
+            model = _build(other)  # None: the float model Keras builds by default
+        for fmt in ("h5", "orbax"):
+            # float8 keeps float kernels: only its scale keys tell it apart, as unexpected keys.
+            with pytest.raises(refused, match="kernel" if name != "float8" or other else "not in the model"):
+                shardckpt.load_sharded(model, paths[fmt])
+            # h5 keys pair the int8 kernel with the float one: never loaded as float weights
+            # (int4: the packed shapes differ; Orbax: the int8 kernel is non-trainable, another key).
+            if other is None and name == "int8" and fmt == "h5":
+                with pytest.raises(shardckpt.errors.CheckpointMismatchError, match="quantized kernel"):
+                    shardckpt.load_sharded(model, paths[fmt], strict=False)
 
 
 _SCALE_NOT_SPLIT = pytest.mark.xfail(
