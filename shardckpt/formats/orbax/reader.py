@@ -11,6 +11,11 @@ what a single-device save writes) is decoded once: the pieces are read in one
 `ts.Batch`, so their reads of it join; the reader's context also has a chunk
 cache of `cache_bytes`.
 
+Chunks written by shardckpt carry a zarr3 `crc32c` (see `writer`): tensorstore
+checks it on every decode, and a mismatch is raised as `ChecksumMismatchError`
+naming the array; any other tensorstore failure of a local step is
+`CorruptCheckpointError` naming it.
+
 In a bucket (`gs://`, `s3://`) metadata JSON is read as single objects and
 array chunks as byte ranges of the OCDBT data files, through TensorStore's
 `gcs` / `s3` drivers; nothing is downloaded whole.
