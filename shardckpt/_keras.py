@@ -31,6 +31,17 @@ Private attributes of `keras.Variable`, through the functions below:
 - `_initializer`, `_initialize_with_initializer`: a lazily built variable
   keeps its initializer there until it gets a value.
 
+Private attributes of layers:
+
+- `Layer._dtype_policy` (presets.kerashub, through `resolve_policy_map`): a
+  layer built from a config whose dtype is a `DTypePolicyMap` (a quantized
+  keras-hub backbone) keeps the map itself as its policy; its variables are
+  built quantized, but `save_own_variables` asks `dtype_policy.
+  quantization_mode`, which the map answers None, and stores None for the
+  scales. Setting the layer's own policy, as `quantize()` does, is the only
+  way to get the state the saved model was in; the public setter would
+  quantize (read) the unloaded kernel again.
+
 Private attributes of models:
 
 - `Model._initial_epoch` (training.callback): the epoch `fit` starts from,
@@ -51,6 +62,7 @@ __all__ = [
     "Distribution",
     "H5IOStore",
     "MonitorCallback",
+    "resolve_policy_map",
     "current_layout",
     "current_value",
     "get_global_attribute",
@@ -159,3 +171,23 @@ def initial_epoch(model: Any) -> Any:
 def set_initial_epoch(model: Any, epoch: Any) -> None:
     """Sets the epoch `fit` starts from; valid from `on_train_begin` on."""
     model._initial_epoch = epoch
+
+
+def resolve_policy_map(model: Any) -> list[str]:
+    """Gives each quantized layer under a `DTypePolicyMap` its own policy from the map.
+
+    Returns:
+        The paths of the layers changed.
+    """
+    import keras
+
+    changed = []
+    for layer in model._flatten_layers():
+        policy_map = layer._dtype_policy
+        if not isinstance(policy_map, keras.dtype_policies.DTypePolicyMap) or not layer.path:
+            continue
+        policy = policy_map[layer.path]
+        if policy.quantization_mode is not None:
+            layer._dtype_policy = policy
+            changed.append(layer.path)
+    return changed

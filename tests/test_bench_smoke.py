@@ -22,9 +22,9 @@ BENCHES = sorted(os.path.basename(p) for p in glob.glob(os.path.join(TOOLS, "ben
 # test_bench_save.py, which check their own rows.
 
 
-def _smoke(name: str, tmp_path) -> dict:
+def _smoke(name: str, tmp_path, *extra: str) -> dict:
     proc = subprocess.run(
-        [sys.executable, os.path.join(TOOLS, name), "--smoke"],
+        [sys.executable, os.path.join(TOOLS, name), "--smoke", *extra],
         cwd=tmp_path, capture_output=True, text=True, timeout=600,
     )
     assert proc.returncode == 0, f"{name} --smoke failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
@@ -54,6 +54,14 @@ def test_bench_restore_smoke(tmp_path):
         assert row["sharding"] == "P('model', None)", row  # the down kernel, row-sharded
         if row["format"] == "orbax":
             assert row["ts_read_s"] > 0 and row["ts_pread_s"] > 0, row
+
+
+@pytest.mark.slow
+def test_bench_restore_checksums_smoke(tmp_path):
+    result = _smoke("bench_restore.py", tmp_path, "--checksums")["checksums"]
+    assert result["compression"] == "none"
+    assert set(result["load_s"]) == {"orbax-crc32c", "orbax-no-checksum"}
+    assert all(len(t) == 1 and t[0] > 0 for t in result["load_s"].values()), result
 
 
 @pytest.mark.slow

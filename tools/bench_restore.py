@@ -29,6 +29,13 @@ anonymous memory over the process's start minus the state's bytes; freed
 memory the allocator did not give back counts, as it does for the OS). On a
 GPU it also prints peak device memory from `jax` memory stats.
 
+With --checksums, it measures instead what the per-chunk `crc32c` of
+shardckpt's Orbax writers costs a restore: the `.weights.h5` is converted twice
+with `shardckpt.convert` (`--compression`), once as shipped and once with the
+checksum codec left out (patched out in the preparing process only), and
+`load_sharded` restores each, alternating, --repeat times; it prints the
+fastest and the median of each and their ratios.
+
 With --warm, each process touches and frees 2.5x the state's bytes just
 before its timed section (`_bench.warm_memory`): on VMs that hand free
 memory back to their host, pages touched for the first time since then cost
@@ -38,6 +45,7 @@ on bare metal.
 Usage:
     python tools/bench_restore.py [--blocks 12] [--dim 2048] [--workdir DIR]
     python tools/bench_restore.py --smoke      # a tiny model: checks the script runs
+    python tools/bench_restore.py --checksums --repeat 5 [--compression zstd]
 """
 
 from __future__ import annotations
@@ -50,6 +58,9 @@ import time
 from _bench import PeakSampler, cpu_seconds, emit, rss_anon, run_child, setup_jax, warm_memory
 
 FORMATS = {"h5": "model.weights.h5", "orbax": "orbax", "safetensors": "model.safetensors"}
+# --checksums: `convert` outputs with and without the per-chunk crc32c codec.
+CHECKSUM_FORMATS = {"orbax-crc32c": "converted_crc32c", "orbax-no-checksum": "converted_plain"}
+FORMATS.update(CHECKSUM_FORMATS)
 # Orbax floor reads: child mode -> result name ("<name>_s" wall, "<name>_cpu_s" CPU seconds).
 FLOORS = {"floor-mapped": "ts_read", "floor-read": "ts_pread"}
 SMOKE = {"blocks": 1, "dim": 64, "repeat": 1}
@@ -105,7 +116,32 @@ def prepare(args) -> None:
     x = np.zeros((8, args.dim), "float32")
     model.fit(x, x, epochs=1, batch_size=8, verbose=0, callbacks=[callback])
     callback.wait_until_finished()
+    if args.checksums:
+        _convert_both(args)
     emit({"params": int(model.count_params())})
+
+
+def _convert_both(args) -> None:
+    """The h5 converted by `shardckpt.convert` with and without the per-chunk crc32c."""
+    import shardckpt
+    from shardckpt import _orbax
+
+    src = os.path.join(args.workdir, FORMATS["h5"])
+    for fmt, name in CHECKSUM_FORMATS.items():
+        dst = os.path.join(args.workdir, name)
+        if os.path.exists(dst):
+            import shutil
+
+            shutil.rmtree(dst)
+        with shardckpt.lazy_init():
+            arch = build(args.blocks, args.dim)
+        original = _orbax.add_chunk_checksums
+        if fmt == "orbax-no-checksum":
+            _orbax.add_chunk_checksums = lambda spec: spec  # the same writer, without the codec
+        try:
+            shardckpt.convert(src, dst, model=arch, compression=args.compression, progress=False)
+        finally:
+            _orbax.add_chunk_checksums = original
 
 
 def _state_bytes(args) -> int:
@@ -233,7 +269,8 @@ def run(args) -> None:
 
 def _child(args, *extra) -> dict:
     return run_child(os.path.abspath(__file__), "--workdir", args.workdir, "--blocks", str(args.blocks),
-                     "--dim", str(args.dim), *(["--warm"] if args.warm else []), *extra)
+                     "--dim", str(args.dim), "--compression", args.compression,
+                     *(["--warm"] if args.warm else []), *(["--checksums"] if args.checksums else []), *extra)
 
 
 def main() -> None:
@@ -247,6 +284,10 @@ def main() -> None:
                         help="touch and free memory before each timed section (see _bench.warm_memory)")
     parser.add_argument("--reuse", action="store_true", help="reuse the files already in --workdir")
     parser.add_argument("--smoke", action="store_true", help="a tiny model, one run per cell (checks the script)")
+    parser.add_argument("--checksums", action="store_true",
+                        help="restore of convert's output with vs without the per-chunk crc32c")
+    parser.add_argument("--compression", default="none", choices=("none", "zstd"),
+                        help="--checksums: compression of both converted checkpoints")
     parser.add_argument("--_prepare", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--_run", nargs=2, metavar=("MODE", "FORMAT"), help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -264,12 +305,18 @@ def main() -> None:
         cleanup = tempfile.TemporaryDirectory(prefix="bench_restore_")
         args.workdir = cleanup.name
     os.makedirs(args.workdir, exist_ok=True)
-    if args.reuse and all(os.path.exists(os.path.join(args.workdir, f)) for f in FORMATS.values()):
+    wanted = [FORMATS[f] for f in (CHECKSUM_FORMATS if args.checksums else args.formats.split(","))]
+    if args.reuse and all(os.path.exists(os.path.join(args.workdir, f)) for f in wanted):
         info = {"params": _state_bytes(args) // 4}
     else:
         info = _child(args, "--_prepare")
     print(f"model: {info['params'] / 1e6:.0f}M parameters, {info['params'] * 4 / 1e9:.2f} GB float32; "
           f"ModelParallel (1, all devices); workdir {args.workdir}")
+    if args.checksums:
+        _checksum_cost(args)
+        if cleanup:
+            cleanup.cleanup()
+        return
     rows = []
     for fmt in args.formats.split(","):
         for mode in ("keras", "shardckpt", "shardckpt-built"):
@@ -295,6 +342,27 @@ def main() -> None:
     emit({"rows": [{"format": fmt, "loader": mode, **r} for fmt, mode, r in rows]})
     if cleanup:
         cleanup.cleanup()
+
+
+def _checksum_cost(args) -> None:
+    """Alternating restores of the two converted checkpoints; fastest, median and ratios."""
+    import statistics
+
+    times: dict[str, list[float]] = {fmt: [] for fmt in CHECKSUM_FORMATS}
+    cpu: dict[str, list[float]] = {fmt: [] for fmt in CHECKSUM_FORMATS}
+    for _ in range(args.repeat):
+        for fmt in CHECKSUM_FORMATS:
+            r = _child(args, "--_run", "shardckpt", fmt)
+            times[fmt].append(r["load_s"])
+            cpu[fmt].append(r["load_cpu_s"])
+    plain, crc = times["orbax-no-checksum"], times["orbax-crc32c"]
+    for fmt in ("orbax-no-checksum", "orbax-crc32c"):
+        t = times[fmt]
+        print(f"{fmt} ({args.compression}): load s fastest {min(t):.3f}, median {statistics.median(t):.3f} "
+              f"[{', '.join(f'{x:.3f}' for x in t)}]; CPU s median {statistics.median(cpu[fmt]):.3f}")
+    print(f"crc32c / none: fastest {min(crc) / min(plain):.3f}x, median "
+          f"{statistics.median(crc) / statistics.median(plain):.3f}x")
+    emit({"checksums": {"compression": args.compression, "load_s": times, "load_cpu_s": cpu}})
 
 
 def _print_table(rows) -> None:

@@ -193,6 +193,8 @@ def _check_array(
             report.bytes_read += piece.nbytes
             if advance is not None:
                 advance(piece.nbytes)
+    except ChecksumMismatchError as e:  # a chunk's crc32c (shardckpt's writers store one per chunk)
+        return f"chunk checksum crc32c does not match ({e})"
     except CorruptCheckpointError as e:
         return f"cannot be read back ({e})"
     if expected is not None:

@@ -23,13 +23,19 @@ import h5py
 import ml_dtypes
 import numpy as np
 
-from shardckpt.errors import CheckpointNotFoundError, CorruptCheckpointError
+from shardckpt.errors import CheckpointNotFoundError, CorruptCheckpointError, ShardckptError
 from shardckpt.formats import storage
 from shardckpt.formats.base import ArraySpec, Box, MappedReader, region
 from shardckpt.formats.remote import RemoteObject
 
 _KERAS_WEIGHTS_MEMBER = "model.weights.h5"
 _ZIP_LOCAL_HEADER = struct.Struct("<IHHHHHIIIHH")  # zip local file header, 30 bytes
+
+_H5_ERRORS: tuple[type[Exception], ...] = (OSError, RuntimeError, ValueError, TypeError, KeyError)
+"""What h5py raises on a damaged file: OSError mostly, but a damaged object
+header surfaces as a bare RuntimeError ("Object visitation failed (addr
+overflow ...)"), and bad attributes or types as ValueError / TypeError /
+KeyError. Each becomes a `CorruptCheckpointError` naming the file."""
 
 
 class _Dataset:
@@ -86,6 +92,9 @@ class H5Reader(MappedReader):
                 self._h5 = h5py.File(self._member, "r")
             else:
                 self._h5 = h5py.File(source, "r")
+        except ShardckptError:  # a bucket's refusal while reading the header
+            self._close_files()
+            raise
         except KeyError as e:
             self._close_files()
             raise CorruptCheckpointError(
@@ -93,7 +102,7 @@ class H5Reader(MappedReader):
                 "it is not a Keras 3 `.keras` file. Fix: pass a file written by "
                 "`model.save(...)` or `model.save_weights(...)`."
             ) from e
-        except (OSError, zipfile.BadZipFile, struct.error) as e:
+        except _H5_ERRORS + (zipfile.BadZipFile, struct.error) as e:
             self._close_files()
             raise CorruptCheckpointError(
                 f"Cannot open {self.path!r} as HDF5 / .keras: {e}. The file is "
@@ -103,7 +112,17 @@ class H5Reader(MappedReader):
             self._file = open(self.path, "rb")
             self._map = mmap.mmap(self._file.fileno(), 0, access=mmap.ACCESS_READ) if size else None
         self._datasets: dict[str, _Dataset] = {}
-        self._h5.visititems(lambda name, obj: self._add(name, obj, base, size))
+        try:
+            self._h5.visititems(lambda name, obj: self._add(name, obj, base, size))
+        except ShardckptError:  # typed already (a truncated array, a bucket's refusal)
+            self.close()
+            raise
+        except _H5_ERRORS as e:
+            self.close()
+            raise CorruptCheckpointError(
+                f"The HDF5 structure of {self.path!r} cannot be read: {type(e).__name__}: {e}. "
+                "Its header or an object header is damaged. Fix: re-create it from its source."
+            ) from e
         if self._remote is not None:
             # Metadata is read: the many shards of a sharded preset keep no
             # cached blocks while their arrays are read by ranges.
@@ -171,7 +190,7 @@ class H5Reader(MappedReader):
             return np.array(self.view(key, box), copy=True, order="C")
         try:
             data = entry.dataset[box] if spec.shape else entry.dataset[()]
-        except OSError as e:
+        except _H5_ERRORS as e:
             raise CorruptCheckpointError(
                 f"Reading array {key!r} of {self.path!r} failed: {e}. The file is "
                 "damaged. Fix: re-create it from its source."

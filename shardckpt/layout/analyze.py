@@ -111,6 +111,10 @@ class _Planner:
             if vdim is None:
                 self.decide(p, None, reason)
                 continue
+            if vdim >= len(value.shape):
+                # A 0-d operand (a float8 scale) broadcast over a split tensor.
+                self.decide(p, None, "broadcast along the split dimension: replicated")
+                continue
             pdim = dims[vdim]
             shape = self.graph.params[p].shape
             if pdim is None:

@@ -20,6 +20,7 @@ import tempfile
 from collections.abc import Iterator
 from typing import Any
 
+from shardckpt import _keras
 from shardckpt.errors import CheckpointNotFoundError, CorruptCheckpointError, MissingDependencyError
 from shardckpt.formats import storage
 from shardckpt.formats.preset import (
@@ -120,8 +121,44 @@ def build(folder: str, *, dtype: Any = None, cls: Any = None) -> Any:
         # counter cannot be created unloaded; `from_preset` compiles the task
         # with keras-hub's defaults once its weights are loaded.
         kwargs["compile"] = False
+    elif dtype is None:
+        config = read_json(folder, CONFIG_FILE)
+        if _quantized(config):
+            return _build_quantized(config, target, folder)
     with lazy_init():
         return target.from_preset(folder, load_weights=False, **kwargs)
+
+
+def _quantized(config: dict[str, Any]) -> bool:
+    """Whether a backbone config saves a `DTypePolicyMap` (what `quantize()` + `save_to_preset` write)."""
+    saved = (config.get("config") or {}).get("dtype")
+    return isinstance(saved, dict) and "DTypePolicyMap" in str(saved.get("class_name", ""))
+
+
+def _build_quantized(config: dict[str, Any], target: Any, folder: str) -> Any:
+    """Builds a quantized backbone with the per-layer policies its config saved.
+
+    keras-hub 0.32's `from_preset` forwards a saved `DTypePolicyMap` as the
+    map's own default and as every entry's `source_name`, so the layers are
+    built unquantized and its own load fails ("Layer 'token_embedding'
+    expected 2 variables, but received 0"; keras#21378). Keras' safe
+    deserialisation of the same config builds each layer with its saved
+    policy (int8 / int4 / float8 variables and scales), as `quantize()` left it
+    once each layer gets its own policy from the map (`_keras.resolve_policy_map`).
+    """
+    import keras
+
+    with lazy_init():
+        model = keras.saving.deserialize_keras_object(config, safe_mode=True)
+    # Each layer still holds the whole map as its policy, whose
+    # `quantization_mode` is None: Keras would save (and look for) no scales.
+    _keras.resolve_policy_map(model)
+    if not isinstance(model, target):
+        raise TypeError(
+            f"The preset {folder!r} holds a {type(model).__name__}, not a {target.__name__}. "
+            f"Fix: pass cls=None or a matching class. Received: cls={target!r}"
+        )
+    return model
 
 
 def is_task_class(cls: Any) -> bool:

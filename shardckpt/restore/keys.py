@@ -389,4 +389,30 @@ def match(wanted: dict[str, Any], reader: Reader) -> KeyMatch:
             result.skipped.append(key)
         else:
             result.unexpected.append(key)
+    if result.unexpected or result.skipped:  # (Orbax: scales are non-trainable variables)
+        _refuse_quantized_into_float(result, reader)
     return result
+
+
+def _refuse_quantized_into_float(result: KeyMatch, reader: Reader) -> None:
+    """Quantized kernels (int8, packed int4) paired with float variables, beside keys the
+    model lacks (their scales): a float model built for a quantized checkpoint.
+
+    Casting ints into floats is otherwise allowed (as Keras does); here it would
+    load the quantized integers as weights even with `strict=False`, so each
+    such variable becomes a mismatch, which is raised whatever `strict` says.
+    """
+    kept = []
+    for key, variable in result.pairs:
+        stored = np.dtype(reader.spec(key).dtype)
+        if stored.kind in "iu" and np.dtype(variable.dtype).kind == "f":
+            result.mismatched.append(
+                f"{variable.path}: checkpoint {key!r} holds {stored} (a quantized kernel: the "
+                f"checkpoint also has scales the model lacks) for a {variable.dtype} variable. "
+                "Fix: build the model with the checkpoint's quantization policy "
+                "(dtype='int8_from_float32', 'int4_from_float32', 'int4/128_from_float32', ...), "
+                "or from the checkpoint's config (.keras file, preset)"
+            )
+        else:
+            kept.append((key, variable))
+    result.pairs = kept

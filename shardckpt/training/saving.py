@@ -26,6 +26,7 @@ import jax
 import orbax.checkpoint
 import orbax.checkpoint.experimental.v1 as ocp
 
+from shardckpt import _orbax
 from shardckpt.errors import BackgroundSaveError
 from shardckpt.formats import storage
 from shardckpt.formats.orbax.writer import CHUNK_BYTES
@@ -62,6 +63,7 @@ class StepWriter:
         if location.is_remote:
             self.checkpointer: Any = bucket_save.BucketCheckpointer(location, policy=policy, compression=compression)
         else:
+            _orbax.checksum_saves_under(location.url)  # per-chunk crc32c, as shardckpt's own writer stores
             self.checkpointer = ocp.training.Checkpointer(
                 location.url,
                 preservation_policy=policy,

@@ -11,6 +11,11 @@ what a single-device save writes) is decoded once: the pieces are read in one
 `ts.Batch`, so their reads of it join; the reader's context also has a chunk
 cache of `cache_bytes`.
 
+Chunks written by shardckpt carry a zarr3 `crc32c` (see `writer`): tensorstore
+checks it on every decode, and a mismatch is raised as `ChecksumMismatchError`
+naming the array; any other tensorstore failure of a local step is
+`CorruptCheckpointError` naming it.
+
 In a bucket (`gs://`, `s3://`) metadata JSON is read as single objects and
 array chunks as byte ranges of the OCDBT data files, through TensorStore's
 `gcs` / `s3` drivers; nothing is downloaded whole.
@@ -31,7 +36,7 @@ import tensorstore as ts
 from orbax.checkpoint import type_handlers
 
 from shardckpt.budget import CHUNK_CACHE_BYTES
-from shardckpt.errors import CorruptCheckpointError
+from shardckpt.errors import ChecksumMismatchError, CorruptCheckpointError
 from shardckpt.formats import storage
 from shardckpt.formats.base import ArraySpec, Box, ChunkedReader
 from shardckpt.formats.orbax import ondisk
@@ -39,6 +44,9 @@ from shardckpt.natsort import natural_sorted
 
 # The root of an OCDBT store: the file that names its b-tree.
 _MANIFEST = "manifest.ocdbt"
+
+_DIGEST_MISMATCH = "Digest mismatch"
+"""tensorstore's DATA_LOSS message when a `crc32c` codec's checksum fails."""
 
 
 class OrbaxReader(ChunkedReader):
@@ -99,16 +107,23 @@ class OrbaxReader(ChunkedReader):
 
     def _recorded_arrays(self) -> dict[str, str]:
         """`{key: Orbax parameter name}` of every array the tree's `_METADATA` lists."""
-        recorded = ondisk.read_json(ondisk.join(self.tree_dir, ondisk.TREE_METADATA))
+        path = ondisk.join(self.tree_dir, ondisk.TREE_METADATA)
+        recorded = ondisk.read_json(path)
         arrays = {}
-        for entry in (recorded.get("tree_metadata") or {}).values() if isinstance(recorded, dict) else ():
-            value = entry.get("value_metadata", {})
-            if (
-                not value.get("skip_deserialize", False) and "Array" in value.get("value_type", "")
-                or value.get("value_type") == "np.ndarray"
-            ):
-                parts = [str(k["key"]) for k in entry["key_metadata"]]
-                arrays["/".join(parts)] = ondisk.param_name(parts)
+        try:
+            for entry in (recorded.get("tree_metadata") or {}).values() if isinstance(recorded, dict) else ():
+                value = entry.get("value_metadata", {})
+                if (
+                    not value.get("skip_deserialize", False) and "Array" in value.get("value_type", "")
+                    or value.get("value_type") == "np.ndarray"
+                ):
+                    parts = [str(k["key"]) for k in entry["key_metadata"]]
+                    arrays["/".join(parts)] = ondisk.param_name(parts)
+        except (KeyError, TypeError, AttributeError) as e:
+            raise CorruptCheckpointError(
+                f"{path!r} is not the tree metadata Orbax writes ({type(e).__name__}: {e}). "
+                "Fix: restore from another step."
+            ) from e
         return arrays
 
     def _open_remote(self) -> None:
@@ -258,6 +273,14 @@ class OrbaxReader(ChunkedReader):
         typed = storage.translate(error, self.location)
         if typed is not error:  # a bucket refused or lost the request: not damage
             return typed
+        if _DIGEST_MISMATCH in str(error):
+            # The chunk's stored crc32c (shardckpt's writers store one per
+            # chunk; Orbax one per shard index) disagrees with its bytes.
+            return ChecksumMismatchError(
+                f"Array {key!r} of {self.tree_dir!r}: a stored chunk does not match its "
+                f"crc32c checksum ({error}). Fix: restore from another step, or "
+                "re-create the checkpoint from its source."
+            )
         return CorruptCheckpointError(
             f"Reading array {key!r} of {self.tree_dir!r} failed: {error}. The chunk "
             "data is damaged. Fix: restore from another step."

@@ -7,7 +7,11 @@ Orbax's own building blocks:
 - every array is a zarr3 array inside the step's OCDBT key-value store, opened
   with the TensorStore spec Orbax builds for its own writes
   (`orbax.checkpoint.type_handlers.get_json_tspec_write`: same codecs, same
-  `sharding_indexed` outer/inner chunks, same OCDBT configuration);
+  `sharding_indexed` outer/inner chunks, same OCDBT configuration), plus a
+  `crc32c` codec on every stored chunk (`_orbax.add_chunk_checksums`):
+  tensorstore verifies it on each decode, so a restore that reads a damaged
+  chunk fails (`ChecksumMismatchError`) without a separate verify pass.
+  Orbax and Keras read such arrays as they read their own;
 - pieces are written inside TensorStore transactions, so what TensorStore
   buffers is bounded by the caller's batches, and each commit appends one
   OCDBT version;
@@ -35,6 +39,7 @@ import tensorstore as ts
 from orbax.checkpoint import type_handlers
 from orbax.checkpoint._src.metadata import sharding as sharding_metadata  # no public name; Orbax's own format
 
+from shardckpt import _orbax
 from shardckpt.formats import storage
 from shardckpt.formats.base import Box
 from shardckpt.formats.orbax import ondisk
@@ -147,7 +152,7 @@ class OrbaxStepWriter:
             dtype=np.dtype(dtype),
             arg=type_handlers.SaveArgs(chunk_byte_size=self.chunk_byte_size),
         )
-        spec = ondisk.tspec_for(spec, self.tree_dir)
+        spec = ondisk.tspec_for(_orbax.add_chunk_checksums(spec), self.tree_dir)
         return ts.open(spec, create=True, open=True, context=self._context)
 
     def record_sharding(self, key: str, sharding: Any, write_shape: tuple[int, ...]) -> None:

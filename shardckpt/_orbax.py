@@ -1,0 +1,80 @@
+"""Every use of Orbax internals, in one place: the upgrade surface behind the Orbax pin.
+
+shardckpt uses Orbax's public API wherever one exists. What is here has none;
+each entry says why it is needed and who uses it.
+
+- `tensorstore_utils.build_array_write_spec` (training.saving, through
+  `checksum_saves_under`): every array Orbax writes gets its zarr3 metadata
+  from this function, and no Orbax option adds a codec. shardckpt's local
+  `OrbaxCheckpoint` saves through Orbax's own `Checkpointer`; to give its
+  chunks the `crc32c` checksum its own writer stores (`add_chunk_checksums`),
+  the function is wrapped once, and the wrapper changes only the specs of
+  arrays under a folder registered here, so Orbax saves elsewhere (Keras'
+  own callback included) are written exactly as Orbax writes them.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from typing import Any
+
+from orbax.checkpoint._src.serialization import tensorstore_utils as _ts_utils
+
+__all__ = ["add_chunk_checksums", "checksum_saves_under"]
+
+CHECKSUM_CODEC = {"name": "crc32c"}
+"""zarr3's bytes -> bytes codec appending a CRC-32C to each stored chunk;
+tensorstore checks it on every decode ("DATA_LOSS ... Digest mismatch")."""
+
+_roots: set[str] = set()
+_lock = threading.Lock()
+_installed = False
+
+
+def add_chunk_checksums(spec: dict[str, Any]) -> dict[str, Any]:
+    """Adds a `crc32c` codec to every chunk of a zarr3 write spec Orbax built.
+
+    The checksum goes last in the inner chunks' codec chain of Orbax's
+    `sharding_indexed` codec, so it covers each chunk's stored bytes (after
+    zstd, when compressed). Orbax already checksums each shard's index
+    (`index_codecs`). Specs of other drivers (zarr v2) are returned unchanged.
+
+    Args:
+        spec: A tensorstore spec from Orbax's `get_json_tspec_write` /
+            `build_array_write_spec(...).json` (possibly wrapped in `cast`).
+
+    Returns:
+        `spec`, changed in place.
+    """
+    base = spec.get("base", spec) if spec.get("driver") == "cast" else spec
+    for codec in (base.get("metadata") or {}).get("codecs") or ():
+        if codec.get("name") == "sharding_indexed":
+            inner = codec.setdefault("configuration", {}).setdefault("codecs", [])
+            if CHECKSUM_CODEC not in inner:
+                inner.append(dict(CHECKSUM_CODEC))
+    return spec
+
+
+def checksum_saves_under(directory: str | os.PathLike) -> None:
+    """Makes every array Orbax writes under `directory` carry per-chunk checksums.
+
+    Args:
+        directory: A local checkpoint root (`OrbaxCheckpoint`'s directory).
+    """
+    global _installed
+    with _lock:
+        _roots.add(os.path.join(os.path.abspath(os.fspath(directory)), ""))
+        if _installed:
+            return
+        original = _ts_utils.build_array_write_spec
+
+        def build_array_write_spec(info: Any, *args: Any, **kwargs: Any) -> Any:
+            result = original(info, *args, **kwargs)
+            parent = os.path.join(os.path.abspath(os.fspath(info.parent_dir)), "")
+            if any(parent.startswith(root) for root in tuple(_roots)):
+                add_chunk_checksums(result.json)
+            return result
+
+        _ts_utils.build_array_write_spec = build_array_write_spec
+        _installed = True
