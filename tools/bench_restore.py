@@ -162,8 +162,8 @@ def run(args) -> None:
     import numpy as np
 
     import shardckpt
+    from shardckpt.lazy import is_unloaded
     from shardckpt.restore import hostmem
-    from shardckpt.restore.lazy import is_unloaded
 
     path = os.path.join(args.workdir, FORMATS[args.format])
     out = {"read_s": plain_read(path)}

@@ -13,7 +13,7 @@ under `lazy_init()` and runs `load_sharded` from each copy: seconds, CPU
 seconds, and peak anonymous memory of the load over the final state (RssAnon
 sampled during the load; the servers' memory is theirs, in their own
 processes). h5 and safetensors files in buckets are read by byte ranges
-(`shardckpt.formats.remote`), never downloaded whole.
+(`shardckpt.storage.ranged`), never downloaded whole.
 
 The fake servers run on this machine, so the figures show shardckpt's own
 cost of reading through TensorStore's gcs / s3 drivers (HTTP, no disk
@@ -58,7 +58,7 @@ def prepare(args) -> None:
 
     files = {"h5": h5, "safetensors": os.path.join(args.workdir, "model.safetensors")}
     save_file({v.path: np.asarray(v.value) for v in model.weights}, files["safetensors"])
-    from shardckpt.formats import storage
+    from shardckpt import storage
 
     seconds = {}
     for name, (fmt, dst) in json.loads(args.targets).items():

@@ -43,6 +43,7 @@ import keras
 from shardckpt import _keras, state
 from shardckpt.errors import CheckpointMismatchError
 from shardckpt.formats.base import Reader
+from shardckpt.formats.registry import FORMATS
 
 # Checkpoint collections that are optional: a weights-only checkpoint lacks
 # them, and a model without a built optimizer has nothing to put there.
@@ -198,12 +199,13 @@ def path_keys(model: Any) -> dict[str, Any]:
 
 
 def keys_for(model: Any, fmt: str) -> dict[str, Any]:
-    """Returns the key -> variable map for checkpoint format `fmt`."""
-    if fmt in ("h5", "keras"):
+    """Returns the key -> variable map for checkpoint format `fmt` (its naming: `Format.keys`)."""
+    naming = FORMATS[fmt].keys if fmt in FORMATS else fmt
+    if naming == "h5":
         return h5_keys(model)
-    if fmt == "preset":
+    if naming == "preset":
         return preset_keys(model)
-    if fmt == "orbax":
+    if naming == "state":
         return state_keys(model)
     return path_keys(model)  # safetensors; "hf" readers key variables by path too
 

@@ -37,8 +37,8 @@ from shardckpt.formats.base import (
     aligned_empty,
     copy_into,
 )
+from shardckpt.lazy import is_unloaded
 from shardckpt.restore import hostmem, readplan
-from shardckpt.restore.lazy import is_unloaded
 from shardckpt.restore.targets import TargetLayout
 
 Advance = Callable[[int], None]

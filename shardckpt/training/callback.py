@@ -42,10 +42,9 @@ import numpy as np
 import orbax.checkpoint
 import orbax.checkpoint.experimental.v1 as ocp
 
-from shardckpt import _keras
+from shardckpt import _keras, storage
 from shardckpt._keras import MonitorCallback
 from shardckpt.errors import BackgroundSaveError
-from shardckpt.formats import storage
 from shardckpt.formats.orbax.writer import CHUNK_BYTES
 from shardckpt.training import bucket_save, iterators, preemption, resume, retention
 from shardckpt.training import metadata as metadata_lib
