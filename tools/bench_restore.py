@@ -42,11 +42,10 @@ Usage:
 
 from __future__ import annotations
 
-import argparse
 import os
-import tempfile
 import time
 
+import _bench as bench
 from _bench import PeakSampler, cpu_seconds, emit, rss_anon, run_child, setup_jax, warm_memory
 
 FORMATS = {"h5": "model.weights.h5", "orbax": "orbax", "safetensors": "model.safetensors"}
@@ -237,33 +236,26 @@ def _child(args, *extra) -> dict:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    bench.main(__doc__, options=_options, children={"--_prepare": (0, prepare), "--_run": (2, _run_child)},
+               run=_parent, smoke=SMOKE, prefix="bench_restore_")
+
+
+def _options(parser) -> None:
     parser.add_argument("--blocks", type=int, default=12)
     parser.add_argument("--dim", type=int, default=2048)
-    parser.add_argument("--workdir", default=None)
     parser.add_argument("--repeat", type=int, default=1, help="runs per cell; the best is shown")
     parser.add_argument("--formats", default="h5,orbax,safetensors")
     parser.add_argument("--warm", action="store_true",
                         help="touch and free memory before each timed section (see _bench.warm_memory)")
     parser.add_argument("--reuse", action="store_true", help="reuse the files already in --workdir")
-    parser.add_argument("--smoke", action="store_true", help="a tiny model, one run per cell (checks the script)")
-    parser.add_argument("--_prepare", action="store_true", help=argparse.SUPPRESS)
-    parser.add_argument("--_run", nargs=2, metavar=("MODE", "FORMAT"), help=argparse.SUPPRESS)
-    args = parser.parse_args()
-    if args.smoke:
-        vars(args).update(SMOKE)
-    if args._prepare:
-        prepare(args)
-        return
-    if args._run:
-        args.mode, args.format = args._run
-        run(args)
-        return
-    cleanup = None
-    if args.workdir is None:
-        cleanup = tempfile.TemporaryDirectory(prefix="bench_restore_")
-        args.workdir = cleanup.name
-    os.makedirs(args.workdir, exist_ok=True)
+
+
+def _run_child(args, mode: str, fmt: str) -> None:
+    args.mode, args.format = mode, fmt
+    run(args)
+
+
+def _parent(args) -> None:
     if args.reuse and all(os.path.exists(os.path.join(args.workdir, f)) for f in FORMATS.values()):
         info = {"params": _state_bytes(args) // 4}
     else:
@@ -293,8 +285,6 @@ def main() -> None:
     _print_table(rows)
     print("devices: " + ", ".join(sorted({r["devices"] for _, _, r in rows if "devices" in r})))
     emit({"rows": [{"format": fmt, "loader": mode, **r} for fmt, mode, r in rows]})
-    if cleanup:
-        cleanup.cleanup()
 
 
 def _print_table(rows) -> None:
