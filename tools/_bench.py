@@ -1,4 +1,4 @@
-"""What the benchmarks in tools/ share: JAX set-up, cells in fresh processes, memory, disk.
+"""What the benchmarks in tools/ share: one `main`, JAX set-up, cells in fresh processes, memory, disk.
 
 Memory is `RssAnon` from /proc/self/status: pages of memory-mapped checkpoint
 files are reclaimable page cache and would inflate plain RSS.

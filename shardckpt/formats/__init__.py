@@ -57,8 +57,6 @@ def detect_format(path: str | storage.Location) -> str:
     for fmt in FORMATS.values():
         if fmt.suffixes and location.endswith(fmt.suffixes) and (fmt.detect is None or fmt.detect(location)):
             return fmt.name
-    if location.endswith(".json"):
-        return _unknown(location)
     if folders[0].detect is not None and folders[0].detect(location):  # Orbax: one listing, no isdir first
         return folders[0].name
     if not storage.isdir(location):

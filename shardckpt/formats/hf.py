@@ -31,9 +31,10 @@ INDEX = "model.safetensors.index.json"
 def is_hf_folder(path: str | storage.Location) -> bool:
     """True for a folder with a Hugging Face `config.json` and safetensors weights."""
     location = storage.parse(path)
-    if not storage.isdir(location):
-        return False
-    names = set(storage.listdir(location))
+    try:
+        names = set(storage.listdir(location))  # one listing (a request, in a bucket)
+    except (NotADirectoryError, FileNotFoundError):
+        return False  # a local file, or nothing
     if CONFIG not in names or not names & {SINGLE, INDEX}:
         return False
     try:
