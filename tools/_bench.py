@@ -49,6 +49,8 @@ def main(
     run: Callable[[argparse.Namespace], None],
     smoke: dict[str, Any] | Callable[[argparse.Namespace], None],
     prefix: str,
+    repeat: int | None = 1,
+    reuse: bool = False,
     argv: Sequence[str] | None = None,
 ) -> None:
     """The `main` every bench shares: its options, `--workdir`, `--smoke`, child commands, a workdir.
@@ -64,10 +66,16 @@ def main(
         smoke: Values of the `--smoke` size (or a function that sets them).
         prefix: Of the temporary workdir made when `--workdir` is not given
             (removed at the end).
+        repeat: The default of `--repeat` (runs per cell; None: no such option).
+        reuse: Offer `--reuse` (the files already in `--workdir` are used).
         argv: The arguments (None: `sys.argv`).
     """
     parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     options(parser)
+    if repeat is not None:
+        parser.add_argument("--repeat", type=int, default=repeat, help="runs per cell; the best is shown")
+    if reuse:
+        parser.add_argument("--reuse", action="store_true", help="reuse the files already in --workdir")
     parser.add_argument("--workdir", default=None, help="where files go (default: a temporary folder, removed after)")
     parser.add_argument("--smoke", action="store_true", help="a tiny size that checks the script (tests run it)")
     for flag, (nargs, _) in children.items():

@@ -164,7 +164,7 @@ def _spread(values: list[float]) -> str:
 
 def main() -> None:
     bench.main(
-        __doc__, options=_options, run=_parent, smoke=SMOKE, prefix="bench-chunks-",
+        __doc__, options=_options, run=_parent, smoke=SMOKE, prefix="bench-chunks-", repeat=3,
         children={"--_prepare": (0, prepare), "--_save": (3, save), "--_restore": (2, restore)},
     )
 
@@ -173,7 +173,6 @@ def _options(parser) -> None:
     parser.add_argument("--blocks", type=int, default=12)
     parser.add_argument("--dim", type=int, default=2048)
     parser.add_argument("--devices", type=int, default=8)
-    parser.add_argument("--repeat", type=int, default=3, help="saves and shardckpt restores per configuration")
     parser.add_argument("--keras-repeat", type=int, default=1, help="Keras restores per configuration (0: none)")
     parser.add_argument("--writers", default=",".join(WRITERS))
     parser.add_argument("--chunks", default="shard,1,4,16,64", help="'shard' and/or inner chunk sizes in MiB")

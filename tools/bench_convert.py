@@ -121,14 +121,12 @@ def _best(args: argparse.Namespace, *extra: str) -> dict:
 
 def main() -> None:
     bench.main(__doc__, options=_options, children={"--_prepare": (0, prepare), "--_cell": (2, cell)},
-               run=_parent, smoke=SMOKE, prefix="bench-convert-")
+               run=_parent, smoke=SMOKE, prefix="bench-convert-", reuse=True)
 
 
 def _options(parser) -> None:
     parser.add_argument("--blocks", type=int, default=12)
     parser.add_argument("--dim", type=int, default=2048)
-    parser.add_argument("--reuse", action="store_true", help="reuse the .weights.h5 already in --workdir")
-    parser.add_argument("--repeat", type=int, default=1, help="runs per cell; the fastest is shown")
 
 
 def _parent(args) -> None:

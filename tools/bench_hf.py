@@ -129,12 +129,10 @@ def _child(args, *extra) -> dict:
 
 def main() -> None:
     bench.main(__doc__, options=_options, children={"--_prepare": (0, prepare), "--_run": (2, _run)},
-               run=_parent, smoke=_smoke, prefix="bench_hf_")
+               run=_parent, smoke=_smoke, prefix="bench_hf_", reuse=True)
 
 
 def _options(parser) -> None:
-    parser.add_argument("--repeat", type=int, default=1, help="runs per cell; the fastest is shown")
-    parser.add_argument("--reuse", action="store_true", help="reuse the folders already in --workdir")
     parser.add_argument("--dtypes", default=",".join(DTYPES), help="folders to load (float32,bfloat16)")
     parser.set_defaults(size="full")
 

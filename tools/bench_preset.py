@@ -133,7 +133,7 @@ SMOKE = dict(layers=1, hidden=64, intermediate=128, heads=8, kv_heads=2, vocab=1
 
 def main() -> None:
     bench.main(__doc__, options=_options, children={"--_prepare": (0, prepare), "--_run": (2, _run)},
-               run=_parent, smoke=SMOKE, prefix="bench_preset_")
+               run=_parent, smoke=SMOKE, prefix="bench_preset_", reuse=True)
 
 
 def _options(parser) -> None:
@@ -144,8 +144,6 @@ def _options(parser) -> None:
     parser.add_argument("--kv-heads", type=int, default=4)
     parser.add_argument("--vocab", type=int, default=32000)
     parser.add_argument("--shard-gb", type=float, default=0.25, help="max_shard_size of the sharded preset (GB)")
-    parser.add_argument("--repeat", type=int, default=1, help="runs per cell; the fastest is shown")
-    parser.add_argument("--reuse", action="store_true", help="reuse the presets already in --workdir")
 
 
 def _run(args, mode: str, form: str) -> None:

@@ -237,17 +237,15 @@ def _child(args, *extra) -> dict:
 
 def main() -> None:
     bench.main(__doc__, options=_options, children={"--_prepare": (0, prepare), "--_run": (2, _run_child)},
-               run=_parent, smoke=SMOKE, prefix="bench_restore_")
+               run=_parent, smoke=SMOKE, prefix="bench_restore_", reuse=True)
 
 
 def _options(parser) -> None:
     parser.add_argument("--blocks", type=int, default=12)
     parser.add_argument("--dim", type=int, default=2048)
-    parser.add_argument("--repeat", type=int, default=1, help="runs per cell; the best is shown")
     parser.add_argument("--formats", default="h5,orbax,safetensors")
     parser.add_argument("--warm", action="store_true",
                         help="touch and free memory before each timed section (see _bench.warm_memory)")
-    parser.add_argument("--reuse", action="store_true", help="reuse the files already in --workdir")
 
 
 def _run_child(args, mode: str, fmt: str) -> None:

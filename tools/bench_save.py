@@ -183,7 +183,7 @@ def run(name: str, args) -> dict:
 
 def main() -> None:
     bench.main(
-        __doc__, options=_options, run=_parent, prefix="bench_save_",
+        __doc__, options=_options, run=_parent, prefix="bench_save_", repeat=None,
         children={"--child": (None, lambda args, name: run(name, args))},
         smoke={"params": 2e4, "width": 64, "steps": 4, "save_every": 2, "batch": 8},
     )

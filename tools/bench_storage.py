@@ -151,7 +151,6 @@ def main() -> None:
 def _options(parser) -> None:
     parser.add_argument("--blocks", type=int, default=12)
     parser.add_argument("--dim", type=int, default=2048)
-    parser.add_argument("--repeat", type=int, default=1, help="runs per source; the fastest is shown")
 
 
 def _prepare(args, targets: str) -> None:
