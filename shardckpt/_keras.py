@@ -14,7 +14,7 @@ Private modules:
 - `saving_lib._serialize_model_as_json`, `saving_lib._save_assets_to_dict`
   (training.callback): the model config and assets Keras' own
   `OrbaxCheckpoint` saves beside the state tree, so `load_model` reads ours.
-- `global_state` (restore.lazy): variables created under
+- `global_state` (lazy): variables created under
   `StatelessScope(initialize_variables=False)` go on a global
   "uninitialized_variables" list that the next scope exit would fill with
   random values; `lazy_init` takes its own off that list.

@@ -1,8 +1,16 @@
 """Every use of Orbax internals, in one place: the upgrade surface behind the Orbax pin.
 
-shardckpt uses Orbax's public API wherever one exists. What is here has none;
-each entry says why it is needed and who uses it.
+shardckpt uses Orbax's public API (`orbax.checkpoint.experimental.v1`,
+`type_handlers`) wherever one exists. What is here has none; each entry says
+why it is needed and who uses it:
 
+- `sharding` metadata (formats.orbax.writer): the `_sharding` file Orbax
+  writes beside an array tree, in Orbax's own serialized form, so that
+  Orbax and Keras restore our steps with the shardings they were saved with.
+- `preservation_policy.PreservationContext` (training.bucket_save): the
+  argument of a `PreservationPolicy.should_preserve` call; the bucket
+  checkpointer applies Keras' / Orbax's retention policies itself, as
+  Orbax's `Checkpointer` does for local folders.
 - `tensorstore_utils.build_array_write_spec` (training.saving, through
   `checksum_saves_under`): every array Orbax writes gets its zarr3 metadata
   from this function, and no Orbax option adds a codec. shardckpt's local
@@ -19,9 +27,11 @@ import os
 import threading
 from typing import Any
 
+from orbax.checkpoint._src.checkpoint_managers import preservation_policy
+from orbax.checkpoint._src.metadata import sharding as sharding_metadata
 from orbax.checkpoint._src.serialization import tensorstore_utils as _ts_utils
 
-__all__ = ["add_chunk_checksums", "checksum_saves_under"]
+__all__ = ["add_chunk_checksums", "checksum_saves_under", "preservation_policy", "sharding_metadata"]
 
 CHECKSUM_CODEC = {"name": "crc32c"}
 """zarr3's bytes -> bytes codec appending a CRC-32C to each stored chunk;

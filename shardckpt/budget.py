@@ -13,6 +13,7 @@ fixed 256 MiB left most cores of a large host idle (README, Benchmarks).
 from __future__ import annotations
 
 import contextlib
+import operator
 import os
 import threading
 from collections.abc import Iterator
@@ -106,8 +107,23 @@ def default_max_inflight_bytes() -> int:
 
 
 def resolve(max_inflight_bytes: int | None) -> int:
-    """`max_inflight_bytes`, or the host's default for None."""
-    return default_max_inflight_bytes() if max_inflight_bytes is None else max_inflight_bytes
+    """`max_inflight_bytes`, or the host's default for None: the one check of every entry point.
+
+    Raises:
+        ValueError: not a positive number of bytes.
+    """
+    if max_inflight_bytes is None:
+        return default_max_inflight_bytes()
+    try:
+        value = operator.index(max_inflight_bytes)  # ints, numpy ints
+    except TypeError:
+        value = 0
+    if isinstance(max_inflight_bytes, bool) or value < 1:
+        raise ValueError(
+            "max_inflight_bytes must be a positive number of bytes (None: the host's default). "
+            f"Received: max_inflight_bytes={max_inflight_bytes!r}"
+        )
+    return value
 
 
 def chunk_cache_bytes(max_inflight_bytes: int) -> int:

@@ -1,4 +1,5 @@
-"""Dtype rules shared by restore and convert: what counts as a float, which casts are allowed.
+"""Dtype rules shared by restore and convert (what counts as a float, which casts are allowed),
+and the aligned host buffers every reader fills.
 
 numpy files bfloat16 and float8 (from ml_dtypes) under kind "V", so a plain
 `dtype.kind` check would call them opaque; these functions ask ml_dtypes.
@@ -6,6 +7,7 @@ numpy files bfloat16 and float8 (from ml_dtypes) under kind "V", so a plain
 
 from __future__ import annotations
 
+import mmap
 from typing import Any
 
 import ml_dtypes
@@ -76,3 +78,39 @@ def float_dtype(dtype: Any) -> np.dtype | None:
             f"bfloat16, float16, float32). Received: dtype={dtype!r}"
         )
     return resolved
+
+
+ALIGNMENT = 64
+"""Byte alignment at which XLA's CPU client adopts a numpy buffer without copying."""
+
+
+# From this size on, buffers are anonymous private maps of 4 KiB pages. numpy
+# asks for transparent huge pages (madvise) from 4 MiB on, the same threshold.
+# On VMs that give free memory back to their host (virtio-balloon free page
+# reporting, as in this project's sandboxes), a free 2 MiB block has usually
+# been given back, and touching a huge page made of one costs host faults:
+# loads with huge pages were up to 3x slower after the machine had idled, and
+# only 5-25% faster on warm memory (figures: CHANGELOG). 4 KiB pages, as
+# malloc and tensorstore get them, cost the same either way; the worst case
+# matters more than the best.
+_MAPPED_MIN_BYTES = 4 * 1024 * 1024
+
+
+def aligned_empty(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
+    """An uninitialised C-contiguous array whose data starts on `ALIGNMENT` bytes.
+
+    `jax.device_put` onto a CPU device aliases such a buffer instead of
+    copying it, which saves a full pass over the restored state. Large
+    buffers are page-aligned anonymous maps (see `_MAPPED_MIN_BYTES`), freed
+    when the last array using them is.
+    """
+    dtype = np.dtype(dtype)
+    nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+    if nbytes >= _MAPPED_MIN_BYTES and hasattr(mmap, "MAP_PRIVATE"):
+        # Private, not mmap's default shared map: shared anonymous memory is
+        # shmem (a tmpfs file), accounted and swapped as such.
+        region = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        return np.frombuffer(region, dtype, count=nbytes // dtype.itemsize).reshape(shape)
+    raw = np.empty(nbytes + ALIGNMENT, np.uint8)
+    start = (-raw.ctypes.data) % ALIGNMENT
+    return raw[start : start + nbytes].view(dtype).reshape(shape)

@@ -35,10 +35,6 @@ class ChecksumMismatchError(CorruptCheckpointError):
     """An array's bytes do not match the checksum stored beside it."""
 
 
-class ShapeMismatchError(ShardckptError, ValueError):
-    """A checkpoint array's shape differs from the variable it is loaded into."""
-
-
 class DtypeMismatchError(ShardckptError, TypeError):
     """A checkpoint array's dtype cannot be cast to the variable's dtype."""
 
@@ -177,6 +173,11 @@ class StorageCredentialsError(ShardckptError, PermissionError):
 
 class StorageAccessDeniedError(ShardckptError, PermissionError):
     """The bucket refused the request (HTTP 403): the credentials lack a permission."""
+
+
+class StorageTimeoutError(ShardckptError, TimeoutError):
+    """A bucket request did not finish within its deadline (no connection, no answer,
+    or every retry failed); see `shardckpt.storage.deadline`."""
 
 
 class ModelRequiredError(ShardckptError, ValueError):

@@ -82,3 +82,30 @@ def test_cli_default_and_help_show_the_hosts_budget(capsys):
         cli.main(["convert", "--help"])
     assert f"{mib})" in " ".join(capsys.readouterr().out.split())
     assert cli._parser().parse_args(["convert", "a.h5", "b"]).max_inflight_mb == mib
+
+
+def test_every_entry_point_has_the_same_lower_bound(tmp_path):
+    """load_sharded, convert and verify refuse the same budgets and accept the same (64 bytes)."""
+
+    def build():  # named: Orbax keys hold the names
+        return keras.Sequential([keras.Input((8,)), keras.layers.Dense(4, name="d")], name="s")
+
+    model = build()
+    path = str(tmp_path / "m.weights.h5")
+    model.save_weights(path)
+    entry_points = {
+        "load_sharded": lambda b: shardckpt.load_sharded(model, path, max_inflight_bytes=b, progress=False),
+        "convert": lambda b: shardckpt.convert(
+            path, str(tmp_path / f"out_{b}"), model=model, max_inflight_bytes=b, progress=False
+        ),
+        "verify": lambda b: shardckpt.verify(path, max_inflight_bytes=b),
+    }
+    for name, call in entry_points.items():
+        for bad in (0, -1, 1.5, True):
+            with pytest.raises(ValueError, match=r"max_inflight_bytes must be a positive number of bytes"):
+                call(bad)
+        assert call(np.int64(64)) is not None, name  # one row of 8 floats at a time
+    restored = build()
+    shardckpt.load_sharded(restored, str(tmp_path / "out_64"), progress=False)
+    for v, want in zip(restored.weights, model.weights, strict=True):
+        np.testing.assert_array_equal(np.asarray(v.value), np.asarray(want.value))

@@ -17,7 +17,7 @@ import keras
 import numpy as np
 import pytest
 
-from shardckpt.formats import storage
+from shardckpt import storage
 from shardckpt.training import OrbaxCheckpoint, saving
 
 

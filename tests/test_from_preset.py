@@ -13,6 +13,8 @@ import pytest
 
 import shardckpt
 from shardckpt import errors
+from shardckpt.lazy import is_unloaded
+from shardckpt.presets import kerashub
 
 keras_hub = pytest.importorskip("keras_hub")
 
@@ -192,6 +194,13 @@ def test_missing_shard_of_a_sharded_preset_loads_nothing(llama_presets, tmp_path
     keras.backend.clear_session()
     with pytest.raises(errors.CheckpointNotFoundError, match="model_00002.weights.h5"):
         shardckpt.from_preset(str(folder), layout=_llama_layout())
+    # The index is checked whole before any array is read: a lazily built model
+    # loading from the folder is left with no variable loaded.
+    keras.backend.clear_session()
+    model = kerashub.build(str(folder))
+    with pytest.raises(errors.CheckpointNotFoundError, match=r"Shard 'model_00002.weights.h5' .* does not exist"):
+        shardckpt.load_sharded(model, str(folder))
+    assert model.weights and all(is_unloaded(v) for v in model.weights)
 
 
 def test_without_keras_hub_a_keras_hub_preset_names_the_install(llama_presets, monkeypatch):
@@ -207,12 +216,4 @@ def test_unrecognised_config_and_missing_folder(tmp_path):
         shardckpt.from_preset(str(tmp_path / "no_such_preset"))
     (tmp_path / "config.json").write_text(json.dumps({"hello": 1}))
     with pytest.raises(errors.UnknownFormatError, match="registered_name"):
-        shardckpt.from_preset(str(tmp_path))
-
-
-def test_hugging_face_folder_without_hf_support_is_a_clear_error(tmp_path, monkeypatch):
-    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama"}))
-    monkeypatch.setitem(sys.modules, "shardckpt.presets.hf", None)  # as in a build without it
-    monkeypatch.delattr(shardckpt.presets, "hf", raising=False)
-    with pytest.raises(errors.UnknownFormatError, match="Hugging Face"):
         shardckpt.from_preset(str(tmp_path))

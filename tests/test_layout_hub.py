@@ -21,7 +21,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 import shardckpt
 from shardckpt.layout import auto_layout
 from shardckpt.layout.parallel import parallelize
-from shardckpt.restore.lazy import is_unloaded
+from shardckpt.lazy import is_unloaded
 
 pytest.importorskip("keras_hub")
 

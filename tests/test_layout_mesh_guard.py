@@ -56,7 +56,7 @@ def test_layout_map_on_another_mesh_than_the_distribution_is_refused(saved):
     message = str(e.value)
     assert "{'data': 4, 'model': 2}" in message and "{'data': 2, 'model': 4}" in message
     assert "allow_other_mesh=True" in message
-    assert all(shardckpt.restore.lazy.is_unloaded(v) for v in model.weights)  # untouched
+    assert all(shardckpt.lazy.is_unloaded(v) for v in model.weights)  # untouched
 
     # The fix: the opt-in loads onto the layout's mesh.
     shardckpt.load_sharded(model, path, layout=_layout_map(other), allow_other_mesh=True)
@@ -82,7 +82,7 @@ def test_sub_mesh_layout_without_a_distribution_is_refused(saved):
     with pytest.raises(errors.MeshMismatchError) as e:
         shardckpt.load_sharded(model, path, layout=_layout_map(sub))
     assert "4 of the 8 devices" in str(e.value) and "devices [0, 1, 2, 3]" in str(e.value)
-    assert all(shardckpt.restore.lazy.is_unloaded(v) for v in model.weights)
+    assert all(shardckpt.lazy.is_unloaded(v) for v in model.weights)
 
     # The hint's first fix: a mesh over every device.
     full = keras.distribution.DeviceMesh((2, 4), ["data", "model"])

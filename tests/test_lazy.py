@@ -8,6 +8,7 @@ import pytest
 
 import shardckpt
 from shardckpt import errors
+from shardckpt.lazy import is_unloaded
 from tests.zoo import build_zoo
 
 
@@ -34,4 +35,13 @@ def test_models_built_outside_are_normal():
     with shardckpt.lazy_init():
         build_zoo()
     model = build_zoo()
-    assert all(v._value is not None for v in model.weights)
+    # Every variable has its initializer's value (readable, not the lazy sentinel) and the
+    # model runs: nothing of the lazy build leaked into the next one.
+    for v in model.weights:
+        assert not is_unloaded(v), v.path
+        value = v.numpy()
+        assert value.shape == tuple(v.shape) and np.isfinite(value).all(), v.path
+    kernels = [v.numpy() for v in model.weights if v.path.endswith("kernel") and v.dtype.startswith("float")]
+    assert kernels and all(np.any(k != 0) for k in kernels)  # initializers ran (glorot is never all zero)
+    out = model(np.zeros((2, 8), "int32"))
+    assert np.isfinite(keras.ops.convert_to_numpy(out)).all()

@@ -16,7 +16,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import shardckpt
-from shardckpt.restore.lazy import is_unloaded
+from shardckpt.lazy import is_unloaded
 
 MODES = {
     # mode: (quantize() arguments, the policy a user builds the layers with)

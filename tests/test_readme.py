@@ -231,7 +231,7 @@ class Workspace:
         """gs://my-bucket and s3://my-bucket on the fake servers, with a preset and a checkpoint."""
 
         def make() -> None:
-            from shardckpt.formats import storage
+            from shardckpt import storage
 
             for server in ("gcs_server", "s3_server"):
                 self.request.getfixturevalue(server).create_bucket("my-bucket")
@@ -248,7 +248,7 @@ class Workspace:
 
     def fresh(self, url: str) -> None:
         """Removes what an earlier piece wrote at `url` (a piece that writes it again)."""
-        from shardckpt.formats import storage
+        from shardckpt import storage
 
         location = storage.parse(url)
         if location.is_remote:

@@ -173,8 +173,11 @@ def test_corrupt_orbax_chunk(tmp_path):
         blob = bytearray((data_dir / name).read_bytes())
         blob[len(blob) // 2 : len(blob) // 2 + 64] = b"\xff" * 64
         (data_dir / name).write_bytes(bytes(blob))
-    with pytest.raises(errors.CorruptCheckpointError):
-        shardckpt.load_sharded(_lazy(), tmp_path / "ck")
+    model = _lazy()
+    tree = str(tmp_path / "ck" / "0" / "pytree")
+    with pytest.raises(errors.CorruptCheckpointError, match=rf"array\(s\) of '{tree}' cannot be opened .*damaged\. Fix: restore from another step"):
+        shardckpt.load_sharded(model, tmp_path / "ck")
+    _untouched(model)  # every array's data is damaged: no variable got a value
 
 
 def test_no_pickle_loaded(tmp_path):

@@ -47,7 +47,7 @@ def test_sharded_index_loads_bit_exact_like_keras(tmp_path, mesh, dtype):
 
     model, dist = lazy_zoo(dtype, mesh)
     report = shardckpt.load_sharded(model, path)
-    assert report.format == "h5" and report.missing == [] and report.unexpected == []
+    assert report.format == "h5-sharded" and report.missing == [] and report.unexpected == []
     assert report.arrays == len(values)
     # Keras' h5 has no seed-generator state (the GRU's, float32 only): it gets its initial value.
     assert report.initialized == ["seed_generator/seed_generator_state"] * (dtype == "float32")

@@ -9,8 +9,7 @@ import numpy as np
 import pytest
 
 import shardckpt
-from shardckpt import errors
-from shardckpt.formats import storage
+from shardckpt import errors, storage
 from tests.zoo import CountingIterator, build_zoo, randomize, saved_zoo_h5, zoo_layout_map
 
 

@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 import shardckpt
-from shardckpt.formats import storage
+from shardckpt import storage
 from shardckpt.formats.orbax import ondisk
 from tests import _train_worker as worker
 from tests.test_resume_kill import Server, _compare, _load

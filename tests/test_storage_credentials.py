@@ -23,8 +23,7 @@ import numpy as np
 import pytest
 
 import shardckpt
-from shardckpt import errors
-from shardckpt.formats import storage
+from shardckpt import errors, storage
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

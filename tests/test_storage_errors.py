@@ -16,6 +16,7 @@ import pytest
 
 import shardckpt
 from shardckpt import errors
+from shardckpt.formats import FORMATS
 from tests.zoo import build_zoo
 
 _S3_DENIED = (
@@ -83,6 +84,13 @@ def test_missing_path_in_bucket_is_404(bucket):
         shardckpt.inspect(url)
     with pytest.raises(errors.CheckpointNotFoundError, match=url):
         shardckpt.load_sharded(build_zoo(), url)
+    # The message lists every format shardckpt reads (it once left out .weights.json,
+    # keras-hub presets and Hugging Face folders), from the formats' one table.
+    with pytest.raises(errors.CheckpointNotFoundError) as e:
+        shardckpt.inspect(url)
+    for fmt in FORMATS.values():
+        assert fmt.description in str(e.value), fmt.name
+    assert "sharded `.weights.json`" in str(e.value) and "keras-hub preset" in str(e.value)
 
 
 def test_refused_s3_request_is_403_naming_permissions(denying_server, monkeypatch):

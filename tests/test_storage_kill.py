@@ -13,8 +13,7 @@ import numpy as np
 import pytest
 
 import shardckpt
-from shardckpt import errors
-from shardckpt.formats import storage
+from shardckpt import errors, storage
 
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # Tiny TensorStore transactions: thousands of commits, so the save is still

@@ -8,9 +8,8 @@ import keras
 import pytest
 
 import shardckpt
-from shardckpt import errors
+from shardckpt import errors, storage
 from shardckpt.cli.main import main as cli_main
-from shardckpt.formats import storage
 from tests.zoo import build_zoo
 
 
@@ -23,14 +22,17 @@ from tests.zoo import build_zoo
     ],
 )
 def test_bucket_urls_are_classified(path, scheme, bucket, key, monkeypatch):
-    for name in ("AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3", "AWS_REGION", "AWS_DEFAULT_REGION"):
+    for name in ("AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3", "AWS_REGION", "AWS_DEFAULT_REGION", "AWS_ACCESS_KEY_ID"):
         monkeypatch.delenv(name, raising=False)
     location = storage.parse(path)
     assert (location.scheme, location.bucket, location.path) == (scheme, bucket, key)
-    assert location.is_remote
-    assert location.kvstore() == {
-        "driver": {"gs": "gcs", "s3": "s3"}[scheme], "bucket": bucket, "path": key + "/" if key else ""
-    }
+    assert location.is_remote and location.local_path is None
+    spec = storage.kvstore(location)
+    context = spec.pop("context")
+    driver = {"gs": "gcs", "s3": "s3"}[scheme]
+    assert spec == {"driver": driver, "bucket": bucket, "path": key + "/" if key else ""}
+    # Every request is bounded: TensorStore's own default is 32 retries with back-off up to 32 s.
+    assert context == {f"{driver}_request_retries": {"max_retries": 4, "initial_delay": "0.5s", "max_delay": "8s"}}
 
 
 def test_local_paths_and_file_urls_are_local(tmp_path, monkeypatch):
@@ -104,7 +106,9 @@ def test_cli_refuses_unsupported_schemes(tmp_path, monkeypatch, h5_source, capsy
     assert not os.path.exists(tmp_path / "az:")
 
 
-def test_check_path_for_other_entry_points():
-    assert storage.check_path("gs://b/preset/") == "gs://b/preset"
-    with pytest.raises(errors.UnsupportedURLError):
-        storage.check_path("hf://org/model")
+def test_parse_passes_a_location_through_and_refuses_other_schemes():
+    location = storage.parse("gs://b/preset/")
+    assert location.url == "gs://b/preset"
+    assert storage.parse(location) is location  # parsed once: below the API edge it travels as is
+    with pytest.raises(errors.UnsupportedURLError, match=r"hf://org/model.*Supported schemes: gs://, s3://, file://"):
+        storage.parse("hf://org/model")

@@ -1,4 +1,4 @@
-"""What the benchmarks in tools/ share: JAX set-up, cells in fresh processes, memory, disk.
+"""What the benchmarks in tools/ share: one `main`, JAX set-up, cells in fresh processes, memory, disk.
 
 Memory is `RssAnon` from /proc/self/status: pages of memory-mapped checkpoint
 files are reclaimable page cache and would inflate plain RSS.
@@ -9,13 +9,17 @@ the scripts cannot rot; smoke figures mean nothing.
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import resource
+import shutil
 import subprocess
 import sys
+import tempfile
 import threading
 import time
+from collections.abc import Callable, Sequence
 from typing import Any
 
 TOOLS = os.path.dirname(os.path.abspath(__file__))
@@ -35,6 +39,73 @@ def setup_jax(devices: int, *, cpu_only: bool = True) -> None:
     from shardckpt.cli.devices import simulate_cpu_devices
 
     simulate_cpu_devices(devices, cpu_only=cpu_only)
+
+
+def main(
+    doc: str | None,
+    *,
+    options: Callable[[argparse.ArgumentParser], None],
+    children: dict[str, tuple[int | None, Callable[..., Any]]],
+    run: Callable[[argparse.Namespace], None],
+    smoke: dict[str, Any] | Callable[[argparse.Namespace], None],
+    prefix: str,
+    repeat: int | None = 1,
+    reuse: bool = False,
+    argv: Sequence[str] | None = None,
+) -> None:
+    """The `main` every bench shares: its options, `--workdir`, `--smoke`, child commands, a workdir.
+
+    Args:
+        doc: The bench's module docstring (its `--help`).
+        options: Adds the bench's own options to the parser.
+        children: Hidden flags of the child commands a bench runs in fresh
+            processes (`run_child`): `"--_run": (nargs, function)`, nargs 0
+            for a plain flag. The function gets `args` and the flag's values;
+            what it returns (unless None) is `emit`ted.
+        run: The bench itself (the parent), given `args.workdir`.
+        smoke: Values of the `--smoke` size (or a function that sets them).
+        prefix: Of the temporary workdir made when `--workdir` is not given
+            (removed at the end).
+        repeat: The default of `--repeat` (runs per cell; None: no such option).
+        reuse: Offer `--reuse` (the files already in `--workdir` are used).
+        argv: The arguments (None: `sys.argv`).
+    """
+    parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    options(parser)
+    if repeat is not None:
+        parser.add_argument("--repeat", type=int, default=repeat, help="runs per cell; the best is shown")
+    if reuse:
+        parser.add_argument("--reuse", action="store_true", help="reuse the files already in --workdir")
+    parser.add_argument("--workdir", default=None, help="where files go (default: a temporary folder, removed after)")
+    parser.add_argument("--smoke", action="store_true", help="a tiny size that checks the script (tests run it)")
+    for flag, (nargs, _) in children.items():
+        if nargs == 0:
+            parser.add_argument(flag, action="store_true", help=argparse.SUPPRESS)
+        else:
+            parser.add_argument(flag, nargs=nargs, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.smoke:
+        if callable(smoke):
+            smoke(args)
+        else:
+            vars(args).update(smoke)
+    for flag, (_, function) in children.items():
+        value = getattr(args, flag.lstrip("-").replace("-", "_"))
+        if value is None or value is False:
+            continue
+        values = [] if value is True else value if isinstance(value, list) else [value]
+        result = function(args, *values)
+        if result is not None:
+            emit(result)
+        return
+    own = args.workdir is None
+    args.workdir = args.workdir or tempfile.mkdtemp(prefix=prefix)
+    os.makedirs(args.workdir, exist_ok=True)
+    try:
+        run(args)
+    finally:
+        if own:
+            shutil.rmtree(args.workdir, ignore_errors=True)
 
 
 def emit(result: dict[str, Any]) -> None:

@@ -38,9 +38,9 @@ import os
 import shutil
 import statistics
 import sys
-import tempfile
 import time
 
+import _bench as bench
 from _bench import ROOT, cpu_seconds, du, emit, run_child, setup_jax
 
 H5 = "model.weights.h5"
@@ -163,63 +163,47 @@ def _spread(values: list[float]) -> str:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    bench.main(
+        __doc__, options=_options, run=_parent, smoke=SMOKE, prefix="bench-chunks-", repeat=3,
+        children={"--_prepare": (0, prepare), "--_save": (3, save), "--_restore": (2, restore)},
+    )
+
+
+def _options(parser) -> None:
     parser.add_argument("--blocks", type=int, default=12)
     parser.add_argument("--dim", type=int, default=2048)
     parser.add_argument("--devices", type=int, default=8)
-    parser.add_argument("--repeat", type=int, default=3, help="saves and shardckpt restores per configuration")
     parser.add_argument("--keras-repeat", type=int, default=1, help="Keras restores per configuration (0: none)")
     parser.add_argument("--writers", default=",".join(WRITERS))
     parser.add_argument("--chunks", default="shard,1,4,16,64", help="'shard' and/or inner chunk sizes in MiB")
     parser.add_argument("--compressions", default=",".join(COMPRESSIONS))
-    parser.add_argument("--workdir", default=None)
-    parser.add_argument("--smoke", action="store_true", help="a tiny model, one run per cell (checks the script)")
-    parser.add_argument("--_prepare", action="store_true", help=argparse.SUPPRESS)
-    parser.add_argument("--_save", nargs=3, metavar=("WRITER", "CHUNKS", "COMPRESSION"), help=argparse.SUPPRESS)
-    parser.add_argument("--_restore", nargs=2, metavar=("LOADER", "NAME"), help=argparse.SUPPRESS)
-    args = parser.parse_args()
-    if args.smoke:
-        vars(args).update(SMOKE)
-    if args._prepare:
-        emit(prepare(args))
-        return
-    if args._save:
-        emit(save(args, *args._save))
-        return
-    if args._restore:
-        emit(restore(args, *args._restore))
-        return
-    own = args.workdir is None
-    args.workdir = args.workdir or tempfile.mkdtemp(prefix="bench-chunks-")
-    os.makedirs(args.workdir, exist_ok=True)
+
+
+def _parent(args) -> None:
     rows = []
-    try:
-        info = _child(args, "--_prepare")
-        print(f"model: {info['params'] / 1e6:.0f}M parameters, {info['params'] * 4 / 1e9:.2f} GB float32; "
-              f"restore onto ModelParallel (1, {args.devices}); {os.cpu_count()} CPUs; "
-              f"medians of {args.repeat} [min-max]", flush=True)
-        for writer in args.writers.split(","):
-            for chunks in args.chunks.split(","):
-                for compression in args.compressions.split(","):
-                    name = f"{writer}-{chunks}-{compression}"
-                    row = {"writer": writer, "chunks": chunks, "compression": compression,
-                           **_child(args, "--_save", writer, chunks, compression)}
-                    runs = [_child(args, "--_restore", "shardckpt", name) for _ in range(args.repeat)]
-                    row["restore_s"] = [r["load_s"] for r in runs]
-                    row["restore_cpu_s"] = [r["load_cpu_s"] for r in runs]
-                    row["budget"] = runs[0]["budget"]
-                    row["sharding"] = runs[0]["sharding"]
-                    row["keras_s"] = [_child(args, "--_restore", "keras", name)["load_s"]
-                                      for _ in range(args.keras_repeat)]
-                    rows.append(row)
-                    print(f"{name}: save {_spread(row['save_s'])} s, {row['disk_bytes'] / 1e9:.3f} GB, "
-                          f"restore {_spread(row['restore_s'])} s, keras {_spread(row['keras_s'])} s", flush=True)
-                    shutil.rmtree(os.path.join(args.workdir, name), ignore_errors=True)
-        _print_table(rows)
-        emit({"rows": rows})
-    finally:
-        if own:
-            shutil.rmtree(args.workdir, ignore_errors=True)
+    info = _child(args, "--_prepare")
+    print(f"model: {info['params'] / 1e6:.0f}M parameters, {info['params'] * 4 / 1e9:.2f} GB float32; "
+          f"restore onto ModelParallel (1, {args.devices}); {os.cpu_count()} CPUs; "
+          f"medians of {args.repeat} [min-max]", flush=True)
+    for writer in args.writers.split(","):
+        for chunks in args.chunks.split(","):
+            for compression in args.compressions.split(","):
+                name = f"{writer}-{chunks}-{compression}"
+                row = {"writer": writer, "chunks": chunks, "compression": compression,
+                       **_child(args, "--_save", writer, chunks, compression)}
+                runs = [_child(args, "--_restore", "shardckpt", name) for _ in range(args.repeat)]
+                row["restore_s"] = [r["load_s"] for r in runs]
+                row["restore_cpu_s"] = [r["load_cpu_s"] for r in runs]
+                row["budget"] = runs[0]["budget"]
+                row["sharding"] = runs[0]["sharding"]
+                row["keras_s"] = [_child(args, "--_restore", "keras", name)["load_s"]
+                                  for _ in range(args.keras_repeat)]
+                rows.append(row)
+                print(f"{name}: save {_spread(row['save_s'])} s, {row['disk_bytes'] / 1e9:.3f} GB, "
+                      f"restore {_spread(row['restore_s'])} s, keras {_spread(row['keras_s'])} s", flush=True)
+                shutil.rmtree(os.path.join(args.workdir, name), ignore_errors=True)
+    _print_table(rows)
+    emit({"rows": rows})
 
 
 def _print_table(rows: list[dict]) -> None:

@@ -28,9 +28,9 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
-import tempfile
 import time
 
+import _bench as bench
 from _bench import PeakSampler, du, emit, rss_anon, run_child, setup_jax
 
 H5 = "model.weights.h5"
@@ -120,50 +120,35 @@ def _best(args: argparse.Namespace, *extra: str) -> dict:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    bench.main(__doc__, options=_options, children={"--_prepare": (0, prepare), "--_cell": (2, cell)},
+               run=_parent, smoke=SMOKE, prefix="bench-convert-", reuse=True)
+
+
+def _options(parser) -> None:
     parser.add_argument("--blocks", type=int, default=12)
     parser.add_argument("--dim", type=int, default=2048)
-    parser.add_argument("--workdir", default=None)
-    parser.add_argument("--reuse", action="store_true", help="reuse the .weights.h5 already in --workdir")
-    parser.add_argument("--repeat", type=int, default=1, help="runs per cell; the fastest is shown")
-    parser.add_argument("--smoke", action="store_true", help="a tiny model, one run per cell (checks the script)")
-    parser.add_argument("--_prepare", action="store_true", help=argparse.SUPPRESS)
-    parser.add_argument("--_cell", nargs=2, metavar=("MODE", "OPTION"), help=argparse.SUPPRESS)
-    args = parser.parse_args()
-    if args.smoke:
-        vars(args).update(SMOKE)
-    if args._prepare:
-        emit(prepare(args))
-        return
-    if args._cell:
-        emit(cell(args, *args._cell))
-        return
-    own = args.workdir is None
-    args.workdir = args.workdir or tempfile.mkdtemp(prefix="bench-convert-")
-    os.makedirs(args.workdir, exist_ok=True)
-    try:
-        if not (args.reuse and os.path.exists(os.path.join(args.workdir, H5))):
-            info = _child(args, "--_prepare")
-            print(f"model: {info['params']:,} parameters")
-        size = os.path.getsize(os.path.join(args.workdir, H5))
-        print(f".weights.h5: {size / 1e9:.2f} GB  ({os.cpu_count()} CPUs)")
-        keras_row = _best(args, "--_cell", "keras", "-")
-        rows = {c: _best(args, "--_cell", "convert", c) for c in ("none", "zstd")}
-        restores = {c: _best(args, "--_cell", "restore", c) for c in ("none", "zstd")}
-        print(f"\n{'path':<28}{'seconds':>9}{'x keras':>9}{'peak anon GB':>14}{'on disk GB':>12}")
-        print(f"{'keras build+load+save':<28}{keras_row['seconds']:>9.2f}{1.0:>9.2f}"
-              f"{keras_row['peak_over_import_gb']:>14.2f}{keras_row['disk_bytes'] / 1e9:>12.2f}")
-        for c, row in rows.items():
-            print(f"{'shardckpt convert ' + c:<28}{row['seconds']:>9.2f}{row['seconds'] / keras_row['seconds']:>9.2f}"
-                  f"{row['peak_over_import_gb']:>14.2f}{row['disk_bytes'] / 1e9:>12.2f}")
-        print(f"\n{'restore (load_sharded, 1x8)':<28}{'seconds':>9}{'ts read s':>11}{'peak anon GB':>14}{'on disk GB':>12}")
-        for c, row in restores.items():
-            print(f"{'compression ' + c:<28}{row['seconds']:>9.2f}{row['ts_read_s']:>11.2f}"
-                  f"{row['peak_over_import_gb']:>14.2f}{rows[c]['disk_bytes'] / 1e9:>12.2f}")
-        emit({"keras": keras_row, "convert": rows, "restore": restores, "h5_bytes": size})
-    finally:
-        if own:
-            shutil.rmtree(args.workdir, ignore_errors=True)
+
+
+def _parent(args) -> None:
+    if not (args.reuse and os.path.exists(os.path.join(args.workdir, H5))):
+        info = _child(args, "--_prepare")
+        print(f"model: {info['params']:,} parameters")
+    size = os.path.getsize(os.path.join(args.workdir, H5))
+    print(f".weights.h5: {size / 1e9:.2f} GB  ({os.cpu_count()} CPUs)")
+    keras_row = _best(args, "--_cell", "keras", "-")
+    rows = {c: _best(args, "--_cell", "convert", c) for c in ("none", "zstd")}
+    restores = {c: _best(args, "--_cell", "restore", c) for c in ("none", "zstd")}
+    print(f"\n{'path':<28}{'seconds':>9}{'x keras':>9}{'peak anon GB':>14}{'on disk GB':>12}")
+    print(f"{'keras build+load+save':<28}{keras_row['seconds']:>9.2f}{1.0:>9.2f}"
+          f"{keras_row['peak_over_import_gb']:>14.2f}{keras_row['disk_bytes'] / 1e9:>12.2f}")
+    for c, row in rows.items():
+        print(f"{'shardckpt convert ' + c:<28}{row['seconds']:>9.2f}{row['seconds'] / keras_row['seconds']:>9.2f}"
+              f"{row['peak_over_import_gb']:>14.2f}{row['disk_bytes'] / 1e9:>12.2f}")
+    print(f"\n{'restore (load_sharded, 1x8)':<28}{'seconds':>9}{'ts read s':>11}{'peak anon GB':>14}{'on disk GB':>12}")
+    for c, row in restores.items():
+        print(f"{'compression ' + c:<28}{row['seconds']:>9.2f}{row['ts_read_s']:>11.2f}"
+              f"{row['peak_over_import_gb']:>14.2f}{rows[c]['disk_bytes'] / 1e9:>12.2f}")
+    emit({"keras": keras_row, "convert": rows, "restore": restores, "h5_bytes": size})
 
 
 if __name__ == "__main__":

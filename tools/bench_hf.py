@@ -33,11 +33,10 @@ Usage:
 
 from __future__ import annotations
 
-import argparse
 import os
-import tempfile
 import time
 
+import _bench as bench
 from _bench import PeakSampler, emit, rss_anon, run_child, setup_jax
 
 SIZES = {
@@ -129,30 +128,27 @@ def _child(args, *extra) -> dict:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--smoke", action="store_true", help="a tiny model, float32 only (checks the script)")
-    parser.add_argument("--workdir", default=None)
-    parser.add_argument("--repeat", type=int, default=1, help="runs per cell; the fastest is shown")
-    parser.add_argument("--reuse", action="store_true", help="reuse the folders already in --workdir")
+    bench.main(__doc__, options=_options, children={"--_prepare": (0, prepare), "--_run": (2, _run)},
+               run=_parent, smoke=_smoke, prefix="bench_hf_", reuse=True)
+
+
+def _options(parser) -> None:
     parser.add_argument("--dtypes", default=",".join(DTYPES), help="folders to load (float32,bfloat16)")
-    parser.add_argument("--_prepare", action="store_true", help=argparse.SUPPRESS)
-    parser.add_argument("--_run", nargs=2, metavar=("MODE", "DTYPE"), help=argparse.SUPPRESS)
-    args = parser.parse_args()
-    args.size = "smoke" if args.smoke else "full"
-    if args.smoke and not args._run:
+    parser.set_defaults(size="full")
+
+
+def _smoke(args) -> None:
+    args.size = "smoke"  # a tiny model
+    if not args._run:
         args.dtypes = "float32"  # keras-hub's from_preset alone takes ~10 s per cell
-    if args._prepare:
-        emit(prepare(args))
-        return
-    if args._run:
-        args.mode, args.dtype = args._run
-        emit(run(args))
-        return
-    cleanup = None
-    if args.workdir is None:
-        cleanup = tempfile.TemporaryDirectory(prefix="bench_hf_")
-        args.workdir = cleanup.name
-    os.makedirs(args.workdir, exist_ok=True)
+
+
+def _run(args, mode: str, dtype: str) -> dict:
+    args.mode, args.dtype = mode, dtype
+    return run(args)
+
+
+def _parent(args) -> None:
     if args.reuse and all(os.path.exists(os.path.join(args.workdir, d, "config.json")) for d in DTYPES):
         info = None
     else:
@@ -178,8 +174,6 @@ def main() -> None:
     print("devices: " + ", ".join(sorted({r["devices"] for _, _, r in rows})))
     print("values and shardings: " + ("equal" if ok else "DIFFER"))
     emit({"rows": [{"dtype": d, "loader": m, **r} for d, m, r in rows], "equal": ok})
-    if cleanup:
-        cleanup.cleanup()
     if not ok:
         raise SystemExit(1)
 

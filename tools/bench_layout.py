@@ -296,7 +296,7 @@ def _nbytes(v) -> int:
 
 def hub_rows(mesh_shape, names, hidden: int):
     """shardckpt and keras-hub's own `get_layout_map` (where one exists) per keras-hub backbone."""
-    from shardckpt.restore.lazy import lazy_init
+    from shardckpt.lazy import lazy_init
 
     rows = []
     for name in names:

@@ -34,12 +34,10 @@ Usage:
 
 from __future__ import annotations
 
-import argparse
 import os
-import shutil
-import tempfile
 import time
 
+import _bench as bench
 from _bench import PeakSampler, emit, rss_anon, run_child, setup_jax
 
 FORMS = ("single", "sharded")
@@ -134,7 +132,11 @@ SMOKE = dict(layers=1, hidden=64, intermediate=128, heads=8, kv_heads=2, vocab=1
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    bench.main(__doc__, options=_options, children={"--_prepare": (0, prepare), "--_run": (2, _run)},
+               run=_parent, smoke=SMOKE, prefix="bench_preset_", reuse=True)
+
+
+def _options(parser) -> None:
     parser.add_argument("--layers", type=int, default=6)
     parser.add_argument("--hidden", type=int, default=2048)
     parser.add_argument("--intermediate", type=int, default=5632)
@@ -142,41 +144,27 @@ def main() -> None:
     parser.add_argument("--kv-heads", type=int, default=4)
     parser.add_argument("--vocab", type=int, default=32000)
     parser.add_argument("--shard-gb", type=float, default=0.25, help="max_shard_size of the sharded preset (GB)")
-    parser.add_argument("--repeat", type=int, default=1, help="runs per cell; the fastest is shown")
-    parser.add_argument("--workdir", default=None)
-    parser.add_argument("--reuse", action="store_true", help="reuse the presets already in --workdir")
-    parser.add_argument("--smoke", action="store_true", help="a tiny model: checks the bench runs")
-    parser.add_argument("--_prepare", action="store_true", help=argparse.SUPPRESS)
-    parser.add_argument("--_run", nargs=2, metavar=("MODE", "FORM"), help=argparse.SUPPRESS)
-    args = parser.parse_args()
-    if args.smoke:
-        for key, value in SMOKE.items():
-            setattr(args, key, value)
-    if args._prepare:
-        return prepare(args)
-    if args._run:
-        args.mode, args.form = args._run
-        return run(args)
 
-    own = args.workdir is None
-    args.workdir = args.workdir or tempfile.mkdtemp(prefix="bench_preset_")
-    try:
-        if args.reuse and os.path.isdir(os.path.join(args.workdir, "sharded")):
-            info = {"params": None, "shards": None}
-        else:
-            info = _child(args, "--_prepare")
-        if info["params"]:
-            print(f"model: Llama backbone, {info['params'] / 1e6:.1f}M parameters, "
-                  f"{info['params'] * 4 / 1e9:.3f} GB float32; sharded preset: {info['shards']} shard files")
-        rows = []
-        for form in FORMS:
-            for mode in MODES:
-                runs = [_child(args, "--_run", mode, form) for _ in range(args.repeat)]
-                rows.append((form, mode, min(runs, key=lambda r: r["seconds"])))
-        _print(rows)
-    finally:
-        if own:
-            shutil.rmtree(args.workdir, ignore_errors=True)
+
+def _run(args, mode: str, form: str) -> None:
+    args.mode, args.form = mode, form
+    run(args)
+
+
+def _parent(args) -> None:
+    if args.reuse and os.path.isdir(os.path.join(args.workdir, "sharded")):
+        info = {"params": None, "shards": None}
+    else:
+        info = _child(args, "--_prepare")
+    if info["params"]:
+        print(f"model: Llama backbone, {info['params'] / 1e6:.1f}M parameters, "
+              f"{info['params'] * 4 / 1e9:.3f} GB float32; sharded preset: {info['shards']} shard files")
+    rows = []
+    for form in FORMS:
+        for mode in MODES:
+            runs = [_child(args, "--_run", mode, form) for _ in range(args.repeat)]
+            rows.append((form, mode, min(runs, key=lambda r: r["seconds"])))
+    _print(rows)
 
 
 def _print(rows) -> None:

@@ -29,13 +29,6 @@ anonymous memory over the process's start minus the state's bytes; freed
 memory the allocator did not give back counts, as it does for the OS). On a
 GPU it also prints peak device memory from `jax` memory stats.
 
-With --checksums, it measures instead what the per-chunk `crc32c` of
-shardckpt's Orbax writers costs a restore: the `.weights.h5` is converted twice
-with `shardckpt.convert` (`--compression`), once as shipped and once with the
-checksum codec left out (patched out in the preparing process only), and
-`load_sharded` restores each, alternating, --repeat times; it prints the
-fastest and the median of each and their ratios.
-
 With --warm, each process touches and frees 2.5x the state's bytes just
 before its timed section (`_bench.warm_memory`): on VMs that hand free
 memory back to their host, pages touched for the first time since then cost
@@ -46,15 +39,21 @@ Usage:
     python tools/bench_restore.py [--blocks 12] [--dim 2048] [--workdir DIR]
     python tools/bench_restore.py --smoke      # a tiny model: checks the script runs
     python tools/bench_restore.py --checksums --repeat 5 [--compression zstd]
+
+With --checksums, it measures instead what the per-chunk `crc32c` of
+shardckpt's Orbax writers costs a restore: the `.weights.h5` is converted twice
+with `shardckpt.convert` (`--compression`), once as shipped and once with the
+checksum codec left out (patched out in the preparing process only), and
+`load_sharded` restores each, alternating, --repeat times; it prints the
+fastest and the median of each and their ratios.
 """
 
 from __future__ import annotations
 
-import argparse
 import os
-import tempfile
 import time
 
+import _bench as bench
 from _bench import PeakSampler, cpu_seconds, emit, rss_anon, run_child, setup_jax, warm_memory
 
 FORMATS = {"h5": "model.weights.h5", "orbax": "orbax", "safetensors": "model.safetensors"}
@@ -123,6 +122,8 @@ def prepare(args) -> None:
 
 def _convert_both(args) -> None:
     """The h5 converted by `shardckpt.convert` with and without the per-chunk crc32c."""
+    import shutil
+
     import shardckpt
     from shardckpt import _orbax
 
@@ -130,8 +131,6 @@ def _convert_both(args) -> None:
     for fmt, name in CHECKSUM_FORMATS.items():
         dst = os.path.join(args.workdir, name)
         if os.path.exists(dst):
-            import shutil
-
             shutil.rmtree(dst)
         with shardckpt.lazy_init():
             arch = build(args.blocks, args.dim)
@@ -198,8 +197,8 @@ def run(args) -> None:
     import numpy as np
 
     import shardckpt
+    from shardckpt.lazy import is_unloaded
     from shardckpt.restore import hostmem
-    from shardckpt.restore.lazy import is_unloaded
 
     path = os.path.join(args.workdir, FORMATS[args.format])
     out = {"read_s": plain_read(path)}
@@ -274,37 +273,28 @@ def _child(args, *extra) -> dict:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    bench.main(__doc__, options=_options, children={"--_prepare": (0, prepare), "--_run": (2, _run_child)},
+               run=_parent, smoke=SMOKE, prefix="bench_restore_", reuse=True)
+
+
+def _options(parser) -> None:
     parser.add_argument("--blocks", type=int, default=12)
     parser.add_argument("--dim", type=int, default=2048)
-    parser.add_argument("--workdir", default=None)
-    parser.add_argument("--repeat", type=int, default=1, help="runs per cell; the best is shown")
     parser.add_argument("--formats", default="h5,orbax,safetensors")
     parser.add_argument("--warm", action="store_true",
                         help="touch and free memory before each timed section (see _bench.warm_memory)")
-    parser.add_argument("--reuse", action="store_true", help="reuse the files already in --workdir")
-    parser.add_argument("--smoke", action="store_true", help="a tiny model, one run per cell (checks the script)")
     parser.add_argument("--checksums", action="store_true",
                         help="restore of convert's output with vs without the per-chunk crc32c")
     parser.add_argument("--compression", default="none", choices=("none", "zstd"),
                         help="--checksums: compression of both converted checkpoints")
-    parser.add_argument("--_prepare", action="store_true", help=argparse.SUPPRESS)
-    parser.add_argument("--_run", nargs=2, metavar=("MODE", "FORMAT"), help=argparse.SUPPRESS)
-    args = parser.parse_args()
-    if args.smoke:
-        vars(args).update(SMOKE)
-    if args._prepare:
-        prepare(args)
-        return
-    if args._run:
-        args.mode, args.format = args._run
-        run(args)
-        return
-    cleanup = None
-    if args.workdir is None:
-        cleanup = tempfile.TemporaryDirectory(prefix="bench_restore_")
-        args.workdir = cleanup.name
-    os.makedirs(args.workdir, exist_ok=True)
+
+
+def _run_child(args, mode: str, fmt: str) -> None:
+    args.mode, args.format = mode, fmt
+    run(args)
+
+
+def _parent(args) -> None:
     wanted = [FORMATS[f] for f in (CHECKSUM_FORMATS if args.checksums else args.formats.split(","))]
     if args.reuse and all(os.path.exists(os.path.join(args.workdir, f)) for f in wanted):
         info = {"params": _state_bytes(args) // 4}
@@ -314,8 +304,6 @@ def main() -> None:
           f"ModelParallel (1, all devices); workdir {args.workdir}")
     if args.checksums:
         _checksum_cost(args)
-        if cleanup:
-            cleanup.cleanup()
         return
     rows = []
     for fmt in args.formats.split(","):
@@ -340,8 +328,6 @@ def main() -> None:
     _print_table(rows)
     print("devices: " + ", ".join(sorted({r["devices"] for _, _, r in rows if "devices" in r})))
     emit({"rows": [{"format": fmt, "loader": mode, **r} for fmt, mode, r in rows]})
-    if cleanup:
-        cleanup.cleanup()
 
 
 def _checksum_cost(args) -> None:

@@ -29,17 +29,13 @@ minus its value at the start. The "none" row is training's own share.
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
 import shutil
 import statistics
-import subprocess
-import sys
-import tempfile
 import time
 
-from _bench import PeakSampler, rss_anon, setup_jax
+import _bench as bench
+from _bench import PeakSampler, rss_anon, run_child, setup_jax
 
 setup_jax(8)  # 8 simulated CPU devices, before JAX starts its backend
 
@@ -147,7 +143,7 @@ def run(name: str, args) -> dict:
     model = build(args.params, args.width)
     # Compile the train step outside the timed run.
     model.fit(x[: args.batch], y[: args.batch], batch_size=args.batch, epochs=1, verbose=0)
-    directory = os.path.join(args.dir, name)
+    directory = os.path.join(args.workdir, name)
     callbacks = []
     timed = None
     make = CALLBACKS[name]
@@ -186,36 +182,30 @@ def run(name: str, args) -> dict:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    bench.main(
+        __doc__, options=_options, run=_parent, prefix="bench_save_", repeat=None,
+        children={"--child": (None, lambda args, name: run(name, args))},
+        smoke={"params": 2e4, "width": 64, "steps": 4, "save_every": 2, "batch": 8},
+    )
+
+
+def _options(parser) -> None:
     parser.add_argument("--params", type=float, default=50e6)
     parser.add_argument("--width", type=int, default=2048)
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--save-every", type=int, default=10)
     parser.add_argument("--batch", type=int, default=16)
-    parser.add_argument("--dir", default=None, help="where checkpoints go (default: a temp folder)")
     parser.add_argument("--only", default=",".join(CALLBACKS), help="comma-separated runs")
-    parser.add_argument("--smoke", action="store_true", help="a tiny size, for the test")
-    parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
-    args = parser.parse_args()
-    if args.smoke:
-        args.params, args.width, args.steps, args.save_every, args.batch = 2e4, 64, 4, 2, 8
-    if args.child:
-        print("RESULT " + json.dumps(run(args.child, args)), flush=True)
-        return
-    root = args.dir or tempfile.mkdtemp(prefix="bench_save_")
-    results = []
-    for name in args.only.split(","):
-        # A fresh process per callback: no allocator or page-cache state carries over.
-        cmd = [sys.executable, os.path.abspath(__file__), "--child", name, "--params", str(args.params),
-               "--width", str(args.width), "--steps", str(args.steps), "--save-every", str(args.save_every),
-               "--batch", str(args.batch), "--dir", root]
-        proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
-        lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
-        if proc.returncode != 0 or not lines:
-            sys.stderr.write(proc.stderr[-4000:])
-            raise SystemExit(f"run {name} failed (exit {proc.returncode})")
-        results.append(json.loads(lines[-1][len("RESULT "):]))
-    shutil.rmtree(root, ignore_errors=True)
+
+
+def _parent(args) -> None:
+    # A fresh process per callback: no allocator or page-cache state carries over.
+    results = [
+        run_child(os.path.abspath(__file__), "--child", name, "--params", str(args.params), "--width",
+                  str(args.width), "--steps", str(args.steps), "--save-every", str(args.save_every),
+                  "--batch", str(args.batch), "--workdir", args.workdir)
+        for name in args.only.split(",")
+    ]
     report(results, args)
 
 

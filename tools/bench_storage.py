@@ -13,7 +13,7 @@ under `lazy_init()` and runs `load_sharded` from each copy: seconds, CPU
 seconds, and peak anonymous memory of the load over the final state (RssAnon
 sampled during the load; the servers' memory is theirs, in their own
 processes). h5 and safetensors files in buckets are read by byte ranges
-(`shardckpt.formats.remote`), never downloaded whole.
+(`shardckpt.storage.ranged`), never downloaded whole.
 
 The fake servers run on this machine, so the figures show shardckpt's own
 cost of reading through TensorStore's gcs / s3 drivers (HTTP, no disk
@@ -25,14 +25,13 @@ Usage:
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import subprocess
 import sys
-import tempfile
 import time
 
+import _bench as bench
 from _bench import ROOT, PeakSampler, cpu_seconds, emit, rss_anon, run_child
 
 if ROOT not in sys.path:
@@ -58,7 +57,7 @@ def prepare(args) -> None:
 
     files = {"h5": h5, "safetensors": os.path.join(args.workdir, "model.safetensors")}
     save_file({v.path: np.asarray(v.value) for v in model.weights}, files["safetensors"])
-    from shardckpt.formats import storage
+    from shardckpt import storage
 
     seconds = {}
     for name, (fmt, dst) in json.loads(args.targets).items():
@@ -145,27 +144,26 @@ def _start_servers(stack):
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    bench.main(__doc__, options=_options, children={"--_prepare": (None, _prepare), "--_run": (None, _run)},
+               run=_parent, smoke={"blocks": 1, "dim": 64}, prefix="bench_storage_")
+
+
+def _options(parser) -> None:
     parser.add_argument("--blocks", type=int, default=12)
     parser.add_argument("--dim", type=int, default=2048)
-    parser.add_argument("--repeat", type=int, default=1, help="runs per source; the fastest is shown")
-    parser.add_argument("--workdir", default=None)
-    parser.add_argument("--smoke", action="store_true", help="a tiny model (a test runs this)")
-    parser.add_argument("--_prepare", metavar="TARGETS", dest="targets", help=argparse.SUPPRESS)
-    parser.add_argument("--_run", metavar="SOURCE", dest="source", help=argparse.SUPPRESS)
-    args = parser.parse_args()
-    if args.smoke:
-        args.blocks, args.dim = 1, 64
-    if args.targets:
-        prepare(args)
-        return
-    if args.source:
-        run(args)
-        return
-    cleanup = None
-    if args.workdir is None:
-        cleanup = tempfile.TemporaryDirectory(prefix="bench_storage_")
-        args.workdir = cleanup.name
+
+
+def _prepare(args, targets: str) -> None:
+    args.targets = targets
+    prepare(args)
+
+
+def _run(args, source: str) -> None:
+    args.source = source
+    run(args)
+
+
+def _parent(args) -> None:
     stack: list = []
     try:
         servers = _start_servers(stack)
@@ -187,8 +185,6 @@ def main() -> None:
     finally:
         for stop in reversed(stack):
             stop()
-        if cleanup:
-            cleanup.cleanup()
     _print(rows)
     emit({"rows": [dict(r, source=name, convert_s=c) for name, _, c, r in rows]})
 

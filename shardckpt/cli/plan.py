@@ -18,7 +18,7 @@ from shardckpt.cli.devices import DEVICE_FLAG
 from shardckpt.convert.architecture import load_architecture
 from shardckpt.errors import ModelRequiredError
 from shardckpt.layout.mesh import check_device_count, parse_mesh
-from shardckpt.restore.lazy import lazy_init
+from shardckpt.lazy import lazy_init
 
 __all__ = ["parse_mesh", "run_plan"]
 

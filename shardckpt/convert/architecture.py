@@ -8,17 +8,15 @@ code runs. The model is built under `shardckpt.lazy_init()`: no weight memory.
 
 from __future__ import annotations
 
-import contextlib
 import importlib
 import json
 import os
 import zipfile
 from typing import Any
 
+from shardckpt import storage
 from shardckpt.errors import CheckpointNotFoundError, CorruptCheckpointError, ModelRequiredError
-from shardckpt.formats import storage
-from shardckpt.formats.remote import RemoteObject
-from shardckpt.restore.lazy import lazy_init
+from shardckpt.lazy import lazy_init
 
 
 def load_architecture(spec: str) -> Any:
@@ -35,16 +33,12 @@ def load_architecture(spec: str) -> Any:
 
     if spec.endswith(".keras"):
         location = storage.parse(spec)
-        source: Any = spec
-        if location.is_remote:
-            # In a bucket: the zip directory and config.json by byte ranges.
-            source = RemoteObject(location.url).open()
-        elif not os.path.isfile(spec):
+        if location.local_path is not None and not os.path.isfile(location.local_path):
             raise CheckpointNotFoundError(f"No .keras file at {spec!r}. Fix: check the --model path.")
         try:
-            with contextlib.closing(source) if location.is_remote else contextlib.nullcontext():
-                with zipfile.ZipFile(source) as archive:
-                    config = json.loads(archive.read("config.json"))
+            # In a bucket: the zip directory and config.json by byte ranges.
+            with storage.open_binary(location) as source, zipfile.ZipFile(source) as archive:
+                config = json.loads(archive.read("config.json"))
         except (zipfile.BadZipFile, KeyError, json.JSONDecodeError) as e:
             raise CorruptCheckpointError(
                 f"{spec!r} holds no readable config.json ({e}); it is not a Keras 3 .keras file "

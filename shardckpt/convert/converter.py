@@ -42,20 +42,19 @@ from typing import Any
 import numpy as np
 
 from shardckpt import budget as budgets
-from shardckpt import dtypes, state
+from shardckpt import dtypes, state, storage
 from shardckpt.convert import boxes, integrity
 from shardckpt.convert.architecture import load_architecture
-from shardckpt.errors import (
-    DestinationExistsError,
-    ModelRequiredError,
-    UnknownFormatError,
-)
-from shardckpt.formats import detect_format, open_reader, storage
+from shardckpt.errors import DestinationExistsError, ModelRequiredError, UnknownFormatError
+from shardckpt.formats import FORMATS, detect_format, open_reader
 from shardckpt.formats.base import MappedReader, Reader
 from shardckpt.formats.orbax import writer as orbax_writer
 from shardckpt.formats.orbax.writer import COMPRESSIONS, DEFAULT_COMPRESSION, OrbaxStepWriter
+from shardckpt.layout.auto import auto_layout
+from shardckpt.lazy import is_unloaded, original_initializer
 from shardckpt.progress import ByteProgress, format_bytes, format_rate
 from shardckpt.restore import keys as naming
+from shardckpt.restore.targets import resolve_layout
 from shardckpt.types import DType, Layout, Mesh, Model
 
 
@@ -66,7 +65,7 @@ class ConvertReport:
     Attributes:
         src: The source file.
         dst: The Orbax step folder written.
-        format: The source format ("h5", "keras", "safetensors").
+        format: The source format's name in `shardckpt.formats.FORMATS`.
         arrays: Arrays written.
         bytes_read: Bytes of array data read from the source.
         bytes_on_disk: Size of `dst` on disk (in a bucket: its objects' summed sizes, see `storage.du`).
@@ -200,19 +199,17 @@ def convert(
     if compression not in COMPRESSIONS:
         raise ValueError(f"compression must be one of {COMPRESSIONS}. Received: compression={compression!r}")
     max_inflight_bytes = budgets.resolve(max_inflight_bytes)
-    if max_inflight_bytes < 4096:
-        raise ValueError(f"max_inflight_bytes must be at least 4096. Received: {max_inflight_bytes}")
     if storage.exists(dst_location) and not force:
         raise DestinationExistsError(
             f"{dst!r} already exists. Fix: choose another destination, remove it, or pass "
             "force=True (--force) to replace it once the new checkpoint is complete."
         )
     target_dtype = dtypes.float_dtype(dtype)
-    if model is None and detect_format(src) == "hf":
-        from shardckpt.presets import hf  # a Hugging Face folder names its architecture
-
-        model = hf.build(src)
-    reader = open_reader(src, model=model)
+    if model is None:
+        architecture = FORMATS[detect_format(src_location)].architecture
+        if architecture is not None:  # a Hugging Face folder names its model
+            model = architecture(src)
+    reader = open_reader(src_location, model=model, task=None if model is None else naming.is_task(model))
     try:
         if reader.format == "orbax":
             raise UnknownFormatError(
@@ -224,7 +221,7 @@ def convert(
         report = ConvertReport(src=src, dst=dst, format=reader.format, compression=compression)
         items = _match(reader, model, report, target_dtype, _shard_fn(model, layout, mesh))
         report.casts = [f"{i.src_key}: {i.stored} -> {i.target}" for i in items if i.stored != i.target]
-        if dst_location.is_remote:
+        if not storage.backend(dst_location).renames:  # no atomic rename: write in place, commit last
             _write_to_bucket(reader, items, dst_location, report, max_inflight_bytes, force, progress)
         else:
             _write_atomically(reader, items, dst, report, max_inflight_bytes, force, progress)
@@ -251,11 +248,7 @@ def _shard_fn(model: Any, layout: Any, mesh: Any) -> Any:
     if layout is None and mesh is None:
         return None
     if layout is None:
-        from shardckpt.layout.auto import auto_layout
-
         layout = auto_layout(model, mesh)
-    from shardckpt.restore.targets import resolve_layout
-
     target = resolve_layout(layout)
     return lambda variable: tuple(target(variable).sharding.shard_shape(tuple(variable.shape)))
 
@@ -298,8 +291,6 @@ def _match(reader: Reader, model: Any, report: ConvertReport, target: np.dtype |
 
 
 def _initial_value(variable: Any) -> np.ndarray:
-    from shardckpt.restore.lazy import is_unloaded, original_initializer
-
     if is_unloaded(variable):
         value = original_initializer(variable)(tuple(variable.shape), variable.dtype)
     else:

@@ -41,7 +41,7 @@ class CheckpointInfo:
 
     Attributes:
         path: The file or folder described (for Orbax: the step folder).
-        format: "h5", "keras", "orbax" or "safetensors".
+        format: The format's name in `shardckpt.formats.FORMATS` ("h5", "orbax", ...).
         step: The Orbax step described, else None.
         steps: Every committed step of the Orbax root, ascending ([] otherwise).
         incomplete: Names of half-written Orbax steps (ignored by restore).

@@ -14,7 +14,6 @@ public `ocp.metadata(step)`; Keras and Orbax ignore it.
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 import zlib
 from collections.abc import Callable
@@ -56,11 +55,13 @@ def read_checksums(step_dir: str) -> dict[str, dict[str, Any]] | None:
 
     location = storage.parse(step_dir)
     try:
-        if location.is_remote:  # Orbax reads metadata through epath, which has no s3://
-            data = storage.read_bytes(location.join(ondisk.STEP_METADATA))
-            if data is None:
+        if location.local_path is None:  # Orbax reads metadata through epath, which has no s3://
+            step = storage.read_json(
+                location.join(ondisk.STEP_METADATA), fix="restore another step or re-convert.", missing_ok=True
+            )
+            if step is None:
                 return None
-            meta = json.loads(data).get("custom_metadata") or {}
+            meta = step.get("custom_metadata") or {}
         else:
             meta = ocp.metadata(step_dir).custom_metadata or {}
     except FileNotFoundError:
@@ -81,7 +82,7 @@ class VerifyReport:
 
     Attributes:
         path: The checkpoint checked (for Orbax: the step folder).
-        format: "h5", "keras", "orbax" or "safetensors".
+        format: The format's name in `shardckpt.formats.FORMATS` ("h5", "orbax", ...).
         arrays: Arrays read back.
         bytes_read: Bytes of array data read.
         checksummed: Arrays whose checksum was compared (0: none stored).

@@ -23,10 +23,9 @@ import h5py
 import ml_dtypes
 import numpy as np
 
+from shardckpt import storage
 from shardckpt.errors import CheckpointNotFoundError, CorruptCheckpointError, ShardckptError
-from shardckpt.formats import storage
 from shardckpt.formats.base import ArraySpec, Box, MappedReader, region
-from shardckpt.formats.remote import RemoteObject
 
 _KERAS_WEIGHTS_MEMBER = "model.weights.h5"
 _ZIP_LOCAL_HEADER = struct.Struct("<IHHHHHIIIHH")  # zip local file header, 30 bytes
@@ -52,7 +51,7 @@ class H5Reader(MappedReader):
 
     Args:
         path: A `.weights.h5` file or a `.keras` archive, local or a
-            `gs://` / `s3://` URL (read by byte ranges, see `remote`).
+            `gs://` / `s3://` URL (read by byte ranges, see `storage.ranged`).
 
     Raises:
         CheckpointNotFoundError: `path` does not exist.
@@ -62,12 +61,13 @@ class H5Reader(MappedReader):
 
     format = "h5"
 
-    def __init__(self, path: str) -> None:
+    def __init__(self, path: str | storage.Location) -> None:
         location = storage.parse(path)
-        # A bucket object is read by byte ranges (`remote`): h5py and zipfile
-        # see a file object over it, arrays are read box by box.
-        self._remote = RemoteObject(location.url) if location.is_remote else None
-        self.path = location.url if location.is_remote else os.fspath(path)
+        # An object in a store is read by byte ranges (`storage.ranged`): h5py
+        # and zipfile see a file object over it, arrays are read box by box.
+        local = location.local_path
+        self._remote = None if local is not None else storage.backend(location).ranged(location)
+        self.path = location.url if local is None or isinstance(path, storage.Location) else os.fspath(path)
         self._zip: zipfile.ZipFile | None = None
         self._member = None
         self._file: Any = None
@@ -175,7 +175,7 @@ class H5Reader(MappedReader):
         entry = self._datasets[key]
         spec = entry.spec
         if entry.offset is not None and self._remote is not None:
-            return self._remote.read_box(entry.offset, spec, box)
+            return self._remote.read_box(entry.offset, spec.shape, spec.dtype, box)
         if entry.offset is not None and self._map is not None:
             whole = np.ndarray(spec.shape, spec.dtype, buffer=self._map, offset=entry.offset)
             return region(whole, box)
@@ -185,7 +185,7 @@ class H5Reader(MappedReader):
         entry = self._datasets[key]
         spec = entry.spec
         if entry.offset is not None and self._remote is not None:
-            return self._remote.read_box(entry.offset, spec, box)
+            return self._remote.read_box(entry.offset, spec.shape, spec.dtype, box)
         if entry.offset is not None and self._map is not None:
             return np.array(self.view(key, box), copy=True, order="C")
         try:

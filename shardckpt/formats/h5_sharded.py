@@ -20,13 +20,12 @@ variable.
 
 from __future__ import annotations
 
-import json
 import os
 
 import numpy as np
 
-from shardckpt.errors import CheckpointNotFoundError, CorruptCheckpointError, ShardckptError
-from shardckpt.formats import storage
+from shardckpt import storage
+from shardckpt.errors import CheckpointNotFoundError, CorruptCheckpointError
 from shardckpt.formats.base import ArraySpec, Box, MappedReader
 from shardckpt.formats.h5 import H5Reader
 
@@ -44,16 +43,18 @@ class ShardedH5Reader(MappedReader):
             in the shard the index names; or a shard is damaged.
     """
 
-    format = "h5"
+    format = "h5-sharded"
 
-    def __init__(self, path: str) -> None:
+    def __init__(self, path: str | storage.Location) -> None:
         location = storage.parse(path)
-        self._remote = location.is_remote
-        self.path = location.url if self._remote else os.fspath(path)
-        if not self._remote and not os.path.isfile(self.path):
+        local = location.local_path
+        self._local = local is not None
+        self.path = location.url if local is None or isinstance(path, storage.Location) else os.fspath(path)
+        if local is not None and not os.path.isfile(local):
             raise CheckpointNotFoundError(f"No sharded weights index at {self.path!r}.")
-        weight_map = _read_index(self.path)
-        folder = location.parent.url if self._remote else os.path.dirname(os.path.realpath(self.path))
+        weight_map = _read_index(location)
+        # Local shards are checked after resolving links; object keys have none.
+        folder = os.path.dirname(os.path.realpath(local)) if local is not None else location.parent.url
         self._shards: dict[str, H5Reader] = {}
         self._where: dict[str, H5Reader] = {}
         try:
@@ -68,7 +69,7 @@ class ShardedH5Reader(MappedReader):
     def _open(self, folder: str, group: str, name: str) -> H5Reader:
         if name in self._shards:
             return self._shards[name]
-        if self._remote:
+        if not self._local:
             return self._open_remote(folder, group, name)
         full = os.path.realpath(os.path.join(folder, name))
         if os.path.isabs(name) or os.path.commonpath([folder, full]) != folder:
@@ -127,11 +128,6 @@ class ShardedH5Reader(MappedReader):
                 )
             self._where[key] = shard
 
-    @property
-    def files(self) -> list[str]:
-        """The shard files, as the index names them."""
-        return list(self._shards)
-
     def keys(self) -> list[str]:
         return list(self._where)
 
@@ -152,21 +148,10 @@ class ShardedH5Reader(MappedReader):
         self._where.clear()
 
 
-def _read_index(path: str) -> dict[str, list[str]]:
+def _read_index(location: storage.Location) -> dict[str, list[str]]:
     """Returns the index's weight map, every value as a list of file names."""
-    try:
-        # A local file or an object; typed storage errors (403, no bucket) go up as they are.
-        data = storage.read_bytes(storage.parse(path))
-        index = None if data is None else json.loads(data)
-    except ShardckptError:
-        raise
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise CorruptCheckpointError(
-            f"Cannot read the sharded weights index {path!r}: {e}. Fix: re-save the "
-            "weights with model.save_weights(..., max_shard_size=...)."
-        ) from e
-    if data is None:
-        raise CheckpointNotFoundError(f"No sharded weights index at {path!r}.")
+    path = location.url
+    index = storage.read_json(location, fix="re-save the weights with model.save_weights(..., max_shard_size=...).")
     weight_map = index.get("weight_map") if isinstance(index, dict) else None
     if not isinstance(weight_map, dict):
         raise CorruptCheckpointError(
@@ -186,16 +171,15 @@ def _read_index(path: str) -> dict[str, list[str]]:
     return out
 
 
-def is_sharded_index(path: str) -> bool:
+def is_sharded_index(path: str | storage.Location) -> bool:
     """True for a JSON file with a `weight_map` of `.h5` files (a Keras index)."""
-    if path.endswith(".weights.json"):
+    location = storage.parse(path)
+    if location.endswith(".weights.json"):
         return True
     try:
-        data = storage.read_bytes(storage.parse(path))
-        index = None if data is None else json.loads(data)
-    except ShardckptError:
-        raise  # a bucket's refusal (403, no bucket) is no answer to "is it an index?"
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        # A bucket's refusal (403, no bucket) is no answer: its typed error goes up.
+        index = storage.read_json(location, fix="", missing_ok=True)
+    except (CorruptCheckpointError, IsADirectoryError):
         return False
     weight_map = index.get("weight_map") if isinstance(index, dict) else None
     if not isinstance(weight_map, dict) or not weight_map:

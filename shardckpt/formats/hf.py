@@ -13,15 +13,13 @@ the box's elements come from. The remaps come from keras-hub's converters
 
 from __future__ import annotations
 
-import json
-import os
 from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
 
-from shardckpt.errors import CheckpointNotFoundError, CorruptCheckpointError, ShardckptError
-from shardckpt.formats import storage
+from shardckpt import storage
+from shardckpt.errors import CheckpointNotFoundError, CorruptCheckpointError
 from shardckpt.formats.base import ArraySpec, Box, MappedReader, full_box, strided
 from shardckpt.formats.safetensors import SafetensorsReader
 
@@ -30,78 +28,52 @@ SINGLE = "model.safetensors"
 INDEX = "model.safetensors.index.json"
 
 
-def _join(folder: str, name: str) -> str:
-    location = storage.parse(folder)
-    return location.join(name).url if location.is_remote else os.path.join(folder, name)
-
-
-def _read_json(path: str) -> Any:
-    """`path` (local or in a bucket) parsed as JSON; None when it does not exist."""
-    location = storage.parse(path)
-    if location.is_remote:
-        data = storage.read_bytes(location)  # small files: read whole
-        return None if data is None else json.loads(data)
-    if not os.path.isfile(path):
-        return None
-    with open(path) as f:
-        return json.load(f)
-
-
-def is_hf_folder(path: str) -> bool:
+def is_hf_folder(path: str | storage.Location) -> bool:
     """True for a folder with a Hugging Face `config.json` and safetensors weights."""
     location = storage.parse(path)
-    if location.is_remote:
-        names = set(storage.listdir(location))
-        if CONFIG not in names or not names & {SINGLE, INDEX}:
-            return False
-    else:
-        config = os.path.join(path, CONFIG)
-        if not os.path.isdir(path) or not os.path.isfile(config):
-            return False
-        if not (os.path.isfile(os.path.join(path, SINGLE)) or os.path.isfile(os.path.join(path, INDEX))):
-            return False
     try:
-        return "model_type" in _read_json(_join(path, CONFIG))
-    except ShardckptError:
-        raise  # a bucket's refusal is no answer to "is it a Hugging Face folder?"
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError, TypeError):
+        names = set(storage.listdir(location))  # one listing (a request, in a bucket)
+    except (NotADirectoryError, FileNotFoundError):
+        return False  # a local file, or nothing
+    if CONFIG not in names or not names & {SINGLE, INDEX}:
         return False
+    try:
+        config = storage.read_json(location.join(CONFIG), fix="re-download the folder.", missing_ok=True)
+    except CorruptCheckpointError:
+        return False  # no JSON: not a Hugging Face config
+    return isinstance(config, dict) and "model_type" in config
 
 
-def read_config(folder: str) -> dict:
+def read_config(folder: str | storage.Location) -> dict:
     """The folder's `config.json`.
 
     Raises:
         CheckpointNotFoundError: there is none.
         CorruptCheckpointError: it is not a JSON object with a `model_type`.
     """
-    path = _join(folder, CONFIG)
-    try:
-        config = _read_json(path)
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise CorruptCheckpointError(f"{path!r} is not valid JSON ({e}). Fix: re-download the folder.") from e
+    location = storage.parse(folder)
+    path = location.join(CONFIG)
+    config = storage.read_json(path, fix="re-download the folder.", missing_ok=True)
     if config is None:
-        raise CheckpointNotFoundError(f"No {CONFIG} in {folder!r}: not a Hugging Face folder.")
+        raise CheckpointNotFoundError(f"No {CONFIG} in {location.url!r}: not a Hugging Face folder.")
     if not isinstance(config, dict) or "model_type" not in config:
         raise CorruptCheckpointError(
-            f"{path!r} has no 'model_type': not a Hugging Face model config. Fix: pass the "
+            f"{path.url!r} has no 'model_type': not a Hugging Face model config. Fix: pass the "
             "folder of a model saved by transformers (config.json + safetensors)."
         )
     return config
 
 
-def open_tensors(folder: str) -> SafetensorsReader:
+def open_tensors(folder: str | storage.Location) -> SafetensorsReader:
     """The folder's stored tensors: the index set if there is one, else `model.safetensors`."""
     location = storage.parse(folder)
-    if location.is_remote:
-        has_index = INDEX in storage.listdir(location)
-    else:
-        has_index = os.path.isfile(os.path.join(folder, INDEX))
-    return SafetensorsReader(_join(folder, INDEX if has_index else SINGLE))
+    has_index = INDEX in storage.listdir(location)
+    return SafetensorsReader(location.join(INDEX if has_index else SINGLE))
 
 
-def safetensors_index(folder: str) -> Any:
-    return _read_json(_join(folder, INDEX))
+def safetensors_index(folder: str | storage.Location) -> Any:
+    """The folder's `model.safetensors.index.json`, or None."""
+    return storage.read_json(storage.parse(folder).join(INDEX), fix="re-download the folder.", missing_ok=True)
 
 
 class HFReader(MappedReader):
@@ -123,15 +95,15 @@ class HFReader(MappedReader):
 
     format = "hf"
 
-    def __init__(self, folder: str, tensors: SafetensorsReader, remaps: Mapping[str, Any]) -> None:
-        self.path = folder
+    def __init__(self, folder: str | storage.Location, tensors: SafetensorsReader, remaps: Mapping[str, Any]) -> None:
+        self.path = str(folder)
         self._tensors = tensors
         self._remaps = dict(remaps)
         self._stored_cache: dict[str, np.ndarray] = {}
 
     def _stored(self, key: str, first: int, shape: tuple[int, ...], strides: tuple[int, ...]) -> np.ndarray:
         """Elements of stored tensor `key` as `hf_remap.Fetch` describes them."""
-        if self._tensors.is_remote(key):
+        if not self._tensors.is_mapped(key):
             return self._tensors.read_strided(key, first, shape, strides)  # ranged reads of just those
         # A read-only view of the memory map: no bytes are read here.
         flat = self._stored_cache.get(key)

@@ -17,14 +17,13 @@ import os
 
 import numpy as np
 
+from shardckpt import storage
 from shardckpt.errors import CheckpointNotFoundError
-from shardckpt.formats import storage
 from shardckpt.formats.base import ArraySpec, Box, MappedReader
 from shardckpt.formats.h5 import H5Reader
 from shardckpt.formats.h5_sharded import ShardedH5Reader
 
 CONFIG_FILE = "config.json"
-METADATA_FILE = "metadata.json"
 TASK_CONFIG_FILE = "task.json"
 MODEL_WEIGHTS = "model.weights.h5"
 SHARDED_MODEL_WEIGHTS = "model.weights.json"
@@ -33,38 +32,35 @@ BACKBONE_PREFIX = "model/"
 TASK_PREFIX = "task/"
 
 
-def has_files(folder: str, *names: str) -> list[bool]:
-    """Whether each of `names` is a file in `folder` (a local folder or a bucket prefix)."""
+def has_files(folder: str | storage.Location, *names: str) -> list[bool]:
+    """Whether each of `names` is a file in `folder` (one listing for all names)."""
     location = storage.parse(folder)
-    if location.is_remote:
-        listed = set(storage.listdir(location))  # one request for all names
-        return [name in listed for name in names]
-    return [os.path.isfile(os.path.join(folder, name)) for name in names]
+    local = location.local_path
+    if local is not None:
+        return [os.path.isfile(os.path.join(local, name)) for name in names]
+    listed = set(storage.listdir(location))  # objects: one request for all names
+    return [name in listed for name in names]
 
 
-def join(folder: str, name: str) -> str:
-    """`folder/name` for a local folder or a bucket URL."""
-    location = storage.parse(folder)
-    return location.join(name).url if location.is_remote else os.path.join(folder, name)
-
-
-def is_preset_dir(path: str) -> bool:
+def is_preset_dir(path: str | storage.Location) -> bool:
     """True for a folder with `config.json` and the backbone's weights."""
     config, single, sharded = has_files(path, CONFIG_FILE, MODEL_WEIGHTS, SHARDED_MODEL_WEIGHTS)
     return config and (single or sharded)
 
 
-def backbone_weights(folder: str) -> str:
+def backbone_weights(folder: str | storage.Location) -> storage.Location:
     """The backbone's weights file of a preset (single file first, as keras-hub).
 
     Raises:
         CheckpointNotFoundError: the folder has neither weights file.
     """
-    for name, found in zip((MODEL_WEIGHTS, SHARDED_MODEL_WEIGHTS), has_files(folder, MODEL_WEIGHTS, SHARDED_MODEL_WEIGHTS), strict=True):
+    location = storage.parse(folder)
+    names = (MODEL_WEIGHTS, SHARDED_MODEL_WEIGHTS)
+    for name, found in zip(names, has_files(location, *names), strict=True):
         if found:
-            return join(folder, name)
+            return location.join(name)
     raise CheckpointNotFoundError(
-        f"The preset folder {folder!r} has neither {MODEL_WEIGHTS!r} nor "
+        f"The preset folder {location.url!r} has neither {MODEL_WEIGHTS!r} nor "
         f"{SHARDED_MODEL_WEIGHTS!r}. Fix: pass a folder written by keras-hub's "
         "save_to_preset, with its weights files."
     )
@@ -82,31 +78,20 @@ class PresetReader(MappedReader):
 
     format = "preset"
 
-    def __init__(self, path: str, *, task: bool | None = None) -> None:
+    def __init__(self, path: str | storage.Location, *, task: bool | None = None) -> None:
         location = storage.parse(path)
-        self.path = location.url if location.is_remote else os.fspath(path)
-        weights = backbone_weights(self.path)
+        self.path = location.url if location.local_path is None or isinstance(path, storage.Location) else os.fspath(path)
+        weights = backbone_weights(location)
         self._parts: list[tuple[str, H5Reader | ShardedH5Reader]] = []
         try:
             reader = ShardedH5Reader(weights) if weights.endswith(".json") else H5Reader(weights)
             self._parts.append((BACKBONE_PREFIX, reader))
-            task_path = join(self.path, TASK_WEIGHTS)
-            if (task is None or task) and has_files(self.path, TASK_WEIGHTS)[0]:
-                self._parts.append((TASK_PREFIX, H5Reader(task_path)))
+            if (task is None or task) and has_files(location, TASK_WEIGHTS)[0]:
+                self._parts.append((TASK_PREFIX, H5Reader(location.join(TASK_WEIGHTS))))
         except BaseException:
             self.close()
             raise
         self._where = {prefix + key: (reader, key) for prefix, reader in self._parts for key in reader.keys()}
-
-    @property
-    def files(self) -> list[str]:
-        """The weights files read, relative to the folder."""
-        out = []
-        for _, reader in self._parts:
-            names = getattr(reader, "files", None)
-            out.append(os.path.basename(reader.path))
-            out += list(names or [])
-        return out
 
     def keys(self) -> list[str]:
         return list(self._where)

@@ -18,23 +18,22 @@ from typing import Any
 
 import numpy as np
 
+from shardckpt import storage
 from shardckpt.errors import CheckpointNotFoundError, CorruptCheckpointError
-from shardckpt.formats import storage
 from shardckpt.formats.base import DTYPES, ArraySpec, Box, MappedReader, region, strided
-from shardckpt.formats.remote import RemoteObject
 
 _MAX_HEADER = 100 * 1024 * 1024  # the reference implementation's own limit
 
 
 class _File:
-    def __init__(self, path: str) -> None:
+    def __init__(self, location: storage.Location, path: str) -> None:
         self.path = path
         self.map: mmap.mmap | None = None
-        self.remote: RemoteObject | None = None
+        self.remote: Any = None
         self._fh: Any = None
-        if storage.parse(path).is_remote:
-            # In a bucket: the header by two ranged reads, arrays box by box.
-            self.remote = RemoteObject(path)
+        if location.local_path is None:
+            # In a store: the header by two ranged reads, arrays box by box.
+            self.remote = storage.backend(location).ranged(location)
             head = self.remote.read(0, 8)
             n = int.from_bytes(head, "little")
             if n > _MAX_HEADER:
@@ -111,21 +110,18 @@ class SafetensorsReader(MappedReader):
 
     format = "safetensors"
 
-    def __init__(self, path: str) -> None:
+    def __init__(self, path: str | storage.Location) -> None:
         location = storage.parse(path)
-        self.path = location.url if location.is_remote else os.fspath(path)
+        local = location.local_path
+        self.path = location.url if local is None or isinstance(path, storage.Location) else os.fspath(path)
         self._files: dict[str, _File] = {}
         self._where: dict[str, _File] = {}
         if self.path.endswith(".json"):
-            data = _read(location) if location.is_remote else None
-            if data is None and (location.is_remote or not os.path.isfile(self.path)):
+            data = storage.read_bytes(location) if local is None or os.path.isfile(local) else None
+            if data is None:
                 raise CheckpointNotFoundError(f"No safetensors index at {self.path!r}.")
             try:
-                if data is None:
-                    with open(self.path) as f:
-                        weight_map = json.load(f)["weight_map"]
-                else:
-                    weight_map = json.loads(data)["weight_map"]
+                weight_map = json.loads(data)["weight_map"]
             except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError) as e:
                 raise CorruptCheckpointError(
                     f"{self.path!r} is not a safetensors index (needs a 'weight_map' "
@@ -133,7 +129,7 @@ class SafetensorsReader(MappedReader):
                 ) from e
             folder = location.parent
             for key, name in weight_map.items():
-                file = self._open(folder.join(name).url if location.is_remote else os.path.join(folder.path, name))
+                file = self._open(folder.join(name))
                 if key not in file.entries:
                     raise CorruptCheckpointError(
                         f"Index {self.path!r} puts {key!r} in {name!r}, which has no "
@@ -141,13 +137,14 @@ class SafetensorsReader(MappedReader):
                     )
                 self._where[key] = file
         else:
-            file = self._open(self.path)
+            file = self._open(location, self.path)
             self._where = {k: file for k in file.entries}
 
-    def _open(self, path: str) -> _File:
+    def _open(self, location: storage.Location, path: str | None = None) -> _File:
+        path = location.url if path is None else path
         if path not in self._files:
             try:
-                self._files[path] = _File(path)
+                self._files[path] = _File(location, path)
             except BaseException:
                 self.close()
                 raise
@@ -167,7 +164,7 @@ class SafetensorsReader(MappedReader):
         file = self._where[key]
         spec, offset = file.entries[key]
         if file.remote is not None:
-            return file.remote.read_box(offset, spec, box)
+            return file.remote.read_box(offset, spec.shape, spec.dtype, box)
         if file.map is None or spec.nbytes == 0:
             return region(np.zeros(spec.shape, spec.dtype), box)
         return region(np.ndarray(spec.shape, spec.dtype, buffer=file.map, offset=offset), box)
@@ -177,9 +174,9 @@ class SafetensorsReader(MappedReader):
             return self.view(key, box)  # already a fresh array
         return np.array(self.view(key, box), copy=True, order="C")
 
-    def is_remote(self, key: str) -> bool:
-        """True when `key` lives in a bucket object (no memory map)."""
-        return self._where[key].remote is not None
+    def is_mapped(self, key: str) -> bool:
+        """True when `key` lives in a memory-mapped file (not read by ranges)."""
+        return self._where[key].remote is None
 
     def read_strided(self, key: str, first: int, shape: tuple[int, ...], strides: tuple[int, ...]) -> np.ndarray:
         """`key.flat[first + i . strides]` for each index `i` of `shape` (strides in
@@ -195,6 +192,3 @@ class SafetensorsReader(MappedReader):
             file.close()
         self._files.clear()
 
-
-def _read(location: storage.Location) -> bytes | None:
-    return storage.read_bytes(location)

@@ -21,7 +21,7 @@ from shardckpt.layout.auto import auto_layout
 from shardckpt.layout.mesh import resolve_mesh
 from shardckpt.layout.plan import LayoutPlan
 from shardckpt.layout.rules import RulesLike
-from shardckpt.restore.lazy import is_unloaded
+from shardckpt.lazy import is_unloaded
 from shardckpt.types import Mesh, Model
 
 # Module-level alias so that tests can observe every placement (peak memory).

@@ -27,7 +27,9 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from shardckpt.errors import MissingDependencyError, UnsupportedModelError
+from shardckpt import _keras_hub, storage
+from shardckpt.errors import CheckpointMismatchError, MissingDependencyError, UnsupportedModelError
+from shardckpt.formats import registry
 from shardckpt.formats.hf import (
     HFReader,
     is_hf_folder,
@@ -35,8 +37,9 @@ from shardckpt.formats.hf import (
     read_config,
     safetensors_index,
 )
+from shardckpt.lazy import is_unloaded, lazy_init, original_initializer
+from shardckpt.presets.hf_record import MissingTensorError, record
 from shardckpt.presets.hf_remap import Unsupported
-from shardckpt.restore.lazy import is_unloaded, lazy_init, original_initializer
 
 __all__ = ["build", "initialize_states", "is_hf_folder", "open_reader", "preset_loader"]
 
@@ -47,14 +50,13 @@ _DATA_CONVERTERS = {"phi3": "shardckpt.presets.hf_phi3"}
 
 
 def _DataLoader(folder: str, config: dict, converter: Any) -> Any:
-    from keras_hub.src.utils.preset_utils import PresetLoader
-    from keras_hub.src.utils.transformers.preset_loader import TransformersPresetLoader
+    preset_loader_cls, transformers_loader_cls = _keras_hub.preset_loaders()
 
-    class Loader(TransformersPresetLoader):
+    class Loader(transformers_loader_cls):  # type: ignore[misc,valid-type]
         # keras-hub's loader (config conversion, backbone construction) with
         # the converter chosen here instead of by keras-hub's dispatch.
         def __init__(self) -> None:
-            PresetLoader.__init__(self, folder, config)
+            preset_loader_cls.__init__(self, folder, config)
             self.converter = converter
 
     return Loader()
@@ -68,9 +70,7 @@ def preset_loader(folder: str, config: dict | None = None) -> Any:
         UnsupportedModelError: keras-hub has no converter for the `model_type`.
     """
     try:
-        from keras_hub.src.utils.transformers.preset_loader import (
-            TransformersPresetLoader,
-        )
+        _, TransformersPresetLoader = _keras_hub.preset_loaders()
     except ImportError as e:
         raise MissingDependencyError(
             f"Loading the Hugging Face folder {folder!r} needs keras-hub (its model classes "
@@ -136,14 +136,12 @@ def initialize_states(model: Any) -> None:
     for variable in model.variables:
         if id(variable) not in weights and is_unloaded(variable):
             initializer = original_initializer(variable)
-            variable._initializer = None  # lazy_init's sentinel; see restore.lazy
+            variable._initializer = None  # lazy_init's sentinel; see shardckpt.lazy
             variable._initialize_with_initializer(initializer)
 
 
 def remaps(model: Any, folder: str, tensors: Any) -> dict[str, Any]:
     """`variable.path -> hf_remap.Tensor` for `model` from keras-hub's converter."""
-    from shardckpt.presets.hf_record import MissingTensorError, record
-
     loader = preset_loader(folder)
     stored = {k: tensors.spec(k) for k in tensors.keys()}  # noqa: SIM118 (a Reader, not a dict)
     try:
@@ -155,18 +153,21 @@ def remaps(model: Any, folder: str, tensors: Any) -> dict[str, Any]:
             "or convert it there and save with save_to_preset."
         ) from e
     except MissingTensorError as e:
-        from shardckpt.errors import CheckpointMismatchError
-
         raise CheckpointMismatchError(folder, missing=[str(e.args[0])], fmt="hf") from e
     return {variable.path: value for variable, value in recorded.assigned.values()}
 
 
-def open_reader(folder: str | os.PathLike, model: Any) -> HFReader:
+def open_reader(folder: str | os.PathLike | storage.Location, model: Any) -> HFReader:
     """The `Reader` of a Hugging Face folder as `model`'s variables."""
-    folder = os.fspath(folder)
+    folder = folder.url if isinstance(folder, storage.Location) else os.fspath(folder)
     tensors = open_tensors(folder)
     try:
         return HFReader(folder, tensors, remaps(model, folder, tensors))
     except BaseException:
         tensors.close()
         raise
+
+
+# The formats' table reads Hugging Face folders through this module (it
+# needs the model and keras-hub's converters, which live above the formats).
+registry.provide("hf", reader=lambda location, *, model, **_: open_reader(location, model), architecture=build)

@@ -15,11 +15,11 @@ from typing import Any
 
 import numpy as np
 
+from shardckpt import _keras_hub
+
 
 def _backbone_cls() -> Any:
-    from keras_hub.src.models.phi3.phi3_backbone import Phi3Backbone
-
-    return Phi3Backbone
+    return _keras_hub.phi3_backbone()
 
 
 def __getattr__(name: str) -> Any:  # keras-hub is imported only when used

@@ -21,6 +21,7 @@ import contextlib
 from collections.abc import Iterator, Mapping
 from typing import Any, Self
 
+from shardckpt import _keras_hub
 from shardckpt.formats.base import ArraySpec
 from shardckpt.presets.hf_remap import Strided, Tensor, Unsupported
 
@@ -48,11 +49,9 @@ class RecordingLoader:
         self.used: set[str] = set()
 
     def get_prefixed_key(self, hf_weight_key: str, dict_like: Any) -> str:
-        from keras_hub.src.utils.transformers.safetensor_utils import SafetensorLoader
-
         # keras-hub's resolution (exact, cached prefix, then suffix match),
         # called on this object: it only reads and sets `self.prefix`.
-        return SafetensorLoader.get_prefixed_key(self, hf_weight_key, dict_like)
+        return _keras_hub.safetensor_loader().get_prefixed_key(self, hf_weight_key, dict_like)
 
     def get_tensor(self, hf_weight_key: str) -> Tensor:
         key = self.get_prefixed_key(hf_weight_key, self._stored)

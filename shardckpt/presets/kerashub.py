@@ -20,9 +20,8 @@ import tempfile
 from collections.abc import Iterator
 from typing import Any
 
-from shardckpt import _keras
+from shardckpt import _keras, _keras_hub, storage
 from shardckpt.errors import CheckpointNotFoundError, CorruptCheckpointError, MissingDependencyError
-from shardckpt.formats import storage
 from shardckpt.formats.preset import (
     CONFIG_FILE,
     MODEL_WEIGHTS,
@@ -30,7 +29,7 @@ from shardckpt.formats.preset import (
     TASK_CONFIG_FILE,
     TASK_WEIGHTS,
 )
-from shardckpt.restore.lazy import lazy_init
+from shardckpt.lazy import lazy_init
 
 # keras-hub handles resolved through keras-hub's download cache.
 HANDLE_SCHEMES = ("kaggle", "hf", "modelscope")
@@ -55,15 +54,11 @@ def read_json(folder: str, name: str) -> dict[str, Any]:
         CheckpointNotFoundError: no such file or object.
         CorruptCheckpointError: not valid JSON, or not an object.
     """
-    location = storage.parse(folder)
-    path = location.join(name).url if location.is_remote else os.path.join(folder, name)
-    raw = storage.read_bytes(storage.parse(path))  # a small file (local or an object): read whole
-    if raw is None:
+    location = storage.parse(folder).join(name)
+    path = location.url
+    data = storage.read_json(location, fix="re-save the preset.", missing_ok=True)  # a small file: read whole
+    if data is None:
         raise CheckpointNotFoundError(f"No {name} in {folder!r}. Fix: add the preset's {name}.")
-    try:
-        data = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise CorruptCheckpointError(f"{path!r} is not valid JSON: {e}. Fix: re-save the preset.") from e
     if not isinstance(data, dict):
         raise CorruptCheckpointError(f"{path!r} holds {type(data).__name__}, not a JSON object. Fix: re-save the preset.")
     return data
@@ -178,8 +173,7 @@ def download(handle: str, *, task: bool) -> str:
     returns a preset's local folder.
     """
     import_keras_hub(f"The preset handle {handle!r}")
-    from keras_hub.src.utils import preset_utils
-
+    preset_utils = _keras_hub.preset_utils()
     config = preset_utils.get_file(handle, CONFIG_FILE)
     names = [MODEL_WEIGHTS]
     if not preset_utils.check_file_exists(handle, MODEL_WEIGHTS):

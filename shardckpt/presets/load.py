@@ -20,10 +20,12 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from shardckpt.errors import CheckpointNotFoundError, UnknownFormatError
-from shardckpt.formats import storage
-from shardckpt.formats.preset import CONFIG_FILE, is_preset_dir
-from shardckpt.presets import kerashub
+from shardckpt import _keras, _keras_hub, storage
+from shardckpt.errors import CheckpointMismatchError, CheckpointNotFoundError, UnknownFormatError
+from shardckpt.formats.preset import CONFIG_FILE, TASK_WEIGHTS, has_files, is_preset_dir
+from shardckpt.layout import auto_layout
+from shardckpt.presets import hf, kerashub
+from shardckpt.restore import load_sharded
 from shardckpt.types import DType, Layout, Mesh, Model
 
 
@@ -35,7 +37,7 @@ def preset_kind(folder: str) -> str:
         UnknownFormatError: `config.json` is neither kind.
     """
     location = storage.parse(folder)
-    if location.is_remote:
+    if location.local_path is None:
         return _remote_kind(location)
     if not os.path.isdir(folder):
         raise CheckpointNotFoundError(
@@ -68,7 +70,7 @@ def preset_kind(folder: str) -> str:
 def _remote_kind(location: storage.Location) -> str:
     names = set(storage.listdir(location))
     if not names:
-        raise storage.not_found(location)
+        raise storage.not_found(location, what="a keras-hub preset or Hugging Face folder")
     if CONFIG_FILE not in names:
         raise CheckpointNotFoundError(
             f"{location.url!r} has no {CONFIG_FILE}, so it is no preset. Fix: upload a folder "
@@ -153,9 +155,8 @@ def from_preset(
     folder = _local_folder(source, task=task)
     kind = preset_kind(folder)
     if kind == "hf":
-        hf = _hf_module(folder)
         model = hf.build(folder, dtype=dtype)
-    elif storage.parse(folder).is_remote:
+    elif storage.parse(folder).local_path is None:
         # keras-hub reads presets from local folders: it builds from a copy of
         # the bucket folder's small files (configs, tokenizer assets); the
         # weights stay in the bucket and are read by byte ranges below.
@@ -190,7 +191,6 @@ _PRESET_FIX = (
 
 def _load(model: Any, folder: str, distribution: Any, *, strict: bool, kind: str) -> Any:
     from shardckpt.errors import CheckpointMismatchError
-    from shardckpt.restore import load_sharded
 
     try:
         return load_sharded(model, folder, layout=distribution, strict=strict)
@@ -203,14 +203,10 @@ def _load(model: Any, folder: str, distribution: Any, *, strict: bool, kind: str
 
 
 def _has_task_weights(folder: str) -> bool:
-    from shardckpt.formats.preset import TASK_WEIGHTS, has_files
-
     return has_files(folder, TASK_WEIGHTS)[0]
 
 
 def _check_only_task_layers_missing(model: Any, report: Any) -> None:
-    from shardckpt.errors import CheckpointMismatchError
-
     backbone = {id(v) for v in model.backbone.weights}
     paths = {v.path: id(v) for v in model.weights}
     missing_backbone = [m for m in report.missing if paths.get(m.split(" (key")[0]) in backbone]
@@ -218,19 +214,6 @@ def _check_only_task_layers_missing(model: Any, report: Any) -> None:
         raise CheckpointMismatchError(
             report.path, missing=missing_backbone, unexpected=report.unexpected, fix=_PRESET_FIX
         )
-
-
-def _hf_module(folder: str) -> Any:
-    try:
-        from shardckpt.presets import hf
-    except ImportError as e:
-        raise UnknownFormatError(
-            f"{folder!r} is a Hugging Face model folder (config.json has 'model_type'), "
-            f"which this shardckpt build cannot load ({e}). Fix: convert it with keras-hub "
-            "(keras_hub.models.Backbone.from_preset(folder).save_to_preset(out)) and pass "
-            "the keras-hub preset."
-        ) from e
-    return hf
 
 
 def _local_folder(source: str, *, task: bool) -> str:
@@ -249,10 +232,9 @@ def _local_folder(source: str, *, task: bool) -> str:
 
 def _is_builtin(name: str) -> bool:
     try:
-        from keras_hub.src.utils.preset_utils import BUILTIN_PRESETS
+        return name in _keras_hub.preset_utils().BUILTIN_PRESETS
     except ImportError:
         return False
-    return name in BUILTIN_PRESETS
 
 
 def _distribution(model: Any, mesh: Any, layout: Any) -> Any:
@@ -261,8 +243,6 @@ def _distribution(model: Any, mesh: Any, layout: Any) -> Any:
     import keras
 
     if layout is None:
-        from shardckpt.layout import auto_layout
-
         if mesh is None:
             mesh = keras.distribution.DeviceMesh((1, jax.device_count()), ["data", "model"])
         return auto_layout(model, mesh).distribution()
@@ -270,11 +250,7 @@ def _distribution(model: Any, mesh: Any, layout: Any) -> Any:
         return keras.distribution.ModelParallel(layout_map=layout)
     if hasattr(layout, "distribution") and callable(layout.distribution):
         return layout.distribution()
-    from keras.src.distribution.distribution_lib import (
-        Distribution,  # no public base class
-    )
-
-    if isinstance(layout, Distribution):
+    if isinstance(layout, _keras.Distribution):
         return layout
     raise TypeError(
         "layout must be a shardckpt LayoutPlan, a keras.distribution.LayoutMap or a "

@@ -9,7 +9,7 @@ replaced values back to the OS) and `lazy` (building a model with no
 initializer run).
 """
 
+from shardckpt.lazy import lazy_init
 from shardckpt.restore.engine import LoadReport, load_sharded
-from shardckpt.restore.lazy import lazy_init
 
 __all__ = ["LoadReport", "lazy_init", "load_sharded"]

@@ -27,10 +27,10 @@ from shardckpt import _keras, dtypes
 from shardckpt import budget as budgets
 from shardckpt.errors import IndivisibleLayoutError
 from shardckpt.formats import Reader, open_reader
+from shardckpt.lazy import is_unloaded, original_initializer
 from shardckpt.progress import ByteProgress, format_bytes, format_rate
 from shardckpt.restore import hostmem
 from shardckpt.restore import keys as naming
-from shardckpt.restore.lazy import is_unloaded, original_initializer
 from shardckpt.restore.strategies import Budget, Job, load_variable
 from shardckpt.restore.targets import TargetLayout, check_mesh, resolve_layout
 from shardckpt.types import Layout, Model
@@ -46,7 +46,7 @@ class LoadReport:
 
     Attributes:
         path: The checkpoint read (for Orbax: the step folder).
-        format: "h5", "keras", "orbax" or "safetensors".
+        format: The format's name in `shardckpt.formats.FORMATS` ("h5", "orbax", ...).
         arrays: Variables that received a value from the checkpoint.
         bytes_read: Bytes of array data read by this process.
         seconds: Wall time of the whole load.
@@ -172,10 +172,10 @@ def load_sharded(
     """
     start = time.perf_counter()
     max_inflight_bytes = budgets.resolve(max_inflight_bytes)
-    if max_inflight_bytes < 1:
-        raise ValueError(f"max_inflight_bytes must be positive. Received: {max_inflight_bytes}")
     check_mesh(layout, allow_other_mesh=allow_other_mesh)
-    reader = open_reader(os.fspath(path), cache_bytes=budgets.chunk_cache_bytes(max_inflight_bytes), model=model)
+    reader = open_reader(
+        os.fspath(path), cache_bytes=budgets.chunk_cache_bytes(max_inflight_bytes), model=model, task=naming.is_task(model)
+    )
     try:
         report = LoadReport(path=reader.path, format=reader.format, max_inflight_bytes=max_inflight_bytes)
         jobs, to_init = match_jobs(model, reader, report, strict, resolve_layout(layout))

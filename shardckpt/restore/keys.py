@@ -50,6 +50,7 @@ import numpy as np
 from shardckpt import _keras, state
 from shardckpt.errors import CheckpointMismatchError
 from shardckpt.formats.base import Reader
+from shardckpt.formats.registry import FORMATS
 from shardckpt.natsort import natural_sorted
 
 # Checkpoint collections that are optional: a weights-only checkpoint lacks
@@ -261,12 +262,13 @@ def path_keys(model: Any) -> dict[str, Any]:
 
 
 def keys_for(model: Any, fmt: str) -> dict[str, Any]:
-    """Returns the key -> variable map for checkpoint format `fmt`."""
-    if fmt in ("h5", "keras"):
+    """Returns the key -> variable map for checkpoint format `fmt` (its naming: `Format.keys`)."""
+    naming = FORMATS[fmt].keys if fmt in FORMATS else fmt
+    if naming == "h5":
         return h5_keys(model)
-    if fmt == "preset":
+    if naming == "preset":
         return preset_keys(model)
-    if fmt == "orbax":
+    if naming == "state":
         return state_keys(model)
     return path_keys(model)  # safetensors; "hf" readers key variables by path too
 

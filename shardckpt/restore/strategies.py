@@ -38,8 +38,8 @@ from shardckpt.formats.base import (
     copy_into,
     region,
 )
+from shardckpt.lazy import is_unloaded
 from shardckpt.restore import hostmem, readplan
-from shardckpt.restore.lazy import is_unloaded
 from shardckpt.restore.targets import TargetLayout
 
 Advance = Callable[[int], None]

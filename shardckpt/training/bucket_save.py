@@ -34,24 +34,15 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
-import json
 from typing import Any
 
 import jax
 import numpy as np
 
-from shardckpt import budget
+from shardckpt import _orbax, budget, storage
 from shardckpt.errors import UnsupportedURLError
-from shardckpt.formats import storage
 from shardckpt.formats.orbax import ondisk
 from shardckpt.formats.orbax.writer import CHUNK_BYTES, OrbaxStepWriter
-
-_HANDLERS = "orbax.checkpoint.experimental.v1._src.handlers."
-JSON_HANDLER = _HANDLERS + "json_handler.JsonHandler"
-METRICS_HANDLER = _HANDLERS + "json_handler.MetricsHandler"
-METRICS_ITEM = "metrics"
-"""The item (and its one file's name) Orbax's training Checkpointer stores step metrics in."""
-_STRINGS_FILE = "_strings.json"  # Orbax's StringHandler file
 
 
 @dataclasses.dataclass
@@ -133,7 +124,7 @@ class BucketCheckpointer:
             if name == ondisk.ARRAYS_ITEM:
                 continue
             if name == "model_config":
-                _write_strings(step_loc.join(name), value)
+                OrbaxStepWriter(step_loc.url, compression=compression, chunk_byte_size=None, item=name).write_strings(value)
                 handlers[name] = ondisk.PYTREE_HANDLER
             elif name == "assets":
                 assets = OrbaxStepWriter(step_loc.url, compression=compression, chunk_byte_size=CHUNK_BYTES[compression],
@@ -143,10 +134,10 @@ class BucketCheckpointer:
                 handlers[name] = ondisk.PYTREE_HANDLER
             else:
                 ondisk.write_json(ondisk.join(step_loc.url, name, ondisk.JSON_ITEM_FILES[0]), value)
-                handlers[name] = JSON_HANDLER
+                handlers[name] = ondisk.JSON_HANDLER
         if metrics is not None:
-            ondisk.write_json(ondisk.join(step_loc.url, METRICS_ITEM, METRICS_ITEM), metrics)
-            handlers[METRICS_ITEM] = METRICS_HANDLER
+            ondisk.write_json(ondisk.join(step_loc.url, ondisk.METRICS_ITEM, ondisk.METRICS_ITEM), metrics)
+            handlers[ondisk.METRICS_ITEM] = ondisk.METRICS_HANDLER
         writer.finish(custom_metadata={}, item_handlers=handlers)  # commit marker last
         self._steps.append(_StepInfo(step, metrics, datetime.datetime.now(datetime.UTC)))
         self._apply_retention()
@@ -169,17 +160,18 @@ class BucketCheckpointer:
     def _apply_retention(self) -> None:
         if self.policy is None:
             return
-        from orbax.checkpoint._src.checkpoint_managers import preservation_policy as policies
-
         self._steps.sort(key=lambda info: info.step)
-        keep = self.policy.should_preserve(self._steps, context=policies.PreservationContext())
+        keep = self.policy.should_preserve(self._steps, context=_orbax.preservation_policy.PreservationContext())
         for info, kept in list(zip(self._steps, keep)):
             if not kept:
                 self.delete(info.step)
 
     def _read_metrics(self, step: int) -> dict[str, Any] | None:
-        data = storage.read_bytes(self.root.join(str(step), METRICS_ITEM, METRICS_ITEM))
-        return None if data is None else json.loads(data)
+        return storage.read_json(
+            self.root.join(str(step), ondisk.METRICS_ITEM, ondisk.METRICS_ITEM),
+            fix="delete this step to resume from the previous one.",
+            missing_ok=True,
+        )
 
 
 def _leaves(tree: dict[str, Any], prefix: tuple[str, ...] = ()) -> list[tuple[tuple[str, ...], Any]]:
@@ -240,22 +232,3 @@ def _write_arrays(writer: OrbaxStepWriter, tree: dict[str, Any]) -> None:
             copies.append(writer.write(store, txn, box, np.asarray(data)).copy)
             staged += nbytes
     commit(txn, copies)
-
-
-def _write_strings(item: storage.Location, value: dict[str, str]) -> None:
-    """A tree of string leaves, as Orbax's StringHandler writes it (`model_config`)."""
-    tree = {
-        str((key,)): {
-            "key_metadata": [{"key": key, "key_type": 2}],
-            "value_metadata": {"value_type": "string", "skip_deserialize": False},
-        }
-        for key in sorted(value)
-    }
-    ondisk.write_json(item.join(ondisk.TREE_METADATA).url, {
-        "tree_metadata": tree,
-        "use_ocdbt": True,
-        "use_zarr3": True,
-        "store_array_data_equal_to_fill_value": True,
-        "custom_metadata": None,
-    })
-    storage.write_bytes(item.join(_STRINGS_FILE), json.dumps(value, separators=(",", ":")).encode())

@@ -20,8 +20,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from shardckpt import _keras
-from shardckpt.formats import storage
+from shardckpt import _keras, storage
 from shardckpt.training import hostrng, iterators, options, preemption, quiet, resume, resume_point, retention, saving
 from shardckpt.training import metadata as metadata_lib
 from shardckpt.training import snapshot as snapshot_lib

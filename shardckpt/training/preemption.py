@@ -31,6 +31,8 @@ from typing import Any
 import jax
 import numpy as np
 
+from shardckpt import _jax
+
 _log = logging.getLogger("shardckpt")
 
 
@@ -38,12 +40,7 @@ def _jax_sync_manager() -> Any:
     """JAX's preemption sync manager, or None when this run has none."""
     if jax.process_count() == 1:
         return None
-    from jax._src import (
-        distributed,  # the manager's only handle; multihost_utils reads it the same way
-    )
-
-    state = distributed.global_state
-    return state.preemption_sync_manager if state.client is not None else None
+    return _jax.preemption_sync_manager()
 
 
 class PreemptionWatch:

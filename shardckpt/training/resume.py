@@ -11,8 +11,8 @@ import dataclasses
 import os
 from typing import Any
 
+from shardckpt import storage
 from shardckpt.errors import CheckpointNotFoundError, CorruptCheckpointError
-from shardckpt.formats import storage
 from shardckpt.formats.orbax.ondisk import (  # noqa: F401  (the callback's names for them)
     ARRAYS_ITEM,
     ITERATOR_ITEM,
@@ -139,7 +139,7 @@ def restore_latest(model: Any, directory: str | os.PathLike, *, data_iterator: A
 
     Raises:
         CheckpointNotFoundError: `directory` holds no committed step.
-        CheckpointMismatchError, ShapeMismatchError, ...: see `load_sharded`.
+        CheckpointMismatchError, DtypeMismatchError, ...: see `load_sharded`.
     """
     # Classified first: an unsupported scheme:// is refused, never a local folder.
     step_dir = latest_step_dir(storage.parse(directory, what="directory").url)

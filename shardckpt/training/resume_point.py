@@ -19,7 +19,7 @@ from typing import Any
 
 import jax
 
-from shardckpt.formats import storage
+from shardckpt import storage
 from shardckpt.formats.orbax.ondisk import ITERATOR_ITEM, METADATA_ITEM, committed_steps, read_json_item
 from shardckpt.training import resume
 from shardckpt.training.iterators import IteratorTracker

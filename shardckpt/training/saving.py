@@ -26,9 +26,8 @@ import jax
 import orbax.checkpoint
 import orbax.checkpoint.experimental.v1 as ocp
 
-from shardckpt import _orbax
+from shardckpt import _orbax, storage
 from shardckpt.errors import BackgroundSaveError
-from shardckpt.formats import storage
 from shardckpt.formats.orbax.writer import CHUNK_BYTES
 from shardckpt.training import bucket_save, resume
 from shardckpt.training import metadata as metadata_lib

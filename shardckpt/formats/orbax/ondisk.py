@@ -8,8 +8,8 @@ with one zarr array per leaf, listed in its `_METADATA`), and shardckpt's
 training callback adds two JSON items beside it. The step's own
 `_CHECKPOINT_METADATA` records the items' handlers and `custom_metadata`.
 
-In a bucket (`gs://`, `s3://`; see `shardckpt.formats.storage`) there is no
-rename: a step is written under its final name and counts as committed only
+In a bucket (`gs://`, `s3://`; see `shardckpt.storage`) there is no
+rename (the backend's `renames` is False): a step is written under its final name and counts as committed only
 once its `commit_success.txt` exists, the object Orbax itself writes last on
 GCS and shardckpt's writer writes last everywhere. Each function below takes
 a local path or a bucket URL.
@@ -26,8 +26,8 @@ import orbax.checkpoint.experimental.v1 as ocp
 from etils import epath
 from orbax.checkpoint import type_handlers
 
+from shardckpt import storage
 from shardckpt.errors import CheckpointNotFoundError, CorruptCheckpointError, IncompleteCheckpointError
-from shardckpt.formats import storage
 
 TMP_MARK = ".orbax-checkpoint-tmp"
 """In the name of a step folder Orbax has not committed (yet, or ever)."""
@@ -48,22 +48,36 @@ METADATA_ITEM = "shardckpt_metadata"
 """shardckpt's JSON item: step, epoch, logs, versions, layout, user metadata."""
 ITERATOR_ITEM = "data_iterator"
 """shardckpt's JSON item: every process's data-iterator state."""
-PYTREE_HANDLER = "orbax.checkpoint.experimental.v1._src.handlers.pytree_handler.PyTreeHandler"
+_HANDLERS = "orbax.checkpoint.experimental.v1._src.handlers."  # names recorded in _CHECKPOINT_METADATA
+PYTREE_HANDLER = _HANDLERS + "pytree_handler.PyTreeHandler"
 """The handler Orbax records for an arrays item (Keras reads the item by name)."""
+JSON_HANDLER = _HANDLERS + "json_handler.JsonHandler"
+"""The handler Orbax records for a JSON item."""
+METRICS_HANDLER = _HANDLERS + "json_handler.MetricsHandler"
+"""The handler Orbax's training Checkpointer records for the metrics item."""
+METRICS_ITEM = "metrics"
+"""The item (and its one file's name) Orbax's training Checkpointer stores step metrics in."""
+SHARDING_FILE = "_sharding"
+"""Beside an item's `_METADATA`: each array's sharding, in Orbax's serialized form."""
+STRINGS_FILE = "_strings.json"
+"""The file of an item of string leaves (Orbax's StringHandler; Keras' `model_config`)."""
+DICT_KEY = 2
+"""Orbax's KeyType.DICT in `key_metadata`."""
 
 
 JSON_ITEM_FILES = ("data.json", "metadata")
 """The file names Orbax's JsonHandler reads a JSON item from."""
 
 
-def committed_steps(root: str) -> list[int]:
+def committed_steps(root: str | storage.Location) -> list[int]:
     """Returns the committed step numbers under an Orbax root, ascending.
 
     In a bucket: the steps whose `COMMIT_MARKER` exists.
     """
     location = storage.parse(root)
-    if location.is_remote:
+    if not _renames(location):
         return _marked_steps(storage.list_keys(location))
+    root = location.path
     steps = []
     for name in os.listdir(root):
         full = os.path.join(root, name)
@@ -72,23 +86,28 @@ def committed_steps(root: str) -> list[int]:
     return sorted(steps)
 
 
+def _renames(location: storage.Location) -> bool:
+    """Whether Orbax commits a step there by renaming its temporary folder (else: by marker)."""
+    return storage.backend(location).renames
+
+
 def _marked_steps(keys: list[str]) -> list[int]:
     names = {key[: -len(COMMIT_MARKER) - 1] for key in keys if key.endswith("/" + COMMIT_MARKER)}
     return sorted(int(name) for name in names if name.isdigit())
 
 
-def incomplete_steps(root: str) -> list[str]:
+def incomplete_steps(root: str | storage.Location) -> list[str]:
     """Names of the half-written step folders under an Orbax root.
 
     In a bucket: integer-named steps without their `COMMIT_MARKER`.
     """
     location = storage.parse(root)
-    if location.is_remote:
+    if not _renames(location):
         keys = storage.list_keys(location)
         committed = set(_marked_steps(keys))
         names = {key.split("/", 1)[0] for key in keys if "/" in key}
         return sorted(n for n in names if n.isdigit() and int(n) not in committed)
-    return sorted(n for n in os.listdir(root) if TMP_MARK in n)
+    return sorted(n for n in os.listdir(location.path) if TMP_MARK in n)
 
 
 def latest_step_dir(directory: str) -> str | None:
@@ -103,10 +122,10 @@ def latest_step_dir(directory: str) -> str | None:
     return location.join(str(steps[-1])).url if steps else None
 
 
-def is_orbax_dir(path: str) -> bool:
+def is_orbax_dir(path: str | storage.Location) -> bool:
     """True for an Orbax root or step folder (committed or not)."""
     location = storage.parse(path)
-    if location.is_remote:
+    if not _renames(location):
         keys = storage.list_keys(location)
         heads = {key.split("/", 1)[0] for key in keys}
         return (
@@ -114,6 +133,7 @@ def is_orbax_dir(path: str) -> bool:
             or any(n.isdigit() for n in heads)
             or any(key.count("/") == 1 and key.endswith("/" + TREE_METADATA) for key in keys)
         )
+    path = location.path
     if not os.path.isdir(path):
         return False
     names = os.listdir(path)
@@ -124,7 +144,7 @@ def is_orbax_dir(path: str) -> bool:
     )
 
 
-def resolve_step(path: str) -> str:
+def resolve_step(path: str | storage.Location) -> str:
     """Maps an Orbax root to its latest committed step; checks a step folder.
 
     Raises:
@@ -133,7 +153,7 @@ def resolve_step(path: str) -> str:
             holds only half-written steps.
     """
     location = storage.parse(path)
-    if location.is_remote:
+    if not _renames(location):
         return _resolve_remote_step(location)
     path = location.path
     if TMP_MARK in os.path.basename(path):
@@ -159,7 +179,7 @@ def resolve_step(path: str) -> str:
 def _resolve_remote_step(location: storage.Location) -> str:
     keys = storage.list_keys(location)
     if not keys:
-        raise storage.not_found(location)
+        raise storage.not_found(location, what="an Orbax checkpoint: a root of step folders, or one step")
     names = {key.split("/", 1)[0] for key in keys}
     if STEP_METADATA in names or names & set(TREE_ITEMS) or TREE_METADATA in names:
         if COMMIT_MARKER not in names:
@@ -182,14 +202,14 @@ def _resolve_remote_step(location: storage.Location) -> str:
     raise CheckpointNotFoundError(f"No committed Orbax step under {location.url!r}.")
 
 
-def tree_dir(step: str) -> str:
+def tree_dir(step: str | storage.Location) -> str:
     """The folder of a step's array tree (the step itself for a bare tree).
 
     Raises:
         IncompleteCheckpointError: it has no `_METADATA` file.
     """
     location = storage.parse(step)
-    if location.is_remote:
+    if not _renames(location):
         names = storage.listdir(location)
         item = next((n for n in TREE_ITEMS if n in names), None)
         remote_tree = location.join(item) if item else location
@@ -199,6 +219,7 @@ def tree_dir(step: str) -> str:
                 "not an Orbax pytree checkpoint. Fix: restore from another step."
             )
         return remote_tree.url
+    step = location.path
     for name in TREE_ITEMS:
         if os.path.isdir(os.path.join(step, name)):
             tree = os.path.join(step, name)
@@ -213,26 +234,28 @@ def tree_dir(step: str) -> str:
     return tree
 
 
-def items(step_dir: str) -> list[str]:
+def items(step_dir: str | storage.Location) -> list[str]:
     """The checkpointables of a step ("pytree", "model_config", ...), sorted."""
     location = storage.parse(step_dir)
-    if location.is_remote:
+    if not _renames(location):
         keys = storage.list_keys(location)
         return sorted({k.split("/", 1)[0] for k in keys if "/" in k and not k.startswith((".", "_"))})
+    step_dir = location.path
     return sorted(
         n for n in os.listdir(step_dir) if os.path.isdir(os.path.join(step_dir, n)) and not n.startswith((".", "_"))
     )
 
 
-def read_json_item(step_dir: str, name: str) -> Any:
+def read_json_item(step_dir: str | storage.Location, name: str) -> Any:
     """Returns JSON checkpointable `name` of a step, or None if it has none.
 
     Raises:
         CorruptCheckpointError: the item exists but cannot be read.
     """
     location = storage.parse(step_dir)
-    if location.is_remote:
+    if location.local_path is None:
         return _read_remote_json_item(location, name)
+    step_dir = location.path
     if not os.path.isdir(os.path.join(step_dir, name)):
         return None
     try:
@@ -248,16 +271,11 @@ def _read_remote_json_item(step: storage.Location, name: str) -> Any:
     # Orbax reads items through etils.epath, which has no s3://; a JSON item
     # is one small object, read as such.
     for filename in JSON_ITEM_FILES:
-        data = storage.read_bytes(step.join(name, filename))
-        if data is None:
-            continue
-        try:
-            return json.loads(data)
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise CorruptCheckpointError(
-                f"Cannot read item {name!r} of checkpoint step {step.url!r}: {e}. Fix: "
-                "delete this step to resume from the previous one."
-            ) from e
+        value = storage.read_json(
+            step.join(name, filename), fix="delete this step to resume from the previous one.", missing_ok=True
+        )
+        if value is not None:
+            return value
     return None
 
 
@@ -267,13 +285,10 @@ def read_json(path: str) -> Any:
     Raises:
         CorruptCheckpointError: missing or not valid JSON.
     """
-    data = storage.read_bytes(storage.parse(path))
     try:
-        if data is None:
-            raise FileNotFoundError(path)
-        return json.loads(data)
-    except (FileNotFoundError, json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise CorruptCheckpointError(f"Cannot read {path!r}: {e}. Fix: restore from another step.") from e
+        return storage.read_json(storage.parse(path), fix="restore from another step.")
+    except CheckpointNotFoundError as e:
+        raise CorruptCheckpointError(f"Cannot read {path!r}: {e}") from e
 
 
 def write_json(path: str, value: Any) -> None:
@@ -284,6 +299,21 @@ def write_json(path: str, value: Any) -> None:
 def join(path: str, *names: str) -> str:
     """`os.path.join` for local paths and bucket URLs alike."""
     return storage.parse(path).join(*names).url
+
+
+def tree_metadata(leaves: dict[tuple[str, ...], dict[str, Any]]) -> dict[str, Any]:
+    """An item's `_METADATA` document: `leaves` maps each tree path to its `value_metadata`."""
+    tree = {
+        str(parts): {"key_metadata": [{"key": p, "key_type": DICT_KEY} for p in parts], "value_metadata": value}
+        for parts, value in leaves.items()
+    }
+    return {
+        "tree_metadata": tree,
+        "use_ocdbt": True,
+        "use_zarr3": True,
+        "store_array_data_equal_to_fill_value": True,
+        "custom_metadata": None,
+    }
 
 
 def param_name(parts: Sequence[str]) -> str:
@@ -309,7 +339,7 @@ def param_info(
     location = storage.parse(tree)
     return type_handlers.ParamInfo(
         name=name,
-        parent_dir=epath.Path(storage.PLACEHOLDER_DIR if location.is_remote else location.path),
+        parent_dir=epath.Path(location.local_path or PLACEHOLDER_DIR),
         is_ocdbt_checkpoint=True,
         use_compression=use_compression,
         use_zarr3=use_zarr3,
@@ -321,11 +351,29 @@ def tspec_for(spec: dict[str, Any], tree: str) -> dict[str, Any]:
     """A tensorstore spec Orbax built (from `param_info`) for the tree in `tree`.
 
     Local trees: unchanged. Bucket trees: the OCDBT store's base is the bucket
-    (see `storage.ocdbt_kvstore`).
+    (see `ocdbt_kvstore`).
     """
     location = storage.parse(tree)
-    if location.is_remote:
-        spec = dict(spec, kvstore=storage.ocdbt_kvstore(spec["kvstore"], location))
+    if location.local_path is None:
+        spec = dict(spec, kvstore=ocdbt_kvstore(spec["kvstore"], location))
+    return spec
+
+
+PLACEHOLDER_DIR = "/shardckpt-bucket-placeholder"
+"""The local folder Orbax builds a bucket's specs for (never touched: see `ocdbt_kvstore`)."""
+
+
+def ocdbt_kvstore(kvstore: dict[str, Any], tree: storage.Location) -> dict[str, Any]:
+    """Points an OCDBT kvstore spec built by Orbax for a local folder at `tree`.
+
+    Orbax builds its TensorStore specs (`type_handlers.get_json_tspec_read` /
+    `_write`) for local paths and `gs://` only; shardckpt builds them for a
+    placeholder folder and swaps in the store here, so codecs, chunking and
+    OCDBT settings stay Orbax's own for every backend.
+    """
+    spec = dict(kvstore)
+    spec["base"] = storage.kvstore(tree)
+    spec.pop("manifest", None)  # the local spec's manifest override is a file path
     return spec
 
 
@@ -335,7 +383,5 @@ def is_zarr3(tree: str, name: str) -> bool:
     In a bucket zarr3 is assumed: looking for a zarr v2 `.zarray` would cost
     one request per array.
     """
-    location = storage.parse(tree)
-    if location.is_remote:
-        return True
-    return not os.path.exists(os.path.join(tree, name, ".zarray"))
+    local = storage.parse(tree).local_path
+    return local is None or not os.path.exists(os.path.join(local, name, ".zarray"))

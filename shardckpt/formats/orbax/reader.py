@@ -35,9 +35,9 @@ import orbax.checkpoint.experimental.v1 as ocp
 import tensorstore as ts
 from orbax.checkpoint import type_handlers
 
+from shardckpt import storage
 from shardckpt.budget import CHUNK_CACHE_BYTES
 from shardckpt.errors import ChecksumMismatchError, CorruptCheckpointError
-from shardckpt.formats import storage
 from shardckpt.formats.base import ArraySpec, Box, ChunkedReader
 from shardckpt.formats.orbax import ondisk
 from shardckpt.natsort import natural_sorted
@@ -66,16 +66,16 @@ class OrbaxReader(ChunkedReader):
     format = "orbax"
 
     def __init__(
-        self, path: str, *, cache_bytes: int = CHUNK_CACHE_BYTES, memmap: bool = True
+        self, path: str | storage.Location, *, cache_bytes: int = CHUNK_CACHE_BYTES, memmap: bool = True
     ) -> None:
         self.location = storage.parse(path)
-        self.path = ondisk.resolve_step(os.fspath(path))
+        self.path = ondisk.resolve_step(self.location if isinstance(path, storage.Location) else os.fspath(path))
         self.tree_dir = ondisk.tree_dir(self.path)
         self._specs: dict[str, ArraySpec] = {}
         self._names: dict[str, str] = {}
         context = ondisk.ts_context().spec.to_json()
         context["cache_pool"] = {"total_bytes_limit": cache_bytes}
-        if memmap and not self.location.is_remote:
+        if memmap and storage.backend(self.location).mappable:
             # Read chunks straight out of the page cache instead of read()ing
             # them into fresh buffers: a restore is bound by page faults and
             # copies, and this drops one pass over the compressed bytes (about
@@ -84,7 +84,7 @@ class OrbaxReader(ChunkedReader):
         self._context = ts.Context(ts.Context.Spec(context))
         self._stores: dict[str, ts.TensorStore] = {}
         self._lock = threading.Lock()
-        if self.location.is_remote:
+        if self.location.local_path is None:  # Orbax reads metadata through epath: local paths only
             self._open_remote()
             return
         self._check_index()

@@ -30,6 +30,7 @@ same arrays.
 from __future__ import annotations
 
 import base64
+import json
 import os
 import time
 from typing import Any
@@ -37,16 +38,11 @@ from typing import Any
 import numpy as np
 import tensorstore as ts
 from orbax.checkpoint import type_handlers
-from orbax.checkpoint._src.metadata import sharding as sharding_metadata  # no public name; Orbax's own format
 
-from shardckpt import _orbax
-from shardckpt.formats import storage
+from shardckpt import _orbax, storage
 from shardckpt.formats.base import Box
 from shardckpt.formats.orbax import ondisk
 
-_DICT_KEY = 2  # Orbax's KeyType.DICT in `key_metadata`
-
-SHARDING_FILE = "_sharding"
 """Orbax's file of the saved shardings of a tree's `jax.Array` leaves (keys: base64 parameter names)."""
 COMPRESSIONS = ("none", "zstd")
 """Array compressions shardckpt writes: none, or Orbax's zstd (level 3) per chunk."""
@@ -111,7 +107,7 @@ class OrbaxStepWriter:
         self.tree_dir = ondisk.join(self.step_dir, item)
         self.compression = compression
         self.chunk_byte_size = chunk_byte_size
-        if not location.is_remote:
+        if location.local_path is not None:  # object stores have no folders
             os.makedirs(self.tree_dir)
         self._context = ondisk.ts_context()
         self._keys: list[tuple[str, ...]] = []
@@ -181,7 +177,7 @@ class OrbaxStepWriter:
 
     def write_tree_metadata(self) -> None:
         """Writes the item's `_METADATA` (the tree of every array opened)."""
-        tree = {}
+        leaves = {}
         shardings = {}
         for parts in sorted(self._keys):
             value: dict[str, Any] = {"value_type": "np.ndarray", "skip_deserialize": False}
@@ -189,21 +185,21 @@ class OrbaxStepWriter:
                 sharding, write_shape = self._shardings[parts]
                 value = {"value_type": "jax.Array", "skip_deserialize": False, "write_shape": list(write_shape)}
                 name = base64.urlsafe_b64encode(ondisk.param_name(parts).encode()).decode()
-                shardings[name] = sharding_metadata.from_jax_sharding(sharding).to_serialized_string()
-            tree[str(parts)] = {
-                "key_metadata": [{"key": p, "key_type": _DICT_KEY} for p in parts],
-                "value_metadata": value,
-            }
+                shardings[name] = _orbax.sharding_metadata.from_jax_sharding(sharding).to_serialized_string()
+            leaves[parts] = value
         if shardings:
-            ondisk.write_json(ondisk.join(self.tree_dir, SHARDING_FILE), shardings)
-        tree_meta = {
-            "tree_metadata": tree,
-            "use_ocdbt": True,
-            "use_zarr3": True,
-            "store_array_data_equal_to_fill_value": True,
-            "custom_metadata": None,
-        }
-        ondisk.write_json(ondisk.join(self.tree_dir, ondisk.TREE_METADATA), tree_meta)
+            ondisk.write_json(ondisk.join(self.tree_dir, ondisk.SHARDING_FILE), shardings)
+        ondisk.write_json(ondisk.join(self.tree_dir, ondisk.TREE_METADATA), ondisk.tree_metadata(leaves))
+
+    def write_strings(self, value: dict[str, str]) -> None:
+        """Writes this writer's item as a tree of string leaves, as Orbax's StringHandler does."""
+        string = {"value_type": "string", "skip_deserialize": False}
+        ondisk.write_json(
+            ondisk.join(self.tree_dir, ondisk.TREE_METADATA), ondisk.tree_metadata({(k,): string for k in sorted(value)})
+        )
+        storage.write_bytes(
+            storage.parse(self.tree_dir).join(ondisk.STRINGS_FILE), json.dumps(value, separators=(",", ":")).encode()
+        )
 
     def finish(
         self, *, custom_metadata: dict[str, Any], final_dir: str | None = None,

@@ -1,9 +1,9 @@
-"""Files in buckets read by byte ranges: nothing is downloaded whole.
+"""Objects in buckets read by byte ranges: nothing is downloaded whole.
 
 `.weights.h5`, `.keras` and `.safetensors` objects in `gs://` / `s3://`
 buckets are read through TensorStore's kvstore of the bucket (the same
-`storage.Location.kvstore()` spec, credentials and endpoints as Orbax
-checkpoints there) with ranged reads (`KvStore.read(key, byte_range=...)`):
+kvstore spec, credentials, endpoints and deadlines as Orbax checkpoints
+there) with ranged reads (`KvStore.read(key, byte_range=...)`):
 
 - `RemoteObject.read_box` reads the bytes of one box of a contiguous array
   (an h5 dataset, a safetensors tensor): the box's runs of contiguous bytes,
@@ -15,11 +15,8 @@ checkpoints there) with ranged reads (`KvStore.read(key, byte_range=...)`):
   cache of `BLOCK`-sized blocks so HDF5's many small metadata reads do not
   each become a request.
 
-The formats' readers open a bucket URL with these instead of a memory map
-(`H5Reader`, `SafetensorsReader`, ...); `open_reader` hands them out behind
-`Unmapped`, a plain `Reader` (no `view`): restore then holds budget for every
-slab it reads (`restore.strategies.by_slabs`), so `max_inflight_bytes` bounds
-host memory as for other fresh reads.
+The formats' readers ask a backend that is not `mappable` for these instead
+of a memory map (`H5Reader`, `SafetensorsReader`, ...).
 """
 
 from __future__ import annotations
@@ -27,17 +24,23 @@ from __future__ import annotations
 import collections
 import io
 import re
-import struct
 import threading
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from shardckpt.budget import Budget
-from shardckpt.errors import BucketNotFoundError, CheckpointNotFoundError, CorruptCheckpointError
-from shardckpt.formats import storage
-from shardckpt.formats.base import ArraySpec, Box, Reader, aligned_empty
+from shardckpt.dtypes import aligned_empty
+from shardckpt.errors import CorruptCheckpointError
+from shardckpt.storage import deadlines, sizing
+from shardckpt.storage.location import Location
+
+if TYPE_CHECKING:
+    from shardckpt.storage.objectstore import ObjectStore
+
+Box = tuple[slice, ...]
+"""One slice per dimension (as `shardckpt.formats.base.Box`)."""
 
 GAP = 256 * 1024
 """Runs of a box closer than this are one request (a request costs more than reading the gap)."""
@@ -92,17 +95,19 @@ class RemoteObject:
     """One object in a bucket, read by byte ranges.
 
     Args:
-        url: `gs://bucket/key` or `s3://bucket/key`.
+        location: The object.
+        store: Its backend.
 
     Raises:
         CheckpointNotFoundError: (on the first read) the object does not exist.
     """
 
-    def __init__(self, url: str) -> None:
-        self.location = storage.parse(url)
-        self.url = self.location.url
-        self._store = storage.open_store(self.location.parent)
-        self._key = self.location.name.encode()
+    def __init__(self, location: Location, store: ObjectStore) -> None:
+        self.location = location
+        self.url = location.url
+        self._backend = store
+        self._store = store.open(location.parent)
+        self._key = location.name.encode()
         self._size: int | None = None
 
     def _request(self, start: int, stop: int) -> Any:
@@ -111,8 +116,8 @@ class RemoteObject:
 
     def _result(self, future: Any, start: int, stop: int) -> bytes:
         try:
-            result = future.result()
-        except ValueError as e:
+            result = deadlines.wait(future)
+        except (ValueError, TimeoutError) as e:
             raise self._error(e, start, stop) from e
         if result.state == "missing":
             raise self.missing()
@@ -123,19 +128,10 @@ class RemoteObject:
 
     def missing(self) -> BaseException:
         """The error for "no such object": `BucketNotFoundError` when the bucket is missing."""
-        if storage.bucket_missing(self.location):
-            return BucketNotFoundError(
-                f"The bucket {self.location.bucket!r} of {self.url!r} does not exist. Fix: create it "
-                "or correct the bucket name."
-            )
-        return CheckpointNotFoundError(
-            f"No object at {self.url!r}. Fix: check the URL; list the folder with "
-            f"{'gcloud storage ls' if self.location.scheme == 'gs' else 'aws s3 ls'} "
-            f"{self.location.parent.url}/."
-        )
+        return self._backend.missing(self.location, what="no such object")
 
-    def _error(self, error: ValueError, start: int, stop: int) -> BaseException:
-        typed = storage.translate(error, self.location)
+    def _error(self, error: Exception, start: int, stop: int) -> BaseException:
+        typed = self._backend.translate(error, self.location)
         if typed is not error:
             return typed
         if "OUT_OF_RANGE" in str(error):
@@ -178,13 +174,13 @@ class RemoteObject:
         if isinstance(head, int):
             return head  # shorter than 64 bytes: its size came with the refusal
         if head.startswith(_HDF5_MAGIC):
-            size = _hdf5_end(head, self.url)
+            size = sizing.hdf5_end(head, self.url)
             self.check_end(size)
             return size
         tail = self._probe(slice(-_TAIL, None))
         if isinstance(tail, int):
             return tail
-        zip_size = _zip_end(tail)
+        zip_size = sizing.zip_end(tail)
         if zip_size is None:
             raise CorruptCheckpointError(
                 f"{self.url!r} is neither an HDF5 file nor a zip archive with its end "
@@ -200,8 +196,8 @@ class RemoteObject:
         """
         TRAFFIC.add(abs((byte_range.stop or 0) - byte_range.start))
         try:
-            result = self._store.read(self._key, byte_range=byte_range).result()
-        except ValueError as e:
+            result = deadlines.wait(self._store.read(self._key, byte_range=byte_range))
+        except (ValueError, TimeoutError) as e:
             found = re.search(r"total size (\d+)", str(e)) if "OUT_OF_RANGE" in str(e) else None
             if found is None:
                 raise self._error(e, byte_range.start, byte_range.stop or 0) from e
@@ -210,16 +206,16 @@ class RemoteObject:
             raise self.missing()
         return bytes(result.value)
 
-    def read_box(self, offset: int, spec: ArraySpec, box: Box) -> np.ndarray:
-        """`box` of the C-ordered array of `spec` stored at byte `offset`, as a new array.
+    def read_box(self, offset: int, shape: tuple[int, ...], dtype: np.dtype, box: Box) -> np.ndarray:
+        """`box` of the C-ordered array of `shape` and `dtype` stored at byte `offset`, as a new array.
 
         Only the box's bytes are requested (plus gaps under `GAP` between its
         runs), in concurrent requests of at most `PART` bytes.
         """
-        shape = tuple(s.stop - s.start for s in box)
-        out = aligned_empty(shape, spec.dtype)
+        dtype = np.dtype(dtype)
+        out = aligned_empty(tuple(s.stop - s.start for s in box), dtype)
         if out.size:
-            self.read_runs(offset, _runs(spec.shape, spec.dtype.itemsize, box), out.reshape(-1).view(np.uint8))
+            self.read_runs(offset, _runs(shape, dtype.itemsize, box), out.reshape(-1).view(np.uint8))
         return out
 
     def read_strided(
@@ -337,47 +333,6 @@ def _merge(runs: list[tuple[int, int]]) -> list[tuple[int, int, list[tuple[int, 
     return out
 
 
-def _hdf5_end(head: bytes, url: str) -> int:
-    """An HDF5 file's size: base address + end-of-file address of its superblock."""
-    version = head[8]
-    if version in (0, 1):
-        width = head[13]
-        at = 24 if version == 0 else 28
-    elif version in (2, 3):
-        width = head[9]
-        at = 12
-    else:
-        raise CorruptCheckpointError(f"{url!r} has an HDF5 superblock of unknown version {version}.")
-    fmt = {4: "<I", 8: "<Q"}.get(width)
-    if fmt is None:
-        raise CorruptCheckpointError(f"{url!r} has an HDF5 superblock with {width}-byte addresses.")
-    base = struct.unpack_from(fmt, head, at)[0]
-    end = struct.unpack_from(fmt, head, at + 2 * width)[0]
-    return int(base + end)
-
-
-def _zip_end(tail: bytes) -> int | None:
-    """A zip archive's size from the end records in its last bytes (`tail`), or None."""
-    at = tail.rfind(b"PK\x05\x06")
-    if at < 0 or at + 22 > len(tail):
-        return None
-    cd_size, cd_offset, comment = struct.unpack_from("<IIH", tail, at + 12)
-    # The central directory ends where the end records begin.
-    records = len(tail) - at
-    if 0xFFFFFFFF in (cd_size, cd_offset):
-        loc = at - 20
-        if loc < 0 or tail[loc : loc + 4] != b"PK\x06\x07":
-            return None
-        z64 = tail.rfind(b"PK\x06\x06", 0, loc)
-        if z64 < 0:
-            return None
-        cd_size, cd_offset = struct.unpack_from("<QQ", tail, z64 + 40)
-        records = len(tail) - z64
-    if len(tail) - at < 22 + comment:
-        return None
-    return int(cd_offset + cd_size + records)
-
-
 class RemoteFile(io.RawIOBase):
     """A read-only seekable file over a `RemoteObject`, as `h5py.File` and `zipfile` want.
 
@@ -455,38 +410,3 @@ class RemoteFile(io.RawIOBase):
             while len(self._blocks) > CACHE_BLOCKS:
                 self._blocks.popitem(last=False)
         return block
-
-
-class Unmapped(Reader):
-    """A reader of objects in a bucket, as a plain `Reader` (no `view`).
-
-    The formats' readers take bucket URLs and then serve `view` as fresh
-    reads; hiding `view` makes restore and convert hold budget for them
-    (`shardckpt.restore.strategies.by_slabs`) as for any fresh read.
-    """
-
-    def __init__(self, inner: Any) -> None:
-        self._inner = inner
-        self.path = inner.path
-        self.format = inner.format
-
-    @property
-    def files(self) -> list[str]:
-        return list(getattr(self._inner, "files", []))
-
-    def keys(self) -> list[str]:
-        return self._inner.keys()
-
-    def spec(self, key: str) -> ArraySpec:
-        return self._inner.spec(key)
-
-    def read(self, key: str, box: Box) -> np.ndarray:
-        return self._inner.read(key, box)
-
-    def close(self) -> None:
-        self._inner.close()
-
-    def __getattr__(self, name: str) -> Any:
-        if name == "view":  # the point of this class: no mapped views
-            raise AttributeError(name)
-        return getattr(self._inner, name)

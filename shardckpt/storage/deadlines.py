@@ -1,0 +1,158 @@
+"""Deadlines of every object-store request: connect timeout, request timeout, retries.
+
+Without them a bucket run with no network (no credentials and the default
+AWS endpoint unreachable, or `AWS_ENDPOINT_URL` naming a closed port) waited
+on TensorStore's own defaults (32 retries with back-off up to 32 s, no
+request timeout): minutes with no word. Now every request ends within
+`timeout` seconds with `StorageTimeoutError` naming the URL, the endpoint
+and the fix.
+
+Defaults fit a real cloud: a connection is made within seconds or not at
+all; one request of at most `shardckpt.storage.ranged.PART` bytes (4 MiB) or
+one listing page finishes within two minutes on any working link, and a few
+retries ride out a store's transient 5xx / throttling answers.
+
+Override them through the environment (`SHARDCKPT_STORAGE_TIMEOUT`,
+`SHARDCKPT_STORAGE_CONNECT_TIMEOUT`, `SHARDCKPT_STORAGE_RETRIES`) or with
+keywords, for a block of code::
+
+    with shardckpt.storage.deadline(timeout=10, retries=1):
+        shardckpt.load_sharded(model, "s3://bucket/ckpt")
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+TIMEOUT_S = 120.0
+"""Seconds one request may take, its retries included."""
+CONNECT_TIMEOUT_S = 10.0
+"""Seconds to open a connection (curl's connect timeout inside TensorStore)."""
+RETRIES = 4
+"""Attempts TensorStore makes at a request that failed in a retryable way."""
+
+ENV_TIMEOUT = "SHARDCKPT_STORAGE_TIMEOUT"
+ENV_CONNECT_TIMEOUT = "SHARDCKPT_STORAGE_CONNECT_TIMEOUT"
+ENV_RETRIES = "SHARDCKPT_STORAGE_RETRIES"
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Deadline:
+    """The limits of object-store requests.
+
+    Attributes:
+        timeout: Seconds one request may take, retries included.
+        connect_timeout: Seconds to open a connection.
+        retries: Attempts at a request that failed in a retryable way (>= 1).
+    """
+
+    timeout: float = TIMEOUT_S
+    connect_timeout: float = CONNECT_TIMEOUT_S
+    retries: int = RETRIES
+
+    def __post_init__(self) -> None:
+        for name in ("timeout", "connect_timeout"):
+            value = getattr(self, name)
+            if not value > 0:
+                raise ValueError(f"deadline {name} must be a positive number of seconds. Received: {name}={value!r}")
+        if self.retries < 1:
+            raise ValueError(f"deadline retries must be at least 1. Received: retries={self.retries!r}")
+
+    def context(self, driver: str) -> dict[str, Any]:
+        """TensorStore context resources bounding retries of `driver` ("gcs", "s3")."""
+        return {
+            f"{driver}_request_retries": {
+                "max_retries": self.retries,
+                "initial_delay": "0.5s",
+                "max_delay": f"{max(1.0, min(8.0, self.timeout / 4)):g}s",
+            }
+        }
+
+
+def _from_env() -> Deadline:
+    def number(name: str, default: float) -> float:
+        text = os.environ.get(name)
+        if not text:
+            return default
+        try:
+            return float(text)
+        except ValueError:
+            raise ValueError(f"{name} must be a number of seconds. Received: {name}={text!r}") from None
+
+    return Deadline(
+        timeout=number(ENV_TIMEOUT, TIMEOUT_S),
+        connect_timeout=number(ENV_CONNECT_TIMEOUT, CONNECT_TIMEOUT_S),
+        retries=int(number(ENV_RETRIES, RETRIES)),
+    )
+
+
+_lock = threading.Lock()
+_override: Deadline | None = None  # process-wide: reads run on worker threads
+
+
+def current() -> Deadline:
+    """The deadline in force: `deadline(...)`'s, else the environment's, else the defaults."""
+    return _override if _override is not None else _from_env()
+
+
+@contextlib.contextmanager
+def deadline(
+    *, timeout: float | None = None, connect_timeout: float | None = None, retries: int | None = None
+) -> Iterator[Deadline]:
+    """Sets the deadline of object-store requests for the block (every thread).
+
+    Args:
+        timeout: Seconds one request may take, retries included.
+        connect_timeout: Seconds to open a connection. TensorStore reads it
+            once, when its first request of the process goes out.
+        retries: Attempts at a request that failed in a retryable way.
+
+    Yields:
+        The `Deadline` in force.
+    """
+    global _override
+    base = current()
+    new = Deadline(
+        timeout=base.timeout if timeout is None else timeout,
+        connect_timeout=base.connect_timeout if connect_timeout is None else connect_timeout,
+        retries=base.retries if retries is None else retries,
+    )
+    with _lock:
+        previous, _override = _override, new
+    try:
+        yield new
+    finally:
+        with _lock:
+            _override = previous
+
+
+def configure_transport() -> None:
+    """Hands the connect and stall timeouts to TensorStore's HTTP transport.
+
+    TensorStore reads these variables once, when it makes its first HTTP
+    request; a user's own `TENSORSTORE_CURL_*` settings win.
+    """
+    limits = current()
+    os.environ.setdefault("TENSORSTORE_CURL_CONNECT_TIMEOUT_SECONDS", str(max(1, round(limits.connect_timeout))))
+    # A transfer that receives nothing for `timeout` seconds is dropped (and retried).
+    os.environ.setdefault("TENSORSTORE_CURL_LOW_SPEED_TIME_SECONDS", str(max(1, round(limits.timeout))))
+    os.environ.setdefault("TENSORSTORE_CURL_LOW_SPEED_LIMIT_BYTES", "1")
+
+
+def wait(future: Any, *, timeout: float | None = None) -> Any:
+    """`future.result()` within the deadline; a late one is cancelled.
+
+    Raises:
+        TimeoutError: the deadline passed (callers translate it, naming the URL).
+    """
+    limit = current().timeout if timeout is None else timeout
+    try:
+        return future.result(timeout=limit)
+    except TimeoutError:
+        future.cancel()
+        raise

@@ -1,0 +1,77 @@
+"""Paths on this machine's file system: `os` calls, and memory maps for the readers."""
+
+from __future__ import annotations
+
+import os
+import shutil
+from typing import Any
+
+from shardckpt.errors import CheckpointNotFoundError
+from shardckpt.storage.location import LOCAL, Location
+
+
+class Local:
+    """The local file system (see `shardckpt.storage.Backend`)."""
+
+    scheme = LOCAL
+    mappable = True
+    """Readers memory-map local files (`Location.local_path`) instead of ranged reads."""
+    renames = True
+    """A folder is renamed atomically: Orbax commits a step by renaming its temporary folder."""
+
+    def kvstore(self, location: Location, *, directory: bool = True) -> dict[str, Any]:
+        return {"driver": "file", "path": location.path + ("/" if directory else "")}
+
+    def list_keys(self, location: Location) -> list[str]:
+        """Every file under the folder, relative to it, sorted; a missing folder lists as empty."""
+        keys = []
+        for root, _, files in os.walk(location.path):
+            rel = os.path.relpath(root, location.path)
+            keys += [name if rel == "." else f"{rel}/{name}" for name in files]
+        return sorted(keys)
+
+    def listdir(self, location: Location) -> list[str]:
+        return sorted(os.listdir(location.path))
+
+    def isdir(self, location: Location) -> bool:
+        return os.path.isdir(location.path)
+
+    def exists(self, location: Location) -> bool:
+        return os.path.exists(location.path)
+
+    def read(self, location: Location) -> bytes | None:
+        try:
+            with open(location.path, "rb") as f:
+                return f.read()
+        except FileNotFoundError:
+            return None
+
+    def write(self, location: Location, data: bytes) -> None:
+        with open(location.path, "wb") as f:
+            f.write(data)
+
+    def delete_tree(self, location: Location) -> None:
+        shutil.rmtree(location.path, ignore_errors=True)
+
+    def delete_object(self, location: Location) -> None:
+        try:
+            os.remove(location.path)
+        except FileNotFoundError:
+            pass
+
+    def size(self, location: Location) -> int:
+        total = 0
+        for root, _, files in os.walk(location.path):
+            total += sum(os.path.getsize(os.path.join(root, name)) for name in files)
+        return total
+
+    def ranged(self, location: Location) -> Any:
+        raise TypeError(f"{location.url!r} is a local file: map it (Location.local_path), no ranged reads.")
+
+    def translate(self, error: BaseException, location: Location, *, action: str = "reading") -> BaseException:
+        return error  # OSErrors of local files already name the path
+
+    def not_found(self, location: Location, *, what: str) -> BaseException:
+        return CheckpointNotFoundError(f"No checkpoint at {location.url!r}. Fix: check the path ({what}).")
+
+    missing = not_found
