@@ -35,7 +35,7 @@ from shardckpt.formats.hf import (
     read_config,
     safetensors_index,
 )
-from shardckpt.presets.hf_remap import Unsupported
+from shardckpt.formats.hf_remap import Unsupported
 from shardckpt.restore.lazy import is_unloaded, lazy_init, original_initializer
 
 __all__ = ["build", "initialize_states", "is_hf_folder", "open_reader", "preset_loader"]
@@ -43,7 +43,7 @@ __all__ = ["build", "initialize_states", "is_hf_folder", "open_reader", "preset_
 
 # model_types keras-hub has a backbone for but no converter: shardckpt's own
 # converter modules, in keras-hub's converter interface.
-_DATA_CONVERTERS = {"phi3": "shardckpt.presets.hf_phi3"}
+_DATA_CONVERTERS = {"phi3": "shardckpt.formats.hf_phi3"}
 
 
 def _DataLoader(folder: str, config: dict, converter: Any) -> Any:
@@ -142,7 +142,7 @@ def initialize_states(model: Any) -> None:
 
 def remaps(model: Any, folder: str, tensors: Any) -> dict[str, Any]:
     """`variable.path -> hf_remap.Tensor` for `model` from keras-hub's converter."""
-    from shardckpt.presets.hf_record import MissingTensorError, record
+    from shardckpt.formats.hf_record import MissingTensorError, record
 
     loader = preset_loader(folder)
     stored = {k: tensors.spec(k) for k in tensors.keys()}  # noqa: SIM118 (a Reader, not a dict)

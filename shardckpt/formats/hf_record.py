@@ -22,7 +22,7 @@ from collections.abc import Iterator, Mapping
 from typing import Any, Self
 
 from shardckpt.formats.base import ArraySpec
-from shardckpt.presets.hf_remap import Strided, Tensor, Unsupported
+from shardckpt.formats.hf_remap import Strided, Tensor, Unsupported
 
 
 class MissingTensorError(KeyError):

@@ -1,0 +1,113 @@
+"""Each process writes the pieces of its own devices, at their places in the files.
+
+A variable's value is a sharded `jax.Array`. For every addressable shard
+whose `replica_id` is 0 (so a replicated piece is written once, by the
+process holding its first replica, and the processes together write every
+piece exactly once), the shard's box is written through the variable's
+`Remap`: where each element of the variable lives in the stored tensors.
+
+- `Identity` (safetensors, keras-hub h5): the stored tensor is the variable.
+- a recorded Hugging Face remap (`shardckpt.formats.hf_remap.Tensor`, the
+  same objects `from_preset` reads with): `Strided` places the box in a
+  strided view of its stored tensor (a transposed kernel's piece becomes the
+  stored rows it occupies), `Concat` splits the box across its parts
+  (stacked experts, fused projections), `Cast` is undone by the stored
+  dtype.
+
+Host memory: a piece is brought to the host in row blocks of at most the
+budget (`shardckpt.budget.Budget`); the cast to the stored dtype happens in
+numpy's assignment loop (bounded buffers), and the destination is a
+file-backed map, so nothing beyond the blocks in flight is held.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from shardckpt.budget import Budget
+from shardckpt.formats.hf_remap import Box, Cast, Concat, Strided, Tensor
+
+Store = Callable[[str], np.ndarray]
+"""`key -> writable array of the stored tensor` (a view of the mapped file)."""
+
+
+class Identity(Tensor):
+    """The stored tensor `key` is the variable itself."""
+
+    def __init__(self, key: str, shape: tuple[int, ...], dtype: Any) -> None:
+        self.key = key
+        self.shape = tuple(shape)
+        self.dtype = np.dtype(dtype)
+
+    def sources(self) -> list[str]:
+        return [self.key]
+
+
+def write_box(remap: Tensor, box: Box, value: np.ndarray, store: Store) -> None:
+    """Writes `value` (the variable's `box`) where its elements are stored."""
+    if isinstance(remap, Identity):
+        store(remap.key)[box] = value
+    elif isinstance(remap, Strided):
+        base = store(remap.key).reshape(-1)
+        first = remap.offset + sum(s.start * st for s, st in zip(box, remap.strides, strict=True))
+        item = base.dtype.itemsize
+        target = np.lib.stride_tricks.as_strided(
+            base[first:], shape=value.shape, strides=tuple(s * item for s in remap.strides), writeable=True
+        )
+        target[...] = value
+    elif isinstance(remap, Cast):
+        write_box(remap.child, box, value, store)
+    elif isinstance(remap, Concat):
+        axis, want = remap.axis, box[remap.axis]
+        for start, stop, part in remap._spans():
+            lo, hi = max(start, want.start), min(stop, want.stop)
+            if lo < hi:
+                sub = box[:axis] + (slice(lo - start, hi - start),) + box[axis + 1 :]
+                write_box(part, sub, value[(slice(None),) * axis + (slice(lo - want.start, hi - want.start),)], store)
+    else:
+        raise TypeError(f"no writer for a {type(remap).__name__} remap")
+
+
+def normalize(index: tuple[Any, ...], shape: tuple[int, ...]) -> Box:
+    """A shard's index (slices with None) as a box of explicit bounds."""
+    return tuple(slice(*s.indices(d)[:2]) for s, d in zip(index, shape, strict=True))
+
+
+def owned_pieces(value: Any) -> list[tuple[Box, Any]]:
+    """`(box, shard data)` of each piece this process writes (replica 0 only)."""
+    shape = tuple(value.shape)
+    if not hasattr(value, "addressable_shards"):  # a numpy value (never sharded)
+        import jax
+
+        return [(tuple(slice(0, d) for d in shape), value)] if jax.process_index() == 0 else []
+    return [(normalize(s.index, shape), s.data) for s in value.addressable_shards if s.replica_id == 0]
+
+
+def write_value(value: Any, remap: Tensor, store: Store, budget: Budget, count: Callable[[int], None]) -> int:
+    """Writes this process's pieces of `value`; returns the bytes written."""
+    written = 0
+    for box, data in owned_pieces(value):
+        shape = tuple(b.stop - b.start for b in box)
+        if math.prod(shape) == 0:
+            continue
+        if not shape:  # a scalar
+            with budget.holding(data.dtype.itemsize):
+                write_box(remap, box, np.asarray(data), store)
+            written += data.dtype.itemsize
+            continue
+        row = math.prod(shape[1:]) * np.dtype(data.dtype).itemsize
+        rows = max(1, budget.limit // max(1, row))
+        for lo in range(0, shape[0], rows):
+            hi = min(shape[0], lo + rows)
+            with budget.holding((hi - lo) * row):
+                block = np.asarray(data[lo:hi] if hi - lo < shape[0] else data)
+                sub = (slice(box[0].start + lo, box[0].start + hi),) + box[1:]
+                write_box(remap, sub, block, store)
+                del block
+            written += (hi - lo) * row
+    count(written)
+    return written
