@@ -21,7 +21,6 @@ import pytest
 from safetensors.numpy import load_file
 
 import shardckpt
-from shardckpt.errors import DestinationExistsError, UnloadedVariableError, UnsupportedModelError
 from shardckpt.presets import hf
 
 keras_hub = pytest.importorskip("keras_hub")
