@@ -121,6 +121,12 @@ def _plan_hf(model: Any, dtype: Any, shard: int | None) -> _Plan:
             "Fix: export the backbone (model.backbone) and convert the tokenizer separately."
         )
     config = dict(plan.config)
+    if task:
+        from shardckpt.export.hf_config import task_architectures
+
+        architectures = task_architectures(config, model)
+        if architectures is not None:
+            config["architectures"] = architectures
     if tokenizer is not None:  # as keras-hub's export_backbone does
         for key, token in (("bos_token_id", tokenizer.start_token), ("eos_token_id", tokenizer.end_token)):
             if token is not None:

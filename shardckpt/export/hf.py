@@ -24,6 +24,7 @@ import numpy as np
 
 from shardckpt.errors import UnsupportedModelError
 from shardckpt.export.hf_shapes import stored_shapes
+from shardckpt.export.model import lora_factors, lora_kernels_as_variables
 from shardckpt.formats.base import ArraySpec
 from shardckpt.formats.hf_remap import Concat, Tensor, Unsupported
 
@@ -107,12 +108,11 @@ def plan(backbone: Any, dtype: Any = None) -> HFPlan:
     config = hf_config(backbone, converter, model_types)
     name = type(backbone).__name__
     try:
-        shapes = stored_shapes(backbone, converter, config)
-        def dtype_of(key: str) -> np.dtype:
-            return np.dtype(dtype) if dtype is not None else np.dtype("float32")
-
-        specs = {k: ArraySpec(shape=tuple(s), dtype=dtype_of(k)) for k, s in sorted(shapes.items())}
-        recorded = record(backbone, converter, "<export>", config, specs)
+        with lora_kernels_as_variables(backbone):
+            shapes = stored_shapes(backbone, converter, config)
+            stored_dtype = np.dtype(dtype) if dtype is not None else np.dtype("float32")
+            specs = {k: ArraySpec(shape=tuple(s), dtype=stored_dtype) for k, s in sorted(shapes.items())}
+            recorded = record(backbone, converter, "<export>", config, specs)
     except (Unsupported, MissingTensorError, KeyError, ValueError) as e:
         raise UnsupportedModelError(
             f"{name}: keras-hub's converter cannot be inverted for export ({e}). Fix: export "
@@ -128,7 +128,8 @@ def plan(backbone: Any, dtype: Any = None) -> HFPlan:
     for _, t in remaps:
         _covered(t, counts)
     wrong = [k for k, s in specs.items() if counts.get(k, 0) != math.prod(s.shape)]
-    unassigned = [v.path for v in backbone.weights if id(v) not in {id(a) for a, _ in remaps}]
+    skipped = {id(a) for a, _ in remaps} | lora_factors(backbone)
+    unassigned = [v.path for v in backbone.weights if id(v) not in skipped]
     if wrong or unassigned:
         raise UnsupportedModelError(
             f"{name}: the recorded Hugging Face mapping does not cover "

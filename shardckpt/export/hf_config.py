@@ -214,3 +214,26 @@ class _Arguments(dict):
 
 def _arguments(backbone: Any) -> Mapping[str, Any]:
     return _Arguments(backbone)
+
+
+# transformers' class of a causal LM per model_type: keras-hub's task loader
+# reads `architectures[0]`, which keras-hub's exporter configs and converter
+# inverses do not always carry. Written for tasks only, when missing.
+CAUSAL_LM_ARCHITECTURES = {
+    "llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "mixtral": "MixtralForCausalLM",
+    "gemma": "GemmaForCausalLM", "gemma2": "Gemma2ForCausalLM", "gemma3": "Gemma3ForCausalLM",
+    "gemma3_text": "Gemma3ForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+    "qwen2_moe": "Qwen2MoeForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM", "phi3": "Phi3ForCausalLM",
+    "gpt2": "GPT2LMHeadModel",
+}
+
+
+def task_architectures(config: Mapping[str, Any], task: Any) -> list[str] | None:
+    """`architectures` for a task's config.json when the config lacks it (None: keep as is)."""
+    if "architectures" in config:
+        return None
+    from keras_hub.models import CausalLM
+
+    if isinstance(task, CausalLM) and config.get("model_type") in CAUSAL_LM_ARCHITECTURES:
+        return [CAUSAL_LM_ARCHITECTURES[str(config["model_type"])]]
+    return None

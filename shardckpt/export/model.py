@@ -11,7 +11,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from shardckpt.errors import UnloadedVariableError, UnsupportedModelError
@@ -60,6 +61,15 @@ def value_getters(model: Any) -> dict[int, Callable[[], Any]]:
     return out
 
 
+def lora_factors(model: Any) -> set[int]:
+    """`id`s of the LoRA factor variables (merged into their kernels, never exported)."""
+    out: set[int] = set()
+    for layer in model._flatten_layers(include_self=True):
+        if getattr(layer, "lora_enabled", False) is True:
+            out.update(id(getattr(layer, n)) for n in ("lora_kernel_a", "lora_kernel_b") if hasattr(layer, n))
+    return out
+
+
 def _merged(layer: Any) -> Callable[[], Any]:
     return lambda: layer.kernel
 
@@ -67,3 +77,22 @@ def _merged(layer: Any) -> Callable[[], Any]:
 def value_of(variable: Any, getters: dict[int, Callable[[], Any]]) -> Any:
     get = getters.get(id(variable))
     return get() if get is not None else variable.value
+
+
+@contextlib.contextmanager
+def lora_kernels_as_variables(model: Any) -> Iterator[None]:
+    """While recording a converter: a LoRA layer's `kernel` is its base variable.
+
+    keras-hub's converters port `layer.kernel`, which for a LoRA-enabled
+    layer is a computed value (base + A @ B x scale), not a variable. With
+    `lora_enabled` off for the recording, the remap is recorded for the base
+    kernel variable; `value_getters` then writes the merged value there.
+    """
+    layers = [layer for layer in model._flatten_layers(include_self=True) if getattr(layer, "lora_enabled", False) is True]
+    for layer in layers:
+        layer.lora_enabled = False
+    try:
+        yield
+    finally:
+        for layer in layers:
+            layer.lora_enabled = True
