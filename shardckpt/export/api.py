@@ -342,13 +342,13 @@ def export(
     show = sys.stderr.isatty() if progress is None else progress
     try:
         with ByteProgress(total, f"export {format}", enabled=show) as bar:
-            for variable, remap in plan.writes:
+            for ordinal, (variable, remap) in enumerate(plan.writes):
                 keys = [k for k in remap.sources() if k in slots]
                 if not keys:
                     continue  # zero-sized
                 itemsize = plan.specs[keys[0]].dtype.itemsize
                 value = _model.value_of(variable, getters)
-                n = write_value(value, remap, mapped.array, budget, lambda n: None)
+                n = write_value(value, remap, mapped.array, budget, salt=ordinal)
                 stored = n // max(1, np.dtype(value.dtype).itemsize) * itemsize
                 written += stored
                 bar.advance(stored)

@@ -1,10 +1,10 @@
 """Each process writes the pieces of its own devices, at their places in the files.
 
-A variable's value is a sharded `jax.Array`. For every addressable shard
-whose `replica_id` is 0 (so a replicated piece is written once, by the
-process holding its first replica, and the processes together write every
-piece exactly once), the shard's box is written through the variable's
-`Remap`: where each element of the variable lives in the stored tensors.
+A variable's value is a sharded `jax.Array`. Each distinct piece (box) is
+written once, by one device holding it (`owned_pieces`: all processes
+agree on the writer from the global sharding, and the processes together
+write every piece exactly once), through the variable's remap: where each
+element of the variable lives in the stored tensors.
 
 - `Identity` (safetensors, keras-hub h5): the stored tensor is the variable.
 - a recorded Hugging Face remap (`shardckpt.formats.hf_remap.Tensor`, the
@@ -77,20 +77,43 @@ def normalize(index: tuple[Any, ...], shape: tuple[int, ...]) -> Box:
     return tuple(slice(*s.indices(d)[:2]) for s, d in zip(index, shape, strict=True))
 
 
-def owned_pieces(value: Any) -> list[tuple[Box, Any]]:
-    """`(box, shard data)` of each piece this process writes (replica 0 only)."""
+def owned_pieces(value: Any, salt: int = 0) -> list[tuple[Box, Any]]:
+    """`(box, shard data)` of each piece this process writes.
+
+    Every distinct piece is written once, by one of the devices holding a
+    replica of it: replica `(k + salt) % replicas` for the k-th piece, with
+    replicas ordered by device id. All processes compute the same choice
+    from the global sharding, with no communication. Rotating the writer
+    (by piece and by `salt`, the variable's ordinal) spreads replicated
+    pieces over the processes: on a (2, 4) mesh whose "data" rows are two
+    processes, variables replicated over "data" are written half by each,
+    where "first replica writes" would leave every byte to process 0.
+    """
+    import jax
+
     shape = tuple(value.shape)
     if not hasattr(value, "addressable_shards"):  # a numpy value (never sharded)
-        import jax
-
         return [(tuple(slice(0, d) for d in shape), value)] if jax.process_index() == 0 else []
-    return [(normalize(s.index, shape), s.data) for s in value.addressable_shards if s.replica_id == 0]
+    groups: dict[tuple[tuple[int, int], ...], list[Any]] = {}
+    for device, index in value.sharding.devices_indices_map(shape).items():
+        box = normalize(index, shape)
+        groups.setdefault(tuple((b.start, b.stop) for b in box), []).append(device)
+    writers = {}
+    for k, (box_key, devices) in enumerate(sorted(groups.items())):
+        devices.sort(key=lambda d: d.id)
+        writers[box_key] = devices[(k + salt) % len(devices)].id
+    out = []
+    for shard in value.addressable_shards:
+        box = normalize(shard.index, shape)
+        if writers[tuple((b.start, b.stop) for b in box)] == shard.device.id:
+            out.append((box, shard.data))
+    return out
 
 
-def write_value(value: Any, remap: Tensor, store: Store, budget: Budget, count: Callable[[int], None]) -> int:
-    """Writes this process's pieces of `value`; returns the bytes written."""
+def write_value(value: Any, remap: Tensor, store: Store, budget: Budget, *, salt: int = 0) -> int:
+    """Writes this process's pieces of `value`; returns the bytes written (in `value`'s dtype)."""
     written = 0
-    for box, data in owned_pieces(value):
+    for box, data in owned_pieces(value, salt):
         shape = tuple(b.stop - b.start for b in box)
         if math.prod(shape) == 0:
             continue
@@ -109,5 +132,4 @@ def write_value(value: Any, remap: Tensor, store: Store, budget: Budget, count: 
                 write_box(remap, sub, block, store)
                 del block
             written += (hi - lo) * row
-    count(written)
     return written

@@ -36,7 +36,6 @@ class MappedFiles:
         self._slots = dict(slots)
         self._maps: dict[str, tuple[int, mmap.mmap]] = {}
         self._folder = folder
-        self.written: dict[str, int] = {}  # bytes this process wrote, per file
 
     def _map(self, name: str) -> mmap.mmap:
         entry = self._maps.get(name)
@@ -56,11 +55,6 @@ class MappedFiles:
         count = math.prod(slot.spec.shape)
         return np.ndarray(slot.spec.shape, slot.spec.dtype, buffer=self._map(slot.file), offset=slot.offset,
                           order="C") if count else np.empty(slot.spec.shape, slot.spec.dtype)
-
-    def count(self, key: str, nbytes: int) -> None:
-        """Records `nbytes` written into `key`'s file (for the export report)."""
-        name = self._slots[key].file
-        self.written[name] = self.written.get(name, 0) + nbytes
 
     def flush(self) -> None:
         """Writes every dirty page back and syncs the files (before a commit)."""
