@@ -12,6 +12,7 @@ import keras
 import pytest
 
 import shardckpt
+from shardckpt.formats import storage
 from tests.test_multiprocess_restore import _free_port
 
 pytestmark = pytest.mark.multiprocess
@@ -23,7 +24,8 @@ def _files(folder) -> dict[str, bytes]:
     return {n: (folder / n).read_bytes() for n in sorted(os.listdir(folder)) if n != "metadata.json"}
 
 
-def test_two_processes_write_half_each_and_equal_the_single_process_export(tmp_path):
+def test_two_processes_write_half_each_and_equal_the_single_process_export(tmp_path, gcs_server):
+    bucket = gcs_server.new_bucket()
     fx.make_folder("llama", str(tmp_path / "src"))
     keras.backend.clear_session()
     model = shardckpt.from_preset(str(tmp_path / "src"), mesh=(2, 4))
@@ -36,7 +38,7 @@ def test_two_processes_write_half_each_and_equal_the_single_process_export(tmp_p
     env.pop("XLA_FLAGS", None)
     worker = os.path.join(os.path.dirname(__file__), "_export_worker.py")
     procs = [
-        subprocess.Popen([sys.executable, worker, str(i), port, str(tmp_path)], env=env,
+        subprocess.Popen([sys.executable, worker, str(i), port, str(tmp_path), bucket], env=env,
                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         for i in range(2)
     ]
@@ -58,6 +60,9 @@ def test_two_processes_write_half_each_and_equal_the_single_process_export(tmp_p
         for name in a:
             assert a[name] == b[name], f"{two}/{name} differs from the 1-process export"
     results = [json.loads((tmp_path / f"result{i}.json").read_text()) for i in range(2)]
+    for r in results:
+        assert "2 processes exporting into one bucket folder is not built" in r["bucket_refusal"]
+    assert storage.list_keys(storage.parse(bucket)) == []
     for fmt in ("hf", "keras-hub"):
         total = results[0][fmt]["total"]
         written = [r[fmt]["written"] for r in results]

@@ -34,10 +34,10 @@ from typing import Any
 import numpy as np
 
 from shardckpt import budget as _budget
-from shardckpt.errors import DestinationExistsError, UnsupportedURLError
+from shardckpt.errors import DestinationExistsError
 from shardckpt.export import model as _model
 from shardckpt.export.pieces import Identity, write_value
-from shardckpt.formats import h5_writer, safetensors_writer
+from shardckpt.formats import h5_writer, safetensors_writer, storage
 from shardckpt.formats.base import ArraySpec
 from shardckpt.formats.hf_remap import Tensor
 from shardckpt.formats.mapped_writer import MappedFiles
@@ -94,11 +94,11 @@ def max_shard_bytes(max_shard_size: Any) -> int | None:
     if max_shard_size is None:
         return None
     if isinstance(max_shard_size, str):
-        m = re.fullmatch(r"\s*([\d.]+)\s*([KMG]i?B)\s*", max_shard_size, re.IGNORECASE)
+        m = re.fullmatch(r"\s*([\d.]+)\s*([KMG]i?B|B)\s*", max_shard_size, re.IGNORECASE)
         if not m:
             raise ValueError(f"max_shard_size must be a number of GB or a size like '5GB'. Received: {max_shard_size!r}")
         unit = m.group(2).upper()
-        scale = {"KB": 1e3, "MB": 1e6, "GB": 1e9, "KIB": 1024, "MIB": 1024**2, "GIB": 1024**3}[unit]
+        scale = {"B": 1, "KB": 1e3, "MB": 1e6, "GB": 1e9, "KIB": 1024, "MIB": 1024**2, "GIB": 1024**3}[unit]
         return max(1, int(float(m.group(1)) * scale))
     if isinstance(max_shard_size, (int, float)) and not isinstance(max_shard_size, bool) and max_shard_size > 0:
         return max(1, int(max_shard_size * 1024**3))  # keras-hub: GB as 1024**3 bytes
@@ -314,14 +314,17 @@ def export(
     start = time.perf_counter()
     if format not in FORMATS:
         raise ValueError(f"format must be one of {', '.join(FORMATS)}. Received: format={format!r}")
-    dst = os.fspath(dst)
-    if "://" in dst:
-        raise UnsupportedURLError(
-            f"export writes local (or shared-disk) folders in this version. Received: dst={dst!r}. "
-            "Fix: export to a local folder, then copy it to the bucket."
-        )
+    location = storage.parse(dst, what="dst")  # an unsupported scheme:// is refused here
     _model.check_exportable(model)
     shard = max_shard_bytes(max_shard_size)
+    if location.is_remote:
+        from shardckpt.export.bucket import export_to_bucket
+
+        return export_to_bucket(
+            location, export, model, shard=shard or _budget.resolve(max_inflight_bytes), overwrite=overwrite,
+            format=format, dtype=dtype, max_inflight_bytes=max_inflight_bytes, progress=progress,
+        )
+    dst = location.path
     plan = {"hf": _plan_hf, "keras-hub": _plan_keras_hub, "safetensors": _plan_safetensors}[format](model, dtype, shard)
     _check_destination(dst, overwrite)
     partial = dst.rstrip("/") + PARTIAL_SUFFIX
