@@ -218,3 +218,30 @@ def test_sigkill_mid_export_leaves_nothing_that_loads(tmp_path):
     for folder in (str(dst), partial):
         with pytest.raises(CheckpointNotFoundError):
             shardckpt.from_preset(folder)
+
+
+def test_cli_convert_to_keras_hub_then_back_to_hf(llama_folder, tmp_path, capsys):
+    from shardckpt.cli.main import main
+
+    preset, back = str(tmp_path / "preset"), str(tmp_path / "hf")
+    assert main(["convert", llama_folder, preset, "--to", "keras-hub", "--mesh", "2x4", "--quiet"]) == 0
+    assert "as keras-hub" in capsys.readouterr().out
+    keras.backend.clear_session()
+    assert main(["convert", preset, back, "--to", "hf", "--max-shard-size", "10KB", "--quiet"]) == 0
+    stored, source = fx_tensors(back), fx_tensors(llama_folder)
+    assert sorted(stored) == sorted(source)
+    for key in source:
+        assert stored[key].tobytes() == source[key].tobytes(), key
+    weights = str(tmp_path / "w.weights.h5")
+    with open(weights, "wb"):
+        pass
+    assert main(["convert", weights, str(tmp_path / "x"), "--to", "hf", "--quiet"]) == 1
+    assert "needs the architecture: pass --model" in capsys.readouterr().err
+
+
+def fx_tensors(folder: str) -> dict[str, np.ndarray]:
+    out: dict[str, np.ndarray] = {}
+    for name in os.listdir(folder):
+        if name.endswith(".safetensors"):
+            out.update(load_file(os.path.join(folder, name)))
+    return out
