@@ -98,3 +98,12 @@ def test_bench_storage_smoke(tmp_path):
     for row in result["rows"]:
         assert row["load_s"] > 0 and row["bytes_read"] > 0, row
         assert row["sharding"] == "P('model', None)", row  # the down kernel, row-sharded
+
+
+@pytest.mark.slow
+def test_bench_export_smoke(tmp_path):
+    pytest.importorskip("keras_hub")
+    rows = _smoke("bench_export.py", tmp_path)["rows"]
+    assert set(rows) == {"shardckpt-hf", "keras-hub-hf", "shardckpt-preset", "keras-hub-preset"}
+    for cell, row in rows.items():
+        assert row["seconds"] > 0 and row["written_gb"] > 0 and row["state_gb"] > 0, (cell, row)
