@@ -351,7 +351,7 @@ def export(
                     continue  # zero-sized
                 itemsize = plan.specs[keys[0]].dtype.itemsize
                 value = _model.value_of(variable, getters)
-                n = write_value(value, remap, mapped.array, budget, salt=ordinal)
+                n = write_value(value, remap, mapped, budget, salt=ordinal)
                 stored = n // max(1, np.dtype(value.dtype).itemsize) * itemsize
                 written += stored
                 bar.advance(stored)

@@ -23,16 +23,12 @@ file-backed map, so nothing beyond the blocks in flight is held.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 
 from shardckpt.budget import Budget
 from shardckpt.formats.hf_remap import Box, Cast, Concat, Strided, Tensor
-
-Store = Callable[[str], np.ndarray]
-"""`key -> writable array of the stored tensor` (a view of the mapped file)."""
 
 
 class Identity(Tensor):
@@ -47,27 +43,35 @@ class Identity(Tensor):
         return [self.key]
 
 
-def write_box(remap: Tensor, box: Box, value: np.ndarray, store: Store) -> None:
+class Target(Protocol):
+    """Where stored tensors are written (`formats.mapped_writer.MappedFiles`)."""
+
+    def put(self, key: str, first: int, strides: tuple[int, ...], value: np.ndarray) -> None:
+        """Writes `value` at elements `first + i . strides` of the stored tensor `key`."""
+        ...
+
+
+def _c_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
+    return tuple(math.prod(shape[i + 1 :]) for i in range(len(shape)))
+
+
+def write_box(remap: Tensor, box: Box, value: np.ndarray, target: Target) -> None:
     """Writes `value` (the variable's `box`) where its elements are stored."""
     if isinstance(remap, Identity):
-        store(remap.key)[box] = value
+        strides = _c_strides(remap.shape)
+        target.put(remap.key, sum(s.start * st for s, st in zip(box, strides, strict=True)), strides, value)
     elif isinstance(remap, Strided):
-        base = store(remap.key).reshape(-1)
         first = remap.offset + sum(s.start * st for s, st in zip(box, remap.strides, strict=True))
-        item = base.dtype.itemsize
-        target = np.lib.stride_tricks.as_strided(
-            base[first:], shape=value.shape, strides=tuple(s * item for s in remap.strides), writeable=True
-        )
-        target[...] = value
+        target.put(remap.key, first, remap.strides, value)
     elif isinstance(remap, Cast):
-        write_box(remap.child, box, value, store)
+        write_box(remap.child, box, value, target)
     elif isinstance(remap, Concat):
         axis, want = remap.axis, box[remap.axis]
         for start, stop, part in remap._spans():
             lo, hi = max(start, want.start), min(stop, want.stop)
             if lo < hi:
                 sub = box[:axis] + (slice(lo - start, hi - start),) + box[axis + 1 :]
-                write_box(part, sub, value[(slice(None),) * axis + (slice(lo - want.start, hi - want.start),)], store)
+                write_box(part, sub, value[(slice(None),) * axis + (slice(lo - want.start, hi - want.start),)], target)
     else:
         raise TypeError(f"no writer for a {type(remap).__name__} remap")
 
@@ -110,7 +114,7 @@ def owned_pieces(value: Any, salt: int = 0) -> list[tuple[Box, Any]]:
     return out
 
 
-def write_value(value: Any, remap: Tensor, store: Store, budget: Budget, *, salt: int = 0) -> int:
+def write_value(value: Any, remap: Tensor, target: Target, budget: Budget, *, salt: int = 0) -> int:
     """Writes this process's pieces of `value`; returns the bytes written (in `value`'s dtype)."""
     written = 0
     for box, data in owned_pieces(value, salt):
@@ -119,17 +123,18 @@ def write_value(value: Any, remap: Tensor, store: Store, budget: Budget, *, salt
             continue
         if not shape:  # a scalar
             with budget.holding(data.dtype.itemsize):
-                write_box(remap, box, np.asarray(data), store)
+                write_box(remap, box, np.asarray(data), target)
             written += data.dtype.itemsize
             continue
         row = math.prod(shape[1:]) * np.dtype(data.dtype).itemsize
-        rows = max(1, budget.limit // max(1, row))
+        # A block, and its copy in the stored layout and dtype (pwrite's source).
+        rows = max(1, budget.limit // max(1, 2 * row))
         for lo in range(0, shape[0], rows):
             hi = min(shape[0], lo + rows)
-            with budget.holding((hi - lo) * row):
+            with budget.holding(2 * (hi - lo) * row):
                 block = np.asarray(data[lo:hi] if hi - lo < shape[0] else data)
                 sub = (slice(box[0].start + lo, box[0].start + hi),) + box[1:]
-                write_box(remap, sub, block, store)
+                write_box(remap, sub, block, target)
                 del block
             written += (hi - lo) * row
     return written

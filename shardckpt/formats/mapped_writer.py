@@ -23,6 +23,9 @@ import numpy as np
 
 from shardckpt.formats.safetensors_writer import TensorSlot
 
+MIN_RUN_BYTES = 4096
+"""Runs of at least a page are written with `pwrite`; shorter ones through the map."""
+
 
 class MappedFiles:
     """Shared, writable maps of the files holding `slots`.
@@ -56,11 +59,57 @@ class MappedFiles:
         return np.ndarray(slot.spec.shape, slot.spec.dtype, buffer=self._map(slot.file), offset=slot.offset,
                           order="C") if count else np.empty(slot.spec.shape, slot.spec.dtype)
 
+    def put(self, key: str, first: int, strides: tuple[int, ...], value: np.ndarray) -> None:
+        """Writes `value` at elements `first + i . strides` of `key` (in elements, C order).
+
+        The destination's axes are ordered by stride; the longest run of
+        contiguous elements (the innermost axes that tile memory) is written
+        with one `pwrite` per run, from a copy of `value` in that order and
+        the stored dtype (no page faults on a mapping). Runs shorter than
+        `MIN_RUN_BYTES` go through the writable map instead, where one
+        system call per run would cost more than the page faults.
+        """
+        slot = self._slots[key]
+        dtype = slot.spec.dtype
+        item = dtype.itemsize
+        shape = value.shape
+        order = sorted(range(len(shape)), key=lambda a: -strides[a]) if shape else []
+        run, expect = 1, 1
+        contiguous_axes = 0
+        for a in reversed(order):  # innermost first
+            if shape[a] == 1:
+                contiguous_axes += 1
+                continue
+            if strides[a] != expect:
+                break
+            run *= shape[a]
+            expect *= shape[a]
+            contiguous_axes += 1
+        if run * item < MIN_RUN_BYTES:
+            base = self.array(key).reshape(-1)
+            target = np.lib.stride_tricks.as_strided(
+                base[first:], shape=shape, strides=tuple(s * item for s in strides), writeable=True
+            )
+            target[...] = value
+            return
+        data = np.ascontiguousarray(value.transpose(order), dtype=dtype) if shape else np.asarray(value, dtype)
+        flat = memoryview(data.reshape(-1).view(np.uint8))
+        outer = order[: len(order) - contiguous_axes]
+        fd = self._fd(slot.file)
+        run_bytes = run * item
+        for n, index in enumerate(np.ndindex(*[shape[a] for a in outer])):
+            element = first + sum(i * strides[a] for i, a in zip(index, outer, strict=True))
+            os.pwrite(fd, flat[n * run_bytes : (n + 1) * run_bytes], slot.offset + element * item)
+
+    def _fd(self, name: str) -> int:
+        self._map(name)
+        return self._maps[name][0]
+
     def flush(self) -> None:
         """Writes every dirty page back and syncs the files (before a commit)."""
         for fd, mapped in self._maps.values():
-            mapped.flush()
-            os.fsync(fd)
+            mapped.flush()  # pieces written through the map
+            os.fsync(fd)  # and those written with pwrite
 
     def close(self) -> None:
         for fd, mapped in self._maps.values():
