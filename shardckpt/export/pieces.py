@@ -14,10 +14,11 @@ element of the variable lives in the stored tensors.
   (stacked experts, fused projections), `Cast` is undone by the stored
   dtype.
 
-Host memory: a piece is brought to the host in row blocks of at most the
-budget (`shardckpt.budget.Budget`); the cast to the stored dtype happens in
-numpy's assignment loop (bounded buffers), and the destination is a
-file-backed map, so nothing beyond the blocks in flight is held.
+Host memory: a piece is brought to the host in row blocks whose size, plus
+one copy of the block in the stored layout and dtype (transposed, cast:
+the source of `pwrite`, see `formats.mapped_writer.MappedFiles.put`),
+stays within the budget (`shardckpt.budget.Budget`). Written pages are
+page cache (file-backed), so nothing beyond the blocks in flight is held.
 """
 
 from __future__ import annotations

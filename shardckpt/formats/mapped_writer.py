@@ -1,13 +1,12 @@
 """Writable memory maps of files whose layout is fixed: each array at its offset.
 
 The writers (`safetensors_writer`, `h5_writer`) create files with every
-array's bytes at a known offset (`TensorSlot`). `MappedFiles` maps them
-shared and writable, and `array(key)` is the array's region as a numpy
-array: a piece of a variable is written by assigning to a (possibly
-strided) view of it, so a transposed piece lands in its rows without a
-transposed copy, a cast happens element by element in numpy's small
-buffers, and the written pages belong to the page cache (file-backed, not
-the process's anonymous memory). Several processes may map one file on a
+array's bytes at a known offset (`TensorSlot`). `MappedFiles.put` writes a
+piece at its elements: runs of contiguous destination bytes with `pwrite`
+(no page fault per page, as writing through a map costs), short runs (a
+piece of a transposed kernel whose rows are split between devices)
+through a shared writable map of the file. Written pages belong to the
+page cache (file-backed, not the process's anonymous memory). Several processes may map one file on a
 shared disk and write disjoint pieces; each flushes (`msync`) and `fsync`s
 its own writes before the commit.
 """
