@@ -43,7 +43,7 @@ from shardckpt.formats.hf_remap import Tensor
 from shardckpt.formats.mapped_writer import MappedFiles
 from shardckpt.progress import ByteProgress
 
-FORMATS = ("hf", "keras-hub", "safetensors")
+FORMATS = ("hf", "keras-hub", "safetensors", "orbax")
 PARTIAL_SUFFIX = ".shardckpt-partial"
 
 
@@ -256,6 +256,19 @@ def _commit(partial: str, dst: str) -> None:
         shutil.rmtree(old)
 
 
+def _export_orbax(model: Any, dst: str, *, dtype: Any, max_inflight_bytes: int | None, overwrite: bool,
+                  start: float) -> ExportReport:
+    from shardckpt.export.orbax import export_orbax
+
+    _check_destination(dst, overwrite)
+    partial = dst.rstrip("/") + PARTIAL_SUFFIX
+    arrays, total = export_orbax(model, partial, dtype=dtype,
+                                 budget=_budget.Budget(_budget.resolve(max_inflight_bytes)))
+    _commit(partial, dst)
+    return ExportReport(path=dst, format="orbax", files=[], arrays=arrays, bytes_total=total, bytes_written=total,
+                        seconds=time.perf_counter() - start, process_index=0)
+
+
 def export(
     model: Any,
     dst: str | os.PathLike,
@@ -288,8 +301,10 @@ def export(
         format: "hf" (`config.json` + `model.safetensors`, Hugging Face
             names and layouts; a task also writes its tokenizer files as
             keras-hub's exporter does), "keras-hub" (a preset keras-hub's
-            `from_preset` reads) or "safetensors" (`model.safetensors`,
-            keys = variable paths).
+            `from_preset` reads), "safetensors" (`model.safetensors`,
+            keys = variable paths; any Keras model) or "orbax" (one Orbax
+            step of the weights, as Keras' `load_weights(dir)` reads; one
+            process).
         max_shard_size: Split weights into files of at most this size: a
             number of GB (as keras-hub's `save_to_preset`) or a string such
             as "500MB". None: one file.
@@ -317,6 +332,10 @@ def export(
     location = storage.parse(dst, what="dst")  # an unsupported scheme:// is refused here
     _model.check_exportable(model)
     shard = max_shard_bytes(max_shard_size)
+    if location.is_remote and format == "orbax":
+        storage.refuse_remote(location, what="dst", reason=(
+            "format='orbax' writes local folders. Fix: export format='safetensors' or 'hf' into the bucket, "
+            "or save Orbax steps there with shardckpt.OrbaxCheckpoint."))
     if location.is_remote:
         from shardckpt.export.bucket import export_to_bucket
 
@@ -325,6 +344,9 @@ def export(
             format=format, dtype=dtype, max_inflight_bytes=max_inflight_bytes, progress=progress,
         )
     dst = location.path
+    if format == "orbax":
+        return _export_orbax(model, dst, dtype=dtype, max_inflight_bytes=max_inflight_bytes, overwrite=overwrite,
+                             start=start)
     plan = {"hf": _plan_hf, "keras-hub": _plan_keras_hub, "safetensors": _plan_safetensors}[format](model, dtype, shard)
     _check_destination(dst, overwrite)
     partial = dst.rstrip("/") + PARTIAL_SUFFIX

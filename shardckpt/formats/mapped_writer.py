@@ -92,7 +92,7 @@ class MappedFiles:
             target[...] = value
             return
         data = np.ascontiguousarray(value.transpose(order), dtype=dtype) if shape else np.asarray(value, dtype)
-        flat = memoryview(data.reshape(-1).view(np.uint8))
+        flat = data.reshape(-1).view(np.uint8).data
         outer = order[: len(order) - contiguous_axes]
         fd = self._fd(slot.file)
         run_bytes = run * item
