@@ -187,8 +187,8 @@ os.environ["JAX_PLATFORMS"] = "cpu"
 import keras, keras_hub, numpy as np, shardckpt
 keras.distribution.set_distribution(keras.distribution.ModelParallel(
     layout_map=keras_hub.models.Llama3Backbone.get_layout_map(keras.distribution.DeviceMesh((2, 4), ["batch", "model"]))))
-model = keras_hub.models.Llama3Backbone(vocabulary_size=4096, num_layers=4, hidden_dim=256, intermediate_dim=1024,
-                                        num_query_heads=4, num_key_value_heads=4)
+model = keras_hub.models.Llama3Backbone(vocabulary_size=16384, num_layers=4, hidden_dim=512, intermediate_dim=2048,
+                                        num_query_heads=4, num_key_value_heads=4)  # 133 MB
 print("built", flush=True)
 shardckpt.export(model, sys.argv[1], max_inflight_bytes=64)
 print("done", flush=True)
@@ -206,7 +206,7 @@ def test_sigkill_mid_export_leaves_nothing_that_loads(tmp_path):
             assert proc.poll() is None, proc.stdout.read() if proc.stdout else ""
             assert time.monotonic() < deadline, "the export never started"
             time.sleep(0.02)
-        time.sleep(0.3)  # in the middle of writing pieces (1 row per block: seconds of work)
+        # Laid out, now writing pieces (1 row per block: seconds of work).
         assert proc.poll() is None, "the export finished before the kill: make it slower"
         proc.send_signal(signal.SIGKILL)
         proc.wait(timeout=30)
@@ -268,3 +268,43 @@ def test_orbax_format_loads_back_in_keras_and_shardckpt(llama_folder, tmp_path):
     plain.load_weights(str(tmp_path / "orbax"))
     for v in plain.weights:
         np.testing.assert_array_equal(np.asarray(v.value), values[v.path], err_msg=v.path)
+
+
+BUDGET = 1 << 20
+
+
+def test_host_memory_stays_within_the_budget(tmp_path):
+    """A 64 MiB kernel, row-sharded 8 ways, cast to bfloat16 on the way: the anonymous memory the
+    export adds stays near the 1 MiB budget (sampled RssAnon), far below one piece (8 MiB)."""
+    import threading
+
+    def rss_anon() -> int:
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("RssAnon:"))
+
+    mesh = keras.distribution.DeviceMesh((1, 8), ["data", "model"])
+    layout_map = keras.distribution.LayoutMap(mesh)
+    layout_map["dense/kernel"] = ("model", None)
+    keras.distribution.set_distribution(keras.distribution.ModelParallel(layout_map=layout_map))
+    model = keras.Sequential([keras.Input((4096,)), keras.layers.Dense(4096, use_bias=False, name="dense")])
+    kernel = model.layers[0].kernel
+    kernel.assign(np.random.default_rng(0).standard_normal(kernel.shape, dtype=np.float32))
+    shardckpt.export(model, tmp_path / "warm", format="safetensors", dtype="bfloat16", max_inflight_bytes=1 << 20)
+    base = peak = rss_anon()
+    done = threading.Event()
+
+    def sample() -> None:
+        nonlocal peak
+        while not done.is_set():
+            peak = max(peak, rss_anon())
+
+    sampler = threading.Thread(target=sample)
+    sampler.start()
+    try:
+        shardckpt.export(model, tmp_path / "out", format="safetensors", dtype="bfloat16", max_inflight_bytes=BUDGET)
+    finally:
+        done.set()
+        sampler.join()
+    assert peak - base < 6 * 2**20, f"{(peak - base) / 2**20:.1f} MiB over the start"
+    stored = load_file(str(tmp_path / "out" / "model.safetensors"))[kernel.path]
+    np.testing.assert_array_equal(stored, np.asarray(kernel.value).astype(ml_dtypes.bfloat16))

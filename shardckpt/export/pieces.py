@@ -115,6 +115,13 @@ def owned_pieces(value: Any, salt: int = 0) -> list[tuple[Box, Any]]:
     return out
 
 
+def _on_host(data: Any) -> bool:
+    devices = getattr(data, "devices", None)
+    if devices is None:
+        return True  # a numpy array
+    return all(d.platform == "cpu" for d in devices())
+
+
 def write_value(value: Any, remap: Tensor, target: Target, budget: Budget, *, salt: int = 0) -> int:
     """Writes this process's pieces of `value`; returns the bytes written (in `value`'s dtype)."""
     written = 0
@@ -128,12 +135,19 @@ def write_value(value: Any, remap: Tensor, target: Target, budget: Budget, *, sa
             written += data.dtype.itemsize
             continue
         row = math.prod(shape[1:]) * np.dtype(data.dtype).itemsize
+        # A CPU device's buffer is host memory: numpy views it without a copy,
+        # and row blocks are views. Elsewhere each block is sliced on the
+        # device and copied to the host on its own.
+        host = np.asarray(data) if _on_host(data) else None
         # A block, and its copy in the stored layout and dtype (pwrite's source).
         rows = max(1, budget.limit // max(1, 2 * row))
         for lo in range(0, shape[0], rows):
             hi = min(shape[0], lo + rows)
             with budget.holding(2 * (hi - lo) * row):
-                block = np.asarray(data[lo:hi] if hi - lo < shape[0] else data)
+                if host is not None:
+                    block = host[lo:hi]
+                else:
+                    block = np.asarray(data[lo:hi] if hi - lo < shape[0] else data)
                 sub = (slice(box[0].start + lo, box[0].start + hi),) + box[1:]
                 write_box(remap, sub, block, target)
                 del block
