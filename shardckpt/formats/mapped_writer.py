@@ -20,6 +20,7 @@ from collections.abc import Mapping
 
 import numpy as np
 
+from shardckpt.formats.base import copy_into
 from shardckpt.formats.safetensors_writer import TensorSlot
 
 MIN_RUN_BYTES = 4096
@@ -91,7 +92,12 @@ class MappedFiles:
             )
             target[...] = value
             return
-        data = np.ascontiguousarray(value.transpose(order), dtype=dtype) if shape else np.asarray(value, dtype)
+        source = value.transpose(order) if shape else value
+        if source.flags.c_contiguous and source.dtype == dtype:
+            data = source
+        else:  # a transposed piece: copied in cache-sized tiles (and cast on the way)
+            data = np.empty(source.shape, dtype)
+            copy_into(data, source)
         flat = data.reshape(-1).view(np.uint8).data
         outer = order[: len(order) - contiguous_axes]
         fd = self._fd(slot.file)
