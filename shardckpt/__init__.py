@@ -8,6 +8,8 @@ The public API, re-exported here (internals live in one module per concept):
 - training: `OrbaxCheckpoint`, `restore_latest` -> `ResumeInfo`;
 - files: `convert` -> `ConvertReport`, `inspect` -> `CheckpointInfo`,
   `verify` -> `VerifyReport`;
+- the way out: `export` -> `ExportReport` (Hugging Face folders, keras-hub
+  presets, safetensors; each process writes its own pieces);
 - `errors`: every typed error shardckpt raises.
 """
 
@@ -47,6 +49,7 @@ from shardckpt.convert import (  # noqa: E402
     inspect,
     verify,
 )
+from shardckpt.export import ExportReport, export  # noqa: E402
 from shardckpt.layout import LayoutPlan, auto_layout, parallelize  # noqa: E402
 from shardckpt.presets import from_preset  # noqa: E402
 from shardckpt.restore import LoadReport, lazy_init, load_sharded  # noqa: E402
@@ -55,6 +58,7 @@ from shardckpt.training import OrbaxCheckpoint, ResumeInfo, restore_latest  # no
 __all__ = [
     "CheckpointInfo",
     "ConvertReport",
+    "ExportReport",
     "LayoutPlan",
     "LoadReport",
     "OrbaxCheckpoint",
@@ -64,6 +68,7 @@ __all__ = [
     "auto_layout",
     "convert",
     "errors",
+    "export",
     "from_preset",
     "inspect",
     "lazy_init",

@@ -12,28 +12,24 @@ Two writers, never a per-model table of names:
   and the weights of a keras-hub model built from it written under Hugging
   Face names by running keras-hub's converter in reverse through the same
   recorded remaps shardckpt reads with (`hf_remap.Tensor.write`). Stored
-  shapes follow PyTorch's Linear layout, (out_features, in_features), taken
-  from the Keras layer's own structure (an EinsumDense equation's input axes
-  are `in`; a weight several variables read is their outputs fused along
-  dim 0); stacked experts get theirs by undoing the converter's transposes
-  and stacks.
+  shapes are solved from the Keras layers' structure by the same solver
+  `shardckpt.export` uses (`shardckpt.export.hf_shapes`).
 """
 
 from __future__ import annotations
 
 import json
-import math
 import os
 from typing import Any
 
-import keras
 import ml_dtypes
 import numpy as np
 
 from shardckpt import lazy_init
+from shardckpt.export.hf_shapes import stored_shapes
 from shardckpt.formats.base import DTYPES, ArraySpec
+from shardckpt.formats.hf_record import record
 from shardckpt.presets import hf
-from shardckpt.presets.hf_record import record
 
 V, H, L, FF = 64, 32, 2, 64  # vocab, hidden, layers, intermediate
 
@@ -168,7 +164,7 @@ def make_folder(name: str, folder: str, *, dtype: str = "float32", shards: int =
         source = loader.load_backbone(loader.check_backbone_class(), load_weights=False, dtype=None)
     randomize(source, seed)
     stored_dtype = DTYPES["BF16"] if dtype == "bfloat16" else np.dtype(dtype)
-    shapes = _stored_shapes(source, loader)
+    shapes = stored_shapes(source, loader.converter, config)
     stored = {k: ArraySpec(shape=s, dtype=stored_dtype) for k, s in shapes.items()}
     recorded = record(source, loader.converter, folder, config, stored)
     tensors = {k: np.full(s.shape, np.nan, np.float32).astype(stored_dtype) for k, s in stored.items()}
@@ -193,112 +189,6 @@ def _save(folder: str, tensors: dict[str, np.ndarray], shards: int) -> None:
         weight_map.update({k: name for k in part})
     with open(os.path.join(folder, "model.safetensors.index.json"), "w") as f:
         json.dump({"metadata": {"total_size": sum(a.nbytes for a in tensors.values())}, "weight_map": weight_map}, f)
-
-
-# --- Stored shapes: PyTorch's (out_features, in_features) from Keras' structure.
-
-
-def _owners(model: Any) -> dict[int, Any]:
-    out = {}
-    for layer in model._flatten_layers(include_self=False):
-        for v in layer._trainable_variables + layer._non_trainable_variables:
-            out.setdefault(id(v), layer)
-    return out
-
-
-def _torch_shape(variable: Any, layer: Any) -> tuple[int, ...]:
-    shape = tuple(variable.shape)
-    if isinstance(layer, keras.layers.EinsumDense):
-        if variable is layer.kernel:
-            inputs, rest = layer.equation.split(",")
-            kernel = rest.split("->")[0]
-            ins = [d for c, d in zip(kernel, shape) if c in inputs]
-            outs = [d for c, d in zip(kernel, shape) if c not in inputs]
-            return (math.prod(outs), math.prod(ins))
-        return (math.prod(shape),)
-    if isinstance(layer, keras.layers.Dense) and variable is layer.kernel:
-        return shape[::-1]
-    # An embedding table is stored as is; any other matrix (a tied
-    # embedding's separate output projection) is a Linear weight.
-    if len(shape) == 2 and variable is not getattr(layer, "embeddings", None) and "position" not in variable.name:
-        return shape[::-1]
-    return shape
-
-
-class _Pending:
-    """A stored tensor whose shape is found from what it is assigned to."""
-
-    def __init__(self, key: str, perm: tuple[int, ...] | None = None) -> None:
-        self.key, self.perm = key, perm
-
-    def __array_function__(self, func: Any, types: Any, args: Any, kwargs: Any) -> Any:
-        if func is np.transpose:
-            return _Pending(self.key, tuple(kwargs.get("axes", args[1] if len(args) > 1 else (1, 0))))
-        if func in (np.stack, np.concatenate):
-            return _PendingJoin(list(args[0]), kwargs.get("axis", args[1] if len(args) > 1 else 0), func is np.stack)
-        raise NotImplementedError(func)
-
-    def solve(self, shape: tuple[int, ...], out: dict[str, tuple[int, ...]]) -> None:
-        if self.perm is None:
-            out[self.key] = shape
-        else:
-            src = [0] * len(shape)
-            for i, p in enumerate(self.perm):
-                src[p] = shape[i]
-            out[self.key] = tuple(src)
-
-
-class _PendingJoin:
-    def __init__(self, parts: list[Any], axis: int, stacked: bool) -> None:
-        self.parts, self.axis, self.stacked = parts, axis, stacked
-
-    __array_function__ = _Pending.__array_function__
-
-    def solve(self, shape: tuple[int, ...], out: dict[str, tuple[int, ...]]) -> None:
-        axis = self.axis % len(shape)
-        part = list(shape)
-        if self.stacked:
-            del part[axis]
-        else:
-            part[axis] //= len(self.parts)
-        for p in self.parts:
-            p.solve(tuple(part), out)
-
-
-class _ShapeFinder:
-    """A converter loader that records which stored shapes the variables imply."""
-
-    def __init__(self, model: Any) -> None:
-        self.prefix = None
-        self.preset = None
-        self.owners = _owners(model)
-        self.shapes: dict[str, tuple[int, ...]] = {}
-
-    def get_tensor(self, key: str) -> _Pending:
-        return _Pending(key)
-
-    def port_weight(self, keras_variable: Any, hf_weight_key: str, hook_fn: Any = None) -> None:
-        shape = _torch_shape(keras_variable, self.owners.get(id(keras_variable)))
-        if hf_weight_key in self.shapes:  # a fused weight (Phi-3 qkv_proj): outputs stacked
-            known = self.shapes[hf_weight_key]
-            shape = (known[0] + shape[0],) + known[1:]
-        self.shapes[hf_weight_key] = shape
-
-    def assign(self, variable: Any, value: Any) -> None:
-        value.solve(tuple(variable.shape), self.shapes)
-
-
-def _stored_shapes(model: Any, loader: Any) -> dict[str, tuple[int, ...]]:
-    finder = _ShapeFinder(model)
-    variables = list(model.weights)
-    for v in variables:
-        v.assign = lambda value, _v=v: finder.assign(_v, value)
-    try:
-        loader.converter.convert_weights(model, finder, loader.config)
-    finally:
-        for v in variables:
-            del v.assign
-    return finder.shapes
 
 
 def bf16(x: np.ndarray) -> np.ndarray:

@@ -121,10 +121,18 @@ def _check_storage(result: dict) -> None:
         assert row["sharding"] == "P('model', None)", row  # the down kernel, row-sharded
 
 
+def _check_export(result: dict) -> None:
+    rows = result["rows"]
+    assert set(rows) == {"shardckpt-hf", "keras-hub-hf", "shardckpt-preset", "keras-hub-preset"}
+    for cell, row in rows.items():
+        assert row["seconds"] > 0 and row["written_gb"] > 0 and row["state_gb"] > 0, (cell, row)
+
+
 CHECKS = {
     "bench_restore.py": _check_restore,
     "bench_convert.py": _check_convert,
     "bench_chunks.py": _check_chunks,
     "bench_hf.py": _check_hf,
     "bench_storage.py": _check_storage,
+    "bench_export.py": _check_export,
 }

@@ -29,8 +29,8 @@ from shardckpt.errors import (
 )
 from shardckpt.formats import detect_format, open_reader
 from shardckpt.formats.base import strided
+from shardckpt.formats.hf_remap import Strided, Unsupported
 from shardckpt.presets import hf
-from shardckpt.presets.hf_remap import Strided, Unsupported
 
 keras_hub = pytest.importorskip("keras_hub")
 

@@ -12,6 +12,7 @@ from shardckpt import errors
 PUBLIC = {
     "CheckpointInfo",
     "ConvertReport",
+    "ExportReport",
     "LayoutPlan",
     "LoadReport",
     "OrbaxCheckpoint",
@@ -21,6 +22,7 @@ PUBLIC = {
     "auto_layout",
     "convert",
     "errors",
+    "export",
     "from_preset",
     "inspect",
     "lazy_init",
@@ -39,7 +41,7 @@ def test_all_lists_exactly_the_public_names():
 
 def test_functions_not_shadowed_by_submodules():
     # `shardckpt.convert` / `shardckpt.inspect` are the functions, not modules.
-    for name in ("convert", "inspect", "verify", "auto_layout", "parallelize", "load_sharded", "from_preset"):
+    for name in ("convert", "inspect", "verify", "auto_layout", "parallelize", "load_sharded", "from_preset", "export"):
         assert callable(getattr(shardckpt, name)) and pyinspect.isfunction(getattr(shardckpt, name)), name
 
 
@@ -72,6 +74,12 @@ def test_signatures_match_the_design():
     for kw in ("layout", "mesh", "dtype", "max_inflight_bytes", "progress", "force", "compression"):
         assert p[kw].kind is pyinspect.Parameter.KEYWORD_ONLY, kw
     assert p["max_inflight_bytes"].default is None  # the host's default (shardckpt.budget)
+
+    p = _params(shardckpt.export)
+    assert list(p)[:2] == ["model", "dst"]
+    for kw, default in (("format", "hf"), ("max_shard_size", None), ("dtype", None), ("max_inflight_bytes", None),
+                        ("progress", None), ("overwrite", False)):
+        assert p[kw].kind is pyinspect.Parameter.KEYWORD_ONLY and p[kw].default == default, kw
 
     assert list(_params(shardckpt.restore_latest))[:2] == ["model", "directory"]
     assert list(_params(shardckpt.inspect))[:1] == ["path"]

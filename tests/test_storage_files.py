@@ -392,8 +392,8 @@ def test_strided_remaps_read_from_a_bucket_equal_numpy(tmp_path, bucket):
     stacked): every box equals numpy's, reading only the elements it needs."""
     from safetensors.numpy import save_file
 
+    from shardckpt.formats.hf_remap import Strided
     from shardckpt.formats.safetensors import SafetensorsReader
-    from shardckpt.presets.hf_remap import Strided
 
     stored = np.arange(64 * 96, dtype=np.float32).reshape(64, 96)
     path = str(tmp_path / "w.safetensors")

@@ -44,7 +44,13 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument(
         "src", help=".keras, .weights.h5, .safetensors, *.safetensors.index.json or a Hugging Face folder"
     )
-    p.add_argument("dst", help="Orbax checkpoint folder to create")
+    p.add_argument("dst", help="folder to create (an Orbax checkpoint unless --to says otherwise)")
+    p.add_argument("--to", choices=("orbax", "hf", "keras-hub", "safetensors"), default="orbax",
+                   help="what to write: an Orbax checkpoint (default), a Hugging Face folder, a keras-hub "
+                   "preset or safetensors (variable paths); the last three load the model sharded and "
+                   "export it (shardckpt.export)")
+    p.add_argument("--max-shard-size", help="--to hf/keras-hub/safetensors: files of at most this size "
+                   "(e.g. 5GB, 500MB)")
     p.add_argument("--model", help="architecture for .weights.h5/safetensors: package.module:function or a .keras file")
     p.add_argument("--mesh", help="align chunks to the auto layout on this mesh, e.g. 1x8")
     p.add_argument("--dtype", help="cast floating-point arrays, e.g. bfloat16")
@@ -129,8 +135,12 @@ def _convert(args: argparse.Namespace) -> int:
     from shardckpt.convert.architecture import load_architecture
     from shardckpt.convert.converter import convert
 
-    model = load_architecture(args.model) if args.model else None
     mesh = _mesh_shape(args.mesh) if args.mesh else None
+    if args.to != "orbax":
+        from shardckpt.cli.export import convert_to
+
+        return convert_to(args, mesh)
+    model = load_architecture(args.model) if args.model else None
     report = convert(
         args.src,
         args.dst,

@@ -208,7 +208,7 @@ def copy_into(dst: np.ndarray, src: np.ndarray) -> None:
     """`dst[...] = src`, in cache-sized tiles when `src` is a transposed view.
 
     A view whose contiguous axis is not the last one (a Hugging Face weight
-    read as a Keras kernel, see `shardckpt.presets.hf_remap`) copied element
+    read as a Keras kernel, see `shardckpt.formats.hf_remap`) copied element
     by element in `dst`'s order reads one element per cache line; tiling the
     two contiguous axes reads each line once.
     """

@@ -37,16 +37,16 @@ from shardckpt.formats.hf import (
     read_config,
     safetensors_index,
 )
+from shardckpt.formats.hf_record import MissingTensorError, record
+from shardckpt.formats.hf_remap import Unsupported
 from shardckpt.lazy import is_unloaded, lazy_init, original_initializer
-from shardckpt.presets.hf_record import MissingTensorError, record
-from shardckpt.presets.hf_remap import Unsupported
 
 __all__ = ["build", "initialize_states", "is_hf_folder", "open_reader", "preset_loader"]
 
 
 # model_types keras-hub has a backbone for but no converter: shardckpt's own
 # converter modules, in keras-hub's converter interface.
-_DATA_CONVERTERS = {"phi3": "shardckpt.presets.hf_phi3"}
+_DATA_CONVERTERS = {"phi3": "shardckpt.formats.hf_phi3"}
 
 
 def _DataLoader(folder: str, config: dict, converter: Any) -> Any:

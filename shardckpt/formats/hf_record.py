@@ -23,7 +23,7 @@ from typing import Any, Self
 
 from shardckpt import _keras_hub
 from shardckpt.formats.base import ArraySpec
-from shardckpt.presets.hf_remap import Strided, Tensor, Unsupported
+from shardckpt.formats.hf_remap import Strided, Tensor, Unsupported
 
 
 class MissingTensorError(KeyError):

@@ -2,7 +2,7 @@
 
 keras-hub's Hugging Face converters read each stored tensor with numpy, then
 transpose, reshape, slice, cast, stack or concatenate it on the host before
-assigning it to a Keras variable. `shardckpt.presets.hf_record` runs those
+assigning it to a Keras variable. `shardckpt.formats.hf_record` runs those
 converters unchanged on `Tensor`s from this module instead of data. A
 `Tensor` carries no values; it implements the numpy operations the hooks use
 and records what they mean for the position of every element:

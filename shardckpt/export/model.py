@@ -1,0 +1,98 @@
+"""What of a model is exported: checks made before anything is written, and values.
+
+- A quantized model is refused (its int8/int4 variables and scales are not
+  the float tensors Hugging Face or keras-hub's float presets hold).
+- A LoRA-enabled layer exports its merged kernel (`layer.kernel`: base +
+  A @ B x scale, computed by XLA in the kernel's sharding), as Keras' own
+  `save_weights` does; its factors are not exported.
+- Every variable must hold a value (a lazily built, never loaded model has
+  nothing to export).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from shardckpt.errors import UnloadedVariableError, UnsupportedModelError
+
+
+def quantized_layers(model: Any) -> list[str]:
+    out = []
+    for layer in model._flatten_layers(include_self=False):
+        mode = getattr(layer, "quantization_mode", None) or getattr(getattr(layer, "dtype_policy", None), "quantization_mode", None)
+        if mode:
+            out.append(f"{layer.name} ({mode})")
+    return out
+
+
+def check_exportable(model: Any) -> None:
+    """Raises before anything is written if `model` cannot be exported.
+
+    Raises:
+        UnsupportedModelError: a quantized model.
+        UnloadedVariableError: a variable has no value.
+    """
+    quantized = quantized_layers(model)
+    if quantized:
+        raise UnsupportedModelError(
+            f"{type(model).__name__} is quantized ({', '.join(quantized[:3])}"
+            f"{', ...' if len(quantized) > 3 else ''}): its integer kernels and scales are no "
+            "float checkpoint. Fix: export the float model (before `quantize()`)."
+        )
+    for v in model.weights:
+        if getattr(v, "_value", 1) is None:
+            raise UnloadedVariableError(
+                f"Variable {v.path!r} of {type(model).__name__} holds no value (built under "
+                "lazy_init and never loaded). Fix: load the model (load_sharded / from_preset) "
+                "before exporting it."
+            )
+
+
+def value_getters(model: Any) -> dict[int, Callable[[], Any]]:
+    """`id(variable) -> () -> array to export`: merged kernels for LoRA layers, else the value."""
+    out: dict[int, Callable[[], Any]] = {}
+    for layer in model._flatten_layers(include_self=True):
+        if getattr(layer, "lora_enabled", False) is True:
+            base = getattr(layer, "_kernel", None)
+            if base is not None:
+                out[id(base)] = _merged(layer)
+    return out
+
+
+def lora_factors(model: Any) -> set[int]:
+    """`id`s of the LoRA factor variables (merged into their kernels, never exported)."""
+    out: set[int] = set()
+    for layer in model._flatten_layers(include_self=True):
+        if getattr(layer, "lora_enabled", False) is True:
+            out.update(id(getattr(layer, n)) for n in ("lora_kernel_a", "lora_kernel_b") if hasattr(layer, n))
+    return out
+
+
+def _merged(layer: Any) -> Callable[[], Any]:
+    return lambda: layer.kernel
+
+
+def value_of(variable: Any, getters: dict[int, Callable[[], Any]]) -> Any:
+    get = getters.get(id(variable))
+    return get() if get is not None else variable.value
+
+
+@contextlib.contextmanager
+def lora_kernels_as_variables(model: Any) -> Iterator[None]:
+    """While recording a converter: a LoRA layer's `kernel` is its base variable.
+
+    keras-hub's converters port `layer.kernel`, which for a LoRA-enabled
+    layer is a computed value (base + A @ B x scale), not a variable. With
+    `lora_enabled` off for the recording, the remap is recorded for the base
+    kernel variable; `value_getters` then writes the merged value there.
+    """
+    layers = [layer for layer in model._flatten_layers(include_self=True) if getattr(layer, "lora_enabled", False) is True]
+    for layer in layers:
+        layer.lora_enabled = False
+    try:
+        yield
+    finally:
+        for layer in layers:
+            layer.lora_enabled = True

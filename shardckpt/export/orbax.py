@@ -1,0 +1,61 @@
+"""`format="orbax"`: the model's weights as one Orbax step, each device's piece written as it is.
+
+The step is shardckpt's Orbax writer's (`formats.orbax.writer`, the layout
+Keras' `model.load_weights(dir)` and `load_sharded` read): arrays keyed as
+`model.get_state_tree()` nests them (trainable and non-trainable variables;
+no optimizer), each array's outer chunk one piece of its sharding, pieces
+staged in TensorStore transactions of at most the budget. One process: the
+Orbax layout of several processes (one OCDBT store each, merged at commit)
+is written by `shardckpt.OrbaxCheckpoint`, not here.
+"""
+
+from __future__ import annotations
+
+import shutil
+from typing import Any
+
+import numpy as np
+
+from shardckpt import state
+from shardckpt.budget import Budget
+from shardckpt.errors import UnsupportedModelError
+from shardckpt.export.model import value_getters, value_of
+from shardckpt.export.pieces import owned_pieces
+from shardckpt.formats.orbax import writer as orbax_writer
+from shardckpt.restore.keys import state_keys
+
+
+def export_orbax(model: Any, partial: str, *, dtype: Any, budget: Budget) -> tuple[int, int]:
+    """Writes the step folder `partial` (replaced if present); returns (arrays, bytes)."""
+    import jax
+
+    if jax.process_count() > 1:
+        raise UnsupportedModelError(
+            f"format='orbax' from {jax.process_count()} processes is not built here. Fix: save with "
+            "shardckpt.OrbaxCheckpoint (multi-process Orbax steps), or export format='safetensors'."
+        )
+    optional = tuple(f"{c}/" for c in state.OPTIONAL_COLLECTIONS)
+    keys = {k: v for k, v in state_keys(model).items() if not k.startswith(optional)}
+    getters = value_getters(model)
+    shutil.rmtree(partial, ignore_errors=True)
+    writer = orbax_writer.OrbaxStepWriter(partial, compression="none", chunk_byte_size=None)
+    arrays, values = [], []
+    for key, variable in keys.items():
+        value = value_of(variable, getters)
+        own = np.dtype(value.dtype)
+        stored = np.dtype(dtype) if dtype is not None and own.kind == "f" else own
+        write_shape = value.sharding.shard_shape(value.shape) if hasattr(value, "sharding") else value.shape
+        arrays.append((key, tuple(value.shape), stored, tuple(write_shape)))
+        values.append((value, stored))
+    stores = writer.open_arrays(arrays)
+    total = 0
+    for store, (value, stored) in zip(stores, values, strict=True):
+        for box, data in owned_pieces(value):
+            host = np.asarray(data).astype(stored, copy=False)
+            with budget.holding(host.nbytes):
+                txn = writer.transaction()
+                orbax_writer.OrbaxStepWriter.write(store, txn, box, host).copy.result()
+                txn.commit_async().result()  # one OCDBT commit per piece: TensorStore holds no more
+            total += host.nbytes
+    writer.finish(custom_metadata={"exported_by": "shardckpt.export"})
+    return len(arrays), total
