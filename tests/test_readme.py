@@ -246,6 +246,25 @@ class Workspace:
 
         self._once("buckets", make)
 
+    def quantized_files(self) -> None:
+        """quantized.weights.h5 and quantized.keras (int8, Keras' quantize()) and an int8 keras-hub preset."""
+
+        def make() -> None:
+            import keras_hub
+
+            keras.backend.clear_session()
+            model = self.build_model()
+            model.quantize("int8")
+            model.save_weights(self.path("quantized.weights.h5"))
+            model.save(self.path("quantized.keras"))
+            keras.backend.clear_session()
+            backbone = keras_hub.models.LlamaBackbone(**LLAMA)
+            backbone.quantize("int8")
+            backbone.save_to_preset(self.path("quantized_llama_preset"))
+            keras.backend.clear_session()
+
+        self._once("quantized", make)
+
     def fresh(self, url: str) -> None:
         """Removes what an earlier piece wrote at `url` (a piece that writes it again)."""
         from shardckpt import storage
@@ -301,7 +320,26 @@ def _iterator_model(ws: Workspace) -> dict[str, Any]:
 
     model = keras.Sequential([keras.Input((6,)), keras.layers.Dense(8), keras.layers.Dense(1)])
     model.compile(optimizer="adam", loss="mse")
-    return {"model": model, "my_iterator": CountingIterator()}
+    rng = np.random.default_rng(2)
+    x_val, y_val = rng.standard_normal((4, 6)).astype("float32"), rng.standard_normal((4, 1)).astype("float32")
+    return {"model": model, "my_iterator": CountingIterator(), "x_val": x_val, "y_val": y_val}
+
+
+def _build_with_policy(dtype: str) -> keras.Model:
+    """The README's build_model, built with a (quantized) dtype policy."""
+    inputs = keras.Input((8,), name="x")
+    hidden = keras.layers.Dense(16, name="up", dtype=dtype)(inputs)
+    outputs = keras.layers.Dense(8, name="down", dtype=dtype)(hidden)
+    return keras.Model(inputs, outputs, name="tiny")
+
+
+def _export_inputs(ws: Workspace) -> None:
+    preset = ws.llama_preset()
+    if not os.path.exists(ws.path("Llama-3.2-1B")):
+        os.symlink(preset, ws.path("Llama-3.2-1B"))
+    ws.buckets()
+    for url in ("out_hf", "out_hf_bf16", "out_preset", "gs://my-bucket/out"):
+        ws.fresh(url)
 
 
 FILLERS: dict[str, Filler] = {
@@ -342,8 +380,20 @@ FILLERS: dict[str, Filler] = {
     "ckpt = shardckpt.OrbaxCheckpoint(": Filler(
         names=lambda ws: {"os": os, "shardckpt": shardckpt, **_iterator_model(ws)},
         setup=_fresh_then("ckpts"),
-        shrink={"save_freq=100": "save_freq=2", "steps_per_epoch=500, epochs=10": "steps_per_epoch=2, epochs=2"},
-        reason="2 epochs of 2 steps, a save every 2 steps",
+        shrink={"steps_per_epoch=500, epochs=10": "steps_per_epoch=2, epochs=2"},
+        reason="2 epochs of 2 steps",
+    ),
+    # Export
+    'model = shardckpt.from_preset("Llama-3.2-1B/", mesh=(2, 4))': Filler(
+        names=lambda ws: {"shardckpt": shardckpt},
+        setup=_export_inputs,
+        fixtures=("gcs_server", "s3_server"),
+        reason="Llama-3.2-1B/ is a tiny keras-hub Llama preset under that name",
+    ),
+    # Quantized models
+    "with shardckpt.lazy_init():": Filler(
+        names=lambda ws: {"keras": keras, "shardckpt": shardckpt, "build_model": _build_with_policy},
+        setup=lambda ws: (ws.quantized_files(), ws.fresh("q_orbax")),
     ),
     # Convert, inspect, verify
     "shardckpt convert model.keras model_orbax/": _cli(_fresh_then("model_orbax", lambda ws: ws.weights_files())),
