@@ -12,6 +12,7 @@ from shardckpt.layout.mesh import resolve_mesh
 from shardckpt.layout.plan import LayoutPlan, Placement
 from shardckpt.layout.rules import RulesLike, match_rule, normalize_rules
 from shardckpt.layout.trace import trace_model
+from shardckpt.structure import structural_paths
 
 
 def auto_layout(
@@ -21,6 +22,7 @@ def auto_layout(
     model_axis: str = "model",
     batch_axis: str | None = None,
     rules: RulesLike = None,
+    unknown: str | None = None,
 ) -> LayoutPlan:
     """Plans where every variable of `model` goes on `mesh` (tensor parallel).
 
@@ -57,6 +59,8 @@ def auto_layout(
         rules: Regex on variable path -> mesh axes per dimension (a mapping,
             pairs, or a `keras.distribution.LayoutMap`); first match wins and
             overrides the automatic placement.
+        unknown: None: asking the plan for a variable it has no placement
+            for raises `UnplannedVariableError`; "replicate": replicates it.
 
     Returns:
         The `LayoutPlan`.
@@ -84,6 +88,7 @@ def auto_layout(
     else:
         decisions = plan_splits(graph, n)
     compiled = normalize_rules(rules)
+    keys = structural_paths(model)
     trainable = {id(v) for v in model.trainable_variables}
     placements = []
     for i, v in enumerate(variables):
@@ -105,9 +110,10 @@ def auto_layout(
                 reason=reason,
                 source=source,
                 trainable=id(v) in trainable,
+                key=keys[id(v)],
             )
         )
-    return LayoutPlan(device_mesh, placements, model_axis=model_axis, batch_axis=batch_axis)
+    return LayoutPlan(device_mesh, placements, model_axis=model_axis, batch_axis=batch_axis, unknown=unknown)
 
 
 def _rule_axes(

@@ -82,8 +82,9 @@ def parallelize(
     except BaseException:
         kd.set_distribution(previous)
         raise
+    model_ids = {id(v) for v in model.variables}
     for variable in _all_variables(model):
-        _place(variable, plan)
+        _place(variable, plan, planned=id(variable) in model_ids)
     kd.set_distribution(plan.distribution())
     # Compiled step functions captured the old shardings; Keras rebuilds
     # them on the next fit/evaluate/predict under the new distribution.
@@ -106,9 +107,15 @@ def _all_variables(model: Any) -> list[Any]:
     return found
 
 
-def _place(variable: Any, plan: LayoutPlan) -> None:
-    """Moves one variable into its planned sharding and records its layout."""
-    layout = kd.TensorLayout(plan.axes_for(variable), plan.mesh)
+def _place(variable: Any, plan: LayoutPlan, *, planned: bool) -> None:
+    """Moves one variable into its planned sharding and records its layout.
+
+    Model variables must have a placement (`axes_for` raises otherwise);
+    optimizer and metric variables are not the plan's: slots follow their
+    variable, the rest (step counters, metric totals) is replicated.
+    """
+    axes = plan.axes_for(variable) if planned else plan.axes_for(variable, unknown="replicate")
+    layout = kd.TensorLayout(axes, plan.mesh)
     # Recorded even on an unloaded variable: `load_sharded` later fills it
     # into this layout, and optimizer slots made from it follow it.
     _keras.set_layout(variable, layout)

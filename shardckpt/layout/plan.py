@@ -1,10 +1,18 @@
 """`LayoutPlan`: where every variable of a model goes on a device mesh.
 
-A plan is plain data (one `Placement` per variable: path, shape, dtype,
-mesh axes per dimension, why) plus the mesh. Everything Keras and JAX need
-is derived from it: a `keras.distribution.LayoutMap` with one exact key per
-variable, a `ModelParallel` distribution, a `NamedSharding` per variable,
-per-device memory, and JSON to store beside a checkpoint.
+A plan is plain data (one `Placement` per variable: path, structural key,
+shape, dtype, mesh axes per dimension, why) plus the mesh. Everything Keras
+and JAX need is derived from it: a `keras.distribution.LayoutMap` with one
+exact key per variable, a `ModelParallel` distribution, a `NamedSharding`
+per variable, per-device memory, and JSON to store beside a checkpoint.
+
+Variables are identified by structure (`shardckpt.structure`: their
+position in the model's object graph, as `.weights.h5` keys them), so a
+plan applies to any instance of the architecture: `plan.bind(model)` maps
+it onto another instance whose generated layer names differ (in this
+process, or in another one after `to_json` / `from_json`). A variable the
+plan does not know is an `UnplannedVariableError`, unless the plan was made
+with `unknown="replicate"`.
 """
 
 from __future__ import annotations
@@ -22,11 +30,16 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 from keras import distribution as kd
 
-from shardckpt.errors import LayoutError
+from shardckpt.errors import LayoutError, UnplannedVariableError
 from shardckpt.layout.memory import slots_per_variable
 from shardckpt.layout.mesh import check_device_count
+from shardckpt.structure import structural_paths
 
-_FORMAT = "shardckpt.layout_plan/1"
+_FORMAT = "shardckpt.layout_plan/2"
+_READABLE = (_FORMAT, "shardckpt.layout_plan/1")  # /1: no structural keys (matched by path)
+# An entry of `Placement.axes`: a mesh axis, several (split over their product), or None.
+Axis = str | tuple[str, ...] | None
+UNKNOWN_CHOICES = (None, "replicate")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -34,7 +47,7 @@ class Placement:
     """The placement of one variable.
 
     Attributes:
-        path: `variable.path`.
+        path: `variable.path` in the instance the plan was made or bound for.
         shape: The variable's shape.
         dtype: Its dtype name.
         axes: One mesh axis name (or None, replicated) per dimension.
@@ -43,15 +56,19 @@ class Placement:
             "fallback" (a split was wanted but the axis does not divide the
             dimension; replicated).
         trainable: Whether an optimizer keeps slots for it.
+        key: Its structural key (`shardckpt.structure.structural_paths`),
+            the same in every instance of the architecture; "" in plans
+            read from format /1 (matched by path then).
     """
 
     path: str
     shape: tuple[int, ...]
     dtype: str
-    axes: tuple[str | None, ...]
+    axes: tuple[Axis, ...]
     reason: str
     source: str = "auto"
     trainable: bool = True
+    key: str = ""
 
     @property
     def nbytes(self) -> int:
@@ -72,6 +89,7 @@ class LayoutPlan:
     plan = shardckpt.auto_layout(model, keras.distribution.DeviceMesh((1, 8), ["data", "model"]))
     rich.print(plan.explain())
     keras.distribution.set_distribution(plan.distribution())
+    other = plan.bind(rebuilt_model)       # same architecture, other generated names
     ```
 
     Args:
@@ -79,6 +97,11 @@ class LayoutPlan:
         placements: One `Placement` per model variable.
         model_axis: The mesh axis weights are split over.
         batch_axis: The mesh axis batches are split over.
+        unknown: What to do with a variable the plan does not know: None
+            (raise `UnplannedVariableError`) or "replicate".
+        notes: Lines `explain()` prints under its title (how the mesh was
+            chosen, FSDP).
+        fsdp: Whether parameters are also split over the batch axis.
     """
 
     def __init__(
@@ -88,12 +111,21 @@ class LayoutPlan:
         *,
         model_axis: str,
         batch_axis: str,
+        unknown: str | None = None,
+        notes: Sequence[str] = (),
+        fsdp: bool = False,
     ) -> None:
+        if unknown not in UNKNOWN_CHOICES:
+            raise LayoutError(f"unknown must be None or 'replicate'. Received: unknown={unknown!r}")
         self.mesh = mesh
         self.placements = tuple(placements)
         self.model_axis = model_axis
         self.batch_axis = batch_axis
+        self.unknown = unknown
+        self.notes = tuple(notes)
+        self.fsdp = fsdp
         self._by_path = {p.path: p for p in self.placements}
+        self._by_key = {p.key: p for p in self.placements if p.key}
         # Optimizer slots are named "<optimizer>/<variable path with / -> _>_<slot>"
         # by Keras (`BaseOptimizer.add_variable_from_reference`).
         self._by_slot_stem = {p.path.replace("/", "_"): p for p in self.placements}
@@ -105,23 +137,105 @@ class LayoutPlan:
     def __getitem__(self, path: str) -> Placement:
         return self._by_path[path]
 
-    def axes_for(self, variable: Any) -> tuple[str | None, ...]:
+    def bind(self, model: Any, *, unknown: str | None = None) -> LayoutPlan:
+        """This plan for `model`: another instance of the architecture it was made for.
+
+        Variables are matched by their structural key (their position in the
+        model's layer tree), so generated layer names (`dense_2` where the
+        plan has `dense`) do not matter; the returned plan holds `model`'s
+        paths, so its `layout_map()` and `distribution()` fit `model`.
+
+        Args:
+            model: The model to place.
+            unknown: Overrides the plan's `unknown` ("replicate": variables
+                the plan does not know are replicated, reported in `explain()`).
+
+        Returns:
+            A plan with one placement per variable of `model` (`self` when
+            nothing changes).
+
+        Raises:
+            UnplannedVariableError: A variable of `model` has no placement
+                (and `unknown` is not "replicate"), or its shape differs.
+        """
+        unknown = self.unknown if unknown is None else unknown
+        keys = structural_paths(model)
+        placements: list[Placement] = []
+        problems: list[str] = []
+        for v in model.variables:
+            key = keys[id(v)]
+            shape = tuple(int(d) for d in v.shape)
+            found = self._by_key.get(key) if self._by_key else self._by_path.get(v.path)
+            if found is None and unknown == "replicate":
+                found = Placement(
+                    path=v.path, key=key, shape=shape, dtype=jnp.dtype(v.dtype).name,
+                    axes=(None,) * len(shape), reason="not in the plan: replicated (unknown='replicate')",
+                    source="default",
+                )
+            if found is None:
+                problems.append(f"{v.path} (structural key {key!r}, shape {shape}): no placement")
+            elif found.shape != shape:
+                problems.append(f"{v.path} (structural key {key!r}): model shape {shape}, plan shape {found.shape}")
+            else:
+                placements.append(dataclasses.replace(found, path=v.path, key=key))
+        if problems:
+            raise UnplannedVariableError(
+                f"The layout plan does not fit model {getattr(model, 'name', model)!r}: "
+                + "; ".join(problems[:10])
+                + (f"; and {len(problems) - 10} more" if len(problems) > 10 else "")
+                + ". Fix: plan this model with shardckpt.auto_layout(model, mesh), or pass "
+                "unknown='replicate' to replicate what the plan does not know."
+            )
+        if tuple(placements) == self.placements and unknown == self.unknown:
+            return self
+        return LayoutPlan(
+            self.mesh, placements, model_axis=self.model_axis, batch_axis=self.batch_axis,
+            unknown=unknown, notes=self.notes, fsdp=self.fsdp,
+        )
+
+    def slot_axes(self, variable: Any) -> tuple[Axis, ...] | None:
+        """The axes of the model variable an optimizer slot was made from, or None."""
+        if "/" not in variable.path:
+            return None
+        stem = variable.path.split("/", 1)[1]
+        for key in _slot_stems(stem):
+            placement = self._by_slot_stem.get(key)
+            if placement is not None and placement.shape == tuple(variable.shape):
+                return placement.axes
+        return None
+
+    def axes_for(self, variable: Any, *, unknown: str | None = None) -> tuple[Axis, ...]:
         """Mesh axes per dimension of `variable` (a model, optimizer or metric variable).
 
-        Model variables get their planned axes. An optimizer slot gets the
-        axes of the variable it was made from (same shape); anything else
-        (step counters, learning rate, metric totals) is replicated.
+        Model variables get their planned axes; an optimizer slot gets the
+        axes of the variable it was made from (same shape); a scalar (step
+        counter, learning rate, metric total) is replicated.
+
+        Args:
+            variable: The variable.
+            unknown: Overrides the plan's `unknown` for this call.
+
+        Raises:
+            UnplannedVariableError: Any other variable, unless `unknown`
+                (or the plan's) is "replicate". The plan never replicates a
+                variable silently: a rebuilt model's generated names differ
+                from the plan's, and `plan.bind(model)` maps them.
         """
         placement = self._by_path.get(variable.path)
         if placement is not None and tuple(variable.shape) == placement.shape:
             return placement.axes
-        if "/" in variable.path:
-            stem = variable.path.split("/", 1)[1]
-            for key in _slot_stems(stem):
-                placement = self._by_slot_stem.get(key)
-                if placement is not None and placement.shape == tuple(variable.shape):
-                    return placement.axes
-        return (None,) * len(variable.shape)
+        axes = self.slot_axes(variable)
+        if axes is not None:
+            return axes
+        if len(variable.shape) == 0 or (unknown or self.unknown) == "replicate":
+            return (None,) * len(variable.shape)
+        raise UnplannedVariableError(
+            f"Variable {variable.path!r} (shape {tuple(variable.shape)}) has no placement in this "
+            "layout plan. Fix: for another instance of the planned architecture (generated layer "
+            "names differ), use plan.bind(model); for another model, plan it with "
+            "shardckpt.auto_layout; or pass unknown='replicate' to replicate what the plan does "
+            f"not know. Received: variable={variable.path!r}"
+        )
 
     def sharding_for(self, variable: Any) -> NamedSharding:
         """The `jax.sharding.NamedSharding` of `variable` under this plan (see `axes_for`)."""
@@ -153,9 +267,9 @@ class LayoutPlan:
         )
 
     # -- memory --------------------------------------------------------------
-    def _split_factor(self, axes: Sequence[str | None]) -> int:
+    def _split_factor(self, axes: Sequence[Axis]) -> int:
         sizes = dict(zip(self.mesh.axis_names, self.mesh.shape))
-        return math.prod(sizes[a] for a in axes if a is not None)
+        return math.prod(sizes[a] for a in _flat_axes(axes))
 
     def bytes_per_device(self, optimizer: Any = None) -> int:
         """Bytes of variables on the most loaded device.
@@ -175,6 +289,28 @@ class LayoutPlan:
             piece = p.nbytes // self._split_factor(p.axes)
             total += piece * (1 + (slots if p.trainable else 0))
         return total
+
+    def shard_devices(self) -> int:
+        """Devices a perfect split spreads the parameters over.
+
+        The model axis; with FSDP, the whole mesh (the batch axis splits
+        parameters too). Replicas along a batch axis without FSDP are copies
+        by design, not imbalance.
+        """
+        sizes = dict(zip(self.mesh.axis_names, self.mesh.shape))
+        return math.prod(self.mesh.shape) if self.fsdp else sizes[self.model_axis]
+
+    def balance(self, optimizer: Any = None) -> float:
+        """The most loaded device against a perfect split (1.0: perfect).
+
+        `bytes_per_device(optimizer)` divided by the total bytes (with the
+        optimizer's slots) over `shard_devices()`.
+        """
+        slots = 0 if optimizer is None else slots_per_variable(optimizer)
+        total = sum(p.nbytes * (1 + (slots if p.trainable else 0)) for p in self.placements)
+        if not total:
+            return 1.0
+        return self.bytes_per_device(optimizer) / (total / self.shard_devices())
 
     def sharded_fraction(self) -> float:
         """Share of parameter bytes split over at least one mesh axis."""
@@ -196,8 +332,10 @@ class LayoutPlan:
             title=(
                 f"Layout plan: mesh {dict(zip(self.mesh.axis_names, self.mesh.shape))}, "
                 f"model axis {self.model_axis!r}, batch axis {self.batch_axis!r}; "
-                f"{self.sharded_fraction():.1%} of parameter bytes split"
-            )
+                f"{self.sharded_fraction():.1%} of parameter bytes split, balance "
+                f"{self.balance():.2f}" + (", FSDP" if self.fsdp else "")
+            ),
+            caption="\n".join(self.notes) or None,
         )
         for column in ("path", "shape", "dtype", "axes", "bytes/device", "why"):
             table.add_column(column, overflow="fold", justify="right" if column == "bytes/device" else "left")
@@ -233,16 +371,17 @@ class LayoutPlan:
             if len(p.axes) != len(p.shape):
                 problems.append(f"{p.path}: {len(p.axes)} axes for a rank-{len(p.shape)} variable")
                 continue
-            used = [a for a in p.axes if a is not None]
+            used = _flat_axes(p.axes)
             if len(used) != len(set(used)):
                 problems.append(f"{p.path}: mesh axis used twice in {p.axes}")
             for dim, (size, axis) in enumerate(zip(p.shape, p.axes)):
-                if axis is None:
+                names = _flat_axes((axis,))
+                if not names:
                     continue
-                if axis not in sizes:
+                if any(a not in sizes for a in names):
                     problems.append(f"{p.path}: unknown mesh axis {axis!r} (mesh axes: {tuple(sizes)})")
-                elif size % sizes[axis]:
-                    problems.append(f"{p.path}: dim {dim} ({size}) is not divisible by axis {axis!r} ({sizes[axis]})")
+                elif size % math.prod(sizes[a] for a in names):
+                    problems.append(f"{p.path}: dim {dim} ({size}) is not divisible by axis {axis!r}")
         if model is not None:
             paths = {}
             for v in model.variables:
@@ -258,15 +397,23 @@ class LayoutPlan:
 
     # -- JSON ----------------------------------------------------------------
     def to_json(self) -> str:
-        """The plan as JSON (mesh shape and axis names, not device ids)."""
+        """The plan as JSON (mesh shape and axis names, not device ids).
+
+        Each placement carries its structural key, so the JSON applies to a
+        model built in another process: `LayoutPlan.from_json(text).bind(model)`
+        (`load_sharded` and `parallelize` bind by themselves).
+        """
         return json.dumps(
             {
                 "format": _FORMAT,
                 "mesh": {"shape": list(self.mesh.shape), "axis_names": list(self.mesh.axis_names)},
                 "model_axis": self.model_axis,
                 "batch_axis": self.batch_axis,
+                "unknown": self.unknown,
+                "fsdp": self.fsdp,
+                "notes": list(self.notes),
                 "placements": [
-                    {**dataclasses.asdict(p), "shape": list(p.shape), "axes": list(p.axes)}
+                    {**dataclasses.asdict(p), "shape": list(p.shape), "axes": [_axis_json(a) for a in p.axes]}
                     for p in self.placements
                 ],
             },
@@ -285,7 +432,7 @@ class LayoutPlan:
             data = json.loads(text)
         except json.JSONDecodeError as err:
             raise LayoutError(f"Not a layout plan: invalid JSON ({err}).") from err
-        if not isinstance(data, dict) or data.get("format") != _FORMAT:
+        if not isinstance(data, dict) or data.get("format") not in _READABLE:
             found = data.get("format") if isinstance(data, dict) else type(data).__name__
             raise LayoutError(
                 f"Not a layout plan: expected format {_FORMAT!r}, found {found!r}. "
@@ -299,9 +446,13 @@ class LayoutPlan:
         )
         mesh = kd.DeviceMesh(shape, data["mesh"]["axis_names"], np.asarray(pool).reshape(shape))
         placements = [
-            Placement(**{**p, "shape": tuple(p["shape"]), "axes": tuple(p["axes"])}) for p in data["placements"]
+            Placement(**{**p, "shape": tuple(p["shape"]), "axes": tuple(_axis_from_json(a) for a in p["axes"])})
+            for p in data["placements"]
         ]
-        return cls(mesh, placements, model_axis=data["model_axis"], batch_axis=data["batch_axis"])
+        return cls(
+            mesh, placements, model_axis=data["model_axis"], batch_axis=data["batch_axis"],
+            unknown=data.get("unknown"), notes=data.get("notes", ()), fsdp=data.get("fsdp", False),
+        )
 
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, LayoutPlan):
@@ -311,6 +462,7 @@ class LayoutPlan:
             and tuple(self.mesh.shape) == tuple(other.mesh.shape)
             and tuple(self.mesh.axis_names) == tuple(other.mesh.axis_names)
             and (self.model_axis, self.batch_axis) == (other.model_axis, other.batch_axis)
+            and (self.unknown, self.fsdp) == (other.unknown, other.fsdp)
         )
 
     def __repr__(self) -> str:
@@ -325,3 +477,22 @@ def _slot_stems(stem: str) -> list[str]:
     """Candidate variable stems of a slot name `<stem>_<slot name>`, longest first."""
     parts = stem.split("_")
     return ["_".join(parts[:k]) for k in range(len(parts) - 1, 0, -1)]
+
+
+def _flat_axes(axes: Sequence[Axis]) -> list[str]:
+    """The mesh axis names used by `axes` (an entry may name several)."""
+    out: list[str] = []
+    for a in axes:
+        if isinstance(a, tuple):
+            out.extend(a)
+        elif a is not None:
+            out.append(a)
+    return out
+
+
+def _axis_json(axis: Axis) -> Any:
+    return list(axis) if isinstance(axis, tuple) else axis
+
+
+def _axis_from_json(axis: Any) -> Axis:
+    return tuple(axis) if isinstance(axis, list) else axis

@@ -131,7 +131,9 @@ def load_sharded(
         layout: Where variables go. None: the active Keras distribution, else
             each variable's current sharding (or device 0 for a lazy one). Also
             a `keras.distribution.LayoutMap`, a `Distribution`, or a plan with
-            `layout_map()` / `sharding_for(variable)` (`shardckpt.auto_layout`).
+            `layout_map()` / `sharding_for(variable)` (`shardckpt.auto_layout`);
+            a `LayoutPlan` is first bound to `model` (`plan.bind`: matched
+            by structure, so generated layer names may differ).
         strict: Raise on missing or unexpected keys. With False, load what
             matches; lazily built variables the checkpoint lacks are
             initialised with their own initializer, in their sharding.
@@ -161,11 +163,17 @@ def load_sharded(
         CheckpointMismatchError: keys missing/unexpected (strict) or shapes differ.
         DtypeMismatchError: a stored dtype cannot be cast to the variable's.
         IndivisibleLayoutError: a mesh axis does not divide a sharded dimension.
+        UnplannedVariableError: a `LayoutPlan` has no placement for a variable.
     """
     start = time.perf_counter()
     max_inflight_bytes = budgets.resolve(max_inflight_bytes)
     if max_inflight_bytes < 1:
         raise ValueError(f"max_inflight_bytes must be positive. Received: {max_inflight_bytes}")
+    if callable(getattr(layout, "bind", None)):
+        # A LayoutPlan matches variables by structure: bound to this instance,
+        # generated layer names that differ from the planned model's do not
+        # matter, and a variable it does not know is refused (never replicated).
+        layout = layout.bind(model)
     reader = open_reader(os.fspath(path), cache_bytes=budgets.chunk_cache_bytes(max_inflight_bytes), model=model)
     try:
         report = LoadReport(path=reader.path, format=reader.format, max_inflight_bytes=max_inflight_bytes)
