@@ -103,13 +103,13 @@ class _Planner:
         if p not in self.decided:
             self.decided[p] = Decision(dim, reason, fallback)
 
-    def assign(self, value: Value, vdim: int | None, reason: str) -> None:
+    def assign(self, value: Value, vdim: int | None, reason: str, *, fallback: bool = False) -> None:
         """Decides every undecided variable behind `value`: split on `vdim` of the value, or not."""
         for p, dims in self.origin[value]:
             if p in self.decided:
                 continue
-            if vdim is None:
-                self.decide(p, None, reason)
+            if vdim is None or vdim >= len(dims):
+                self.decide(p, None, reason if vdim is None else "a scalar: replicated")
                 continue
             pdim = dims[vdim]
             shape = self.graph.params[p].shape
@@ -127,7 +127,17 @@ class _Planner:
                     fallback=True,
                 )
             else:
-                self.decide(p, pdim, reason)
+                self.decide(p, pdim, reason, fallback=fallback)
+
+    def divides(self, value: Value, vdim: int) -> bool:
+        """Whether the model axis divides every variable dimension behind `value`'s `vdim`."""
+        for p, dims in self.origin.get(value, ()):
+            if vdim >= len(dims):
+                return False
+            pdim = dims[vdim]
+            if pdim is not None and self.graph.params[p].shape[pdim] % self.n:
+                return False
+        return value.shape[vdim] % self.n == 0
 
     # -- lookahead ---------------------------------------------------------
     def reaches_contraction(self, value: Value, dim: int) -> bool:
@@ -165,6 +175,32 @@ class _Planner:
                 "contraction, so a split output would need an all-gather: replicated",
             )
 
+    def column_any(self, value: Value, op: Op, ppos: int, free: list[int], what: str) -> None:
+        """Column-parallel on the first free dim; where the axis does not divide it, the next one that works.
+
+        The next free dimension (a head dimension where heads do not divide)
+        is taken only where its split output still ends in contractions: the
+        scores of attention then contract the split head dimension, so XLA
+        adds one all-reduce (of the scores) per attention, recorded in the
+        reason.
+        """
+        first = free[0]
+        if self.divides(value, first) or len(free) == 1:
+            self.column(value, first, op, dot_free_position(op, ppos, first), what)
+            return
+        for dim in free[1:]:
+            if self.divides(value, dim) and self.reaches_contraction(op.outputs[0], dot_free_position(op, ppos, dim)):
+                self.assign(
+                    value,
+                    dim,
+                    f"column-parallel on dim {dim} ({value.shape[dim]}): the model axis ({self.n}) does not "
+                    f"divide dim {first} ({value.shape[first]}, heads); the split dimension is contracted "
+                    "later (one more all-reduce, e.g. of attention scores)",
+                    fallback=True,
+                )
+                return
+        self.column(value, first, op, dot_free_position(op, ppos, first), what)
+
     def dot(self, op: Op, ppos: int) -> None:
         value = op.inputs[ppos]
         a = self.effective(op.inputs[1 - ppos])
@@ -191,11 +227,11 @@ class _Planner:
             if not free:
                 self.assign(value, None, "contracted entirely (no output dimension): replicated")
                 return
-            self.column(
+            self.column_any(
                 value,
-                free[0],
                 op,
-                dot_free_position(op, ppos, free[0]),
+                ppos,
+                free,
                 "column-parallel: first output dimension split (heads / features), "
                 "consumed by a later contraction",
             )
@@ -225,11 +261,20 @@ class _Planner:
         if len(numbers.collapsed_slice_dims) != 1:
             self.assign(op.inputs[0], None, "multi-dimensional lookup: replicated")
             return
-        self.assign(
-            op.inputs[0],
-            numbers.collapsed_slice_dims[0],
-            "vocabulary split: masked lookup on each device, one all-reduce after",
-        )
+        table, vocab = op.inputs[0], numbers.collapsed_slice_dims[0]
+        if not self.divides(table, vocab):
+            others = [d for d in range(len(table.shape)) if d != vocab and self.divides(table, d)]
+            if others:
+                self.assign(
+                    table,
+                    others[0],
+                    f"the model axis ({self.n}) does not divide the vocabulary ({table.shape[vocab]}): split "
+                    f"on dim {others[0]} ({table.shape[others[0]]}) instead; each device looks up its slice "
+                    "of every row, gathered once after the lookup",
+                    fallback=True,
+                )
+                return
+        self.assign(table, vocab, "vocabulary split: masked lookup on each device, one all-reduce after")
 
     def elementwise(self, op: Op) -> None:
         splits = [self.effective(v) for v in op.inputs]
@@ -289,6 +334,11 @@ class _Planner:
             for pos, value in enumerate(op.inputs):
                 s = self.effective(value)
                 if s is None or s is _UNDECIDED:
+                    continue
+                if op.name == "gather" and pos == 0 and s not in op.params["dimension_numbers"].collapsed_slice_dims:
+                    # A table split along its rows' width (the vocabulary did not
+                    # divide): the looked-up rows are gathered once, and the rest
+                    # of the model sees them whole, as with a vocabulary split.
                     continue
                 where = follow(op, pos, s)
                 if isinstance(where, Kept):

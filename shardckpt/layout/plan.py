@@ -30,6 +30,7 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 from keras import distribution as kd
 
+from shardckpt import _keras
 from shardckpt.errors import LayoutError, UnplannedVariableError
 from shardckpt.layout.memory import slots_per_variable
 from shardckpt.layout.mesh import check_device_count
@@ -250,7 +251,7 @@ class LayoutPlan:
         """
         layout_map = kd.LayoutMap(self.mesh)
         for p in self.placements:
-            layout_map[re.escape(p.path)] = kd.TensorLayout(p.axes, self.mesh)
+            layout_map[re.escape(p.path)] = _keras.tensor_layout(p.axes, self.mesh)
         return layout_map
 
     def distribution(self, *, auto_shard_dataset: bool = True) -> kd.ModelParallel:
