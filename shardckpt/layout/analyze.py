@@ -52,13 +52,19 @@ class Decision:
     Attributes:
         dim: The split dimension, or None (replicated).
         reason: Why, in words, for `LayoutPlan.explain()`.
-        fallback: A split was wanted but the axis does not divide the
-            dimension (or the split could not be kept), so it is replicated.
+        fallback: The preferred split did not divide (or could not be
+            kept): replicated, or split on the next dimension that works.
+        gather_output: An embedding table split along its rows' width: the
+            output of its lookup is to be gathered right away (the plan's
+            layout map relays the owning layer's output), so the split does
+            not spread through the model.
     """
 
     dim: int | None
     reason: str
     fallback: bool = False
+    gather_output: bool = False
+    use: str = "contract"
 
 
 class _Undecided(enum.Enum):
@@ -84,6 +90,7 @@ class _Planner:
             assert v.param is not None, "Graph.params holds variables' values, each with its index"
             self.origin[v] = [(v.param, tuple(range(len(v.shape))))]
         self._good: dict[tuple[int, int], bool] = {}
+        self.use = "contract"  # how the op being decided uses its variables (Decision.use)
 
     # -- state -----------------------------------------------------------
     def effective(self, value: Value) -> int | None | Literal[_Undecided.TOKEN]:
@@ -101,7 +108,7 @@ class _Planner:
 
     def decide(self, p: int, dim: int | None, reason: str, *, fallback: bool = False) -> None:
         if p not in self.decided:
-            self.decided[p] = Decision(dim, reason, fallback)
+            self.decided[p] = Decision(dim, reason, fallback, use=self.use)
 
     def assign(self, value: Value, vdim: int | None, reason: str, *, fallback: bool = False) -> None:
         """Decides every undecided variable behind `value`: split on `vdim` of the value, or not."""
@@ -273,6 +280,9 @@ class _Planner:
                     "of every row, gathered once after the lookup",
                     fallback=True,
                 )
+                for p, _ in self.origin.get(table, ()):
+                    if self.decided[p].dim is not None:
+                        self.decided[p] = dataclasses.replace(self.decided[p], gather_output=True)
                 return
         self.assign(table, vocab, "vocabulary split: masked lookup on each device, one all-reduce after")
 
@@ -319,6 +329,9 @@ class _Planner:
                 continue
             undecided = [i for i, v in enumerate(op.inputs) if self.effective(v) is _UNDECIDED]
             if undecided:
+                self.use = {"dot_general": "contract", "conv_general_dilated": "contract", "gather": "lookup"}.get(
+                    op.name, "elementwise" if is_elementwise(op) else "other"
+                )
                 if op.name == "dot_general":
                     for i in undecided:
                         self.dot(op, i)
@@ -344,6 +357,7 @@ class _Planner:
                 if isinstance(where, Kept):
                     for out, j in where.outputs:
                         self.split.setdefault(out, j)
+        self.use = "contract"
         for value in self.graph.params:
             self.unused(value)
         return self.decided

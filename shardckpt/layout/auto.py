@@ -156,6 +156,7 @@ def _plan_on(
     axis_size = dict(zip(device_mesh.axis_names, device_mesh.shape))
     decisions = ctx.decisions(axis_size[model_axis])
     placements = []
+    gathered = []
     for i, v in enumerate(ctx.variables):
         shape = tuple(int(d) for d in v.shape)
         dtype = jnp.dtype(v.dtype).name
@@ -167,8 +168,12 @@ def _plan_on(
             d = decisions[i]
             axes = tuple(model_axis if k == d.dim else None for k in range(len(shape)))
             reason, source = d.reason, ("fallback" if d.fallback else "auto")
+            if d.gather_output:
+                gathered.append(ctx.keys[id(v)])
             if fsdp:
-                axes, why = fsdp_axes(shape, axes, model_axis=model_axis, batch_axis=batch_axis, sizes=axis_size)
+                axes, why = fsdp_axes(
+                    shape, axes, model_axis=model_axis, batch_axis=batch_axis, sizes=axis_size, use=d.use
+                )
                 reason = f"{reason}; {why}" if why else reason
         placements.append(
             Placement(
@@ -184,6 +189,7 @@ def _plan_on(
         )
     return LayoutPlan(
         device_mesh, placements, model_axis=model_axis, batch_axis=batch_axis, unknown=unknown, notes=notes, fsdp=fsdp,
+        gathered_outputs=gathered,
     )
 
 
@@ -218,7 +224,7 @@ def _choose(ctx: _Context, pool: list[Any] | None, *, fsdp: bool, model_axis: st
     chosen = best[3]
     return LayoutPlan(
         chosen.mesh, chosen.placements, model_axis=model_axis, batch_axis=batch_axis, unknown=unknown,
-        notes=lines, fsdp=fsdp,
+        notes=lines, fsdp=fsdp, gathered_outputs=chosen.gathered_outputs,
     )
 
 

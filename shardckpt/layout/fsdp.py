@@ -16,7 +16,15 @@ takes the batch axis does not change the math, only the size of the pieces:
    of its dimensions allow it (the model axis on the largest dimension it
    divides, the batch axis on the largest other one), else over the batch
    axis alone: it is gathered before use all the same;
-3. a scalar, or a parameter no dimension of which divides, stays as it is.
+3. an embedding table takes both axes on the dimension the model axis
+   splits (the lookup then stays a masked lookup over the whole mesh; a
+   table split over the batch axis on its width would put the looked-up
+   rows off their batch split);
+4. a parameter applied element-wise (a bias, a normalization scale) stays
+   as it is: split over the batch axis, XLA would rather split the
+   activations it touches that way than gather it (measured: collective
+   permutes and extra all-reduces in the training step); they are small;
+5. a scalar, or a parameter no dimension of which divides, stays as it is.
 
 One dimension over two axes is a `PartitionSpec` entry naming both
 (`_keras.tensor_layout` passes it through Keras' `TensorLayout`).
@@ -28,7 +36,13 @@ from shardckpt.layout.plan import Axis
 
 
 def fsdp_axes(
-    shape: tuple[int, ...], axes: tuple[Axis, ...], *, model_axis: str, batch_axis: str, sizes: dict[str, int]
+    shape: tuple[int, ...],
+    axes: tuple[Axis, ...],
+    *,
+    model_axis: str,
+    batch_axis: str,
+    sizes: dict[str, int],
+    use: str = "contract",
 ) -> tuple[tuple[Axis, ...], str]:
     """`axes` with the batch axis added (see the module docstring), and why.
 
@@ -38,6 +52,7 @@ def fsdp_axes(
         model_axis: The model axis name.
         batch_axis: The batch (FSDP) axis name.
         sizes: Mesh axis name -> size.
+        use: How the forward pass uses the parameter (`analyze.Decision.use`).
 
     Returns:
         The new axes and a short reason ("" when nothing changed).
@@ -47,6 +62,14 @@ def fsdp_axes(
         return axes, ""
     out = list(axes)
     by_size = sorted(range(len(shape)), key=lambda k: (-shape[k], -k))
+    if use not in ("contract", "lookup"):
+        return axes, "FSDP: applied element-wise, kept (split over the batch axis it would pull activations off their batch split)"
+    if use == "lookup":
+        split = axes.index(model_axis) if model_axis in axes else None
+        if split is not None and shape[split] % (m * d) == 0:
+            out[split] = (model_axis, batch_axis)
+            return tuple(out), f"FSDP: looked-up dim {split} over {model_axis!r} x {batch_axis!r}"
+        return axes, "FSDP: a lookup table whose split dimension the mesh does not divide: kept"
     if model_axis in axes:
         split = axes.index(model_axis)
         free = [k for k in by_size if k != split and axes[k] is None and shape[k] % d == 0]

@@ -103,6 +103,11 @@ class LayoutPlan:
         notes: Lines `explain()` prints under its title (how the mesh was
             chosen, FSDP).
         fsdp: Whether parameters are also split over the batch axis.
+        gathered_outputs: Structural keys of embedding tables split along
+            their width: `layout_map()` relays the output of the layer that
+            owns each (`<layer path>/output`, Keras' activation layouts) to
+            batch-only, so the lookup is gathered once and the rest of the
+            model sees whole rows.
     """
 
     def __init__(
@@ -115,6 +120,7 @@ class LayoutPlan:
         unknown: str | None = None,
         notes: Sequence[str] = (),
         fsdp: bool = False,
+        gathered_outputs: Sequence[str] = (),
     ) -> None:
         if unknown not in UNKNOWN_CHOICES:
             raise LayoutError(f"unknown must be None or 'replicate'. Received: unknown={unknown!r}")
@@ -125,6 +131,7 @@ class LayoutPlan:
         self.unknown = unknown
         self.notes = tuple(notes)
         self.fsdp = fsdp
+        self.gathered_outputs = tuple(gathered_outputs)
         self._by_path = {p.path: p for p in self.placements}
         self._by_key = {p.key: p for p in self.placements if p.key}
         # Optimizer slots are named "<optimizer>/<variable path with / -> _>_<slot>"
@@ -191,7 +198,7 @@ class LayoutPlan:
             return self
         return LayoutPlan(
             self.mesh, placements, model_axis=self.model_axis, batch_axis=self.batch_axis,
-            unknown=unknown, notes=self.notes, fsdp=self.fsdp,
+            unknown=unknown, notes=self.notes, fsdp=self.fsdp, gathered_outputs=self.gathered_outputs,
         )
 
     def slot_axes(self, variable: Any) -> tuple[Axis, ...] | None:
@@ -247,11 +254,17 @@ class LayoutPlan:
         """A `keras.distribution.LayoutMap` with one exact key per variable.
 
         Keys are `re.escape(path)`, so Keras' `re.fullmatch` lookup matches
-        exactly one variable and never two.
+        exactly one variable and never two. The layer outputs of
+        `gathered_outputs` get an activation layout (batch axis only) under
+        `<layer path>/output`, the key Keras' `Layer.__call__` looks up.
         """
         layout_map = kd.LayoutMap(self.mesh)
         for p in self.placements:
             layout_map[re.escape(p.path)] = _keras.tensor_layout(p.axes, self.mesh)
+        by_key = {p.key: p for p in self.placements}
+        for key in self.gathered_outputs:
+            owner = by_key[key].path.rsplit("/", 1)[0]
+            layout_map[re.escape(owner) + "/output"] = kd.TensorLayout((self.batch_axis,), self.mesh)
         return layout_map
 
     def distribution(self, *, auto_shard_dataset: bool = True) -> kd.ModelParallel:
@@ -413,6 +426,7 @@ class LayoutPlan:
                 "unknown": self.unknown,
                 "fsdp": self.fsdp,
                 "notes": list(self.notes),
+                "gathered_outputs": list(self.gathered_outputs),
                 "placements": [
                     {**dataclasses.asdict(p), "shape": list(p.shape), "axes": [_axis_json(a) for a in p.axes]}
                     for p in self.placements
@@ -453,6 +467,7 @@ class LayoutPlan:
         return cls(
             mesh, placements, model_axis=data["model_axis"], batch_axis=data["batch_axis"],
             unknown=data.get("unknown"), notes=data.get("notes", ()), fsdp=data.get("fsdp", False),
+            gathered_outputs=data.get("gathered_outputs", ()),
         )
 
     def __eq__(self, other: object) -> bool:
@@ -464,6 +479,7 @@ class LayoutPlan:
             and tuple(self.mesh.axis_names) == tuple(other.mesh.axis_names)
             and (self.model_axis, self.batch_axis) == (other.model_axis, other.batch_axis)
             and (self.unknown, self.fsdp) == (other.unknown, other.fsdp)
+            and self.gathered_outputs == other.gathered_outputs
         )
 
     def __repr__(self) -> str:
