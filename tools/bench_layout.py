@@ -410,9 +410,8 @@ def main(argv=None) -> int:
 
 
 def _real(args) -> int:
-    from rich.console import Console
-
     import layout_real
+    from rich.console import Console
 
     names = args.configs.split(",") if args.configs else list(layout_real.NAMES)
     counts = [int(n) for n in args.devices.split(",")]

@@ -43,6 +43,11 @@ from shardckpt.layout.flow import CONTRACTED, Kept, dot_free_position, follow, i
 from shardckpt.layout.trace import Graph, Op, Value
 
 _PARAM_VIEWS = {"broadcast_in_dim", "transpose", "squeeze", "reshape"}
+# A lookup table whose vocabulary the model axis does not divide is split
+# along its width (one all-gather of the looked-up rows) only when it holds
+# at least this share of the parameters; smaller ones (token types, a
+# handful of rows) cost less replicated than an all-gather per lookup.
+_SMALL_TABLE = 0.01
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,9 +82,15 @@ _UNDECIDED: Final = _Undecided.TOKEN
 
 
 class _Planner:
-    def __init__(self, graph: Graph, axis_size: int) -> None:
+    def __init__(self, graph: Graph, axis_size: int, banned: frozenset[int] = frozenset()) -> None:
         self.graph = graph
         self.n = axis_size
+        # Variables whose second-choice split met another split in one op
+        # (a conflict XLA resolves with an all-gather) in an earlier run.
+        self.banned = banned
+        self.alternates: set[int] = set()  # variables split on a second-choice dimension
+        self.blame: dict[Value, frozenset[int]] = {}  # split value -> the alternates it comes from
+        self.conflicts: set[int] = set()
         self.decided: dict[int, Decision] = {}
         self.split: dict[Value, int] = {}
         # Values computed from variables alone (views, or element-wise math
@@ -91,6 +102,7 @@ class _Planner:
             self.origin[v] = [(v.param, tuple(range(len(v.shape))))]
         self._good: dict[tuple[int, int], bool] = {}
         self.use = "contract"  # how the op being decided uses its variables (Decision.use)
+        self.total = sum(math.prod(v.shape) for v in graph.params)
 
     # -- state -----------------------------------------------------------
     def effective(self, value: Value) -> int | None | Literal[_Undecided.TOKEN]:
@@ -195,8 +207,10 @@ class _Planner:
         if self.divides(value, first) or len(free) == 1:
             self.column(value, first, op, dot_free_position(op, ppos, first), what)
             return
-        for dim in free[1:]:
+        params = {p for p, _ in self.origin.get(value, ())}
+        for dim in free[1:] if not params & self.banned else ():
             if self.divides(value, dim) and self.reaches_contraction(op.outputs[0], dot_free_position(op, ppos, dim)):
+                self.alternates |= params
                 self.assign(
                     value,
                     dim,
@@ -271,6 +285,16 @@ class _Planner:
         table, vocab = op.inputs[0], numbers.collapsed_slice_dims[0]
         if not self.divides(table, vocab):
             others = [d for d in range(len(table.shape)) if d != vocab and self.divides(table, d)]
+            if others and math.prod(table.shape) < _SMALL_TABLE * self.total:
+                self.assign(
+                    table,
+                    None,
+                    f"the model axis ({self.n}) does not divide the vocabulary ({table.shape[vocab]}); a split "
+                    f"along dim {others[0]} would gather every lookup for a table under "
+                    f"{_SMALL_TABLE:.0%} of the parameters: replicated",
+                    fallback=True,
+                )
+                return
             if others:
                 self.assign(
                     table,
@@ -344,6 +368,7 @@ class _Planner:
                 else:
                     for i in undecided:
                         self.assign(op.inputs[i], None, f"used by `{op.name}`, which the planner does not split: replicated")
+            landed: list[tuple[object, frozenset[int]]] = []
             for pos, value in enumerate(op.inputs):
                 s = self.effective(value)
                 if s is None or s is _UNDECIDED:
@@ -354,13 +379,31 @@ class _Planner:
                     # of the model sees them whole, as with a vocabulary split.
                     continue
                 where = follow(op, pos, s)
+                blame = self.blame_of(value)
                 if isinstance(where, Kept):
+                    landed.append((tuple(j for _, j in where.outputs), blame))
                     for out, j in where.outputs:
                         self.split.setdefault(out, j)
+                        if blame:
+                            self.blame[out] = self.blame.get(out, frozenset()) | blame
+                elif where is CONTRACTED:
+                    landed.append(("contracted", blame))
+            if len({where for where, _ in landed}) > 1:
+                # Two operands split differently meet here (say attention
+                # probabilities split over heads and values over the head
+                # dimension): XLA would gather one of them.
+                for _, blame in landed:
+                    self.conflicts |= blame
         self.use = "contract"
         for value in self.graph.params:
             self.unused(value)
         return self.decided
+
+    def blame_of(self, value: Value) -> frozenset[int]:
+        """The second-choice splits behind `value`'s split."""
+        if value in self.origin:
+            return frozenset(p for p, _ in self.origin[value] if p in self.alternates)
+        return self.blame.get(value, frozenset())
 
     def unused(self, value: Value) -> None:
         """A variable the forward pass never reads (e.g. an untied output head of a backbone).
@@ -395,4 +438,11 @@ def plan_splits(graph: Graph, axis_size: int) -> dict[int, Decision]:
     Returns:
         A `Decision` per variable index (the model's `variables` order).
     """
-    return _Planner(graph, axis_size).run()
+    banned: frozenset[int] = frozenset()
+    while True:
+        planner = _Planner(graph, axis_size, banned)
+        decided = planner.run()
+        if not planner.conflicts - banned:
+            return decided
+        # Plan again without the second-choice splits that met another split.
+        banned |= planner.conflicts

@@ -83,11 +83,6 @@ def fsdp_axes(
         return axes, f"FSDP: no free dimension divides by {batch_axis!r} ({d}): kept"
     if any(a is not None for a in axes):
         return axes, ""  # placed by a user rule on other axes: left alone
-    for k in (k for k in by_size if m > 1 and shape[k] % m == 0):
-        other = [j for j in by_size if j != k and shape[j] % d == 0]
-        if other:
-            out[k], out[other[0]] = model_axis, batch_axis
-            return tuple(out), f"FSDP: stored over the whole mesh (dim {k} over {model_axis!r}, dim {other[0]} over {batch_axis!r})"
     whole = [k for k in by_size if m > 1 and shape[k] % (m * d) == 0]
     if whole:
         out[whole[0]] = (batch_axis, model_axis)
