@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
@@ -12,6 +13,7 @@ from keras import distribution as kd
 
 from shardckpt.errors import LayoutError
 from shardckpt.layout.analyze import Decision, plan_splits
+from shardckpt.layout.companions import place_companions
 from shardckpt.layout.fsdp import fsdp_axes
 from shardckpt.layout.mesh import resolve_mesh
 from shardckpt.layout.plan import Axis, LayoutPlan, Placement
@@ -157,6 +159,7 @@ def _plan_on(
     decisions = ctx.decisions(axis_size[model_axis])
     placements = []
     gathered = []
+    uses: list[str | None] = []  # how the forward pass uses each variable (None: placed by a rule)
     for i, v in enumerate(ctx.variables):
         shape = tuple(int(d) for d in v.shape)
         dtype = jnp.dtype(v.dtype).name
@@ -164,17 +167,14 @@ def _plan_on(
         axes: tuple[Axis, ...]
         if rule is not None:
             axes, reason, source = _rule_axes(v.path, shape, rule, axis_size)
+            uses.append(None)
         else:
             d = decisions[i]
             axes = tuple(model_axis if k == d.dim else None for k in range(len(shape)))
             reason, source = d.reason, ("fallback" if d.fallback else "auto")
+            uses.append(d.use)
             if d.gather_output:
                 gathered.append(ctx.keys[id(v)])
-            if fsdp:
-                axes, why = fsdp_axes(
-                    shape, axes, model_axis=model_axis, batch_axis=batch_axis, sizes=axis_size, use=d.use
-                )
-                reason = f"{reason}; {why}" if why else reason
         placements.append(
             Placement(
                 path=v.path,
@@ -187,6 +187,12 @@ def _plan_on(
                 key=ctx.keys[id(v)],
             )
         )
+    placements = place_companions(placements, model_axis=model_axis, axis_size=axis_size[model_axis])
+    if fsdp:
+        for i, (p, use) in enumerate(zip(placements, uses)):
+            if use is not None:
+                axes, why = fsdp_axes(p.shape, p.axes, model_axis=model_axis, batch_axis=batch_axis, sizes=axis_size, use=use)
+                placements[i] = dataclasses.replace(p, axes=axes, reason=f"{p.reason}; {why}" if why else p.reason)
     return LayoutPlan(
         device_mesh, placements, model_axis=model_axis, batch_axis=batch_axis, unknown=unknown, notes=notes, fsdp=fsdp,
         gathered_outputs=gathered,
