@@ -193,6 +193,8 @@ def _plan_on(
             if use is not None:
                 axes, why = fsdp_axes(p.shape, p.axes, model_axis=model_axis, batch_axis=batch_axis, sizes=axis_size, use=use)
                 placements[i] = dataclasses.replace(p, axes=axes, reason=f"{p.reason}; {why}" if why else p.reason)
+                if use == "lookup" and batch_axis in axes and p.key not in gathered:
+                    gathered.append(p.key)
     return LayoutPlan(
         device_mesh, placements, model_axis=model_axis, batch_axis=batch_axis, unknown=unknown, notes=notes, fsdp=fsdp,
         gathered_outputs=gathered,

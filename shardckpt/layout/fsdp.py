@@ -17,9 +17,11 @@ takes the batch axis does not change the math, only the size of the pieces:
    divides, the batch axis on the largest other one), else over the batch
    axis alone: it is gathered before use all the same;
 3. an embedding table takes both axes on the dimension the model axis
-   splits (the lookup then stays a masked lookup over the whole mesh; a
-   table split over the batch axis on its width would put the looked-up
-   rows off their batch split);
+   splits (the lookup then stays a masked lookup over the whole mesh);
+   where the mesh does not divide it, the batch axis goes on another
+   dimension and the lookup's output is relayed to batch-only (left split
+   along the width over the batch axis, the looked-up rows would pull the
+   activations off their batch split);
 4. a parameter applied element-wise (a bias, a normalization scale) stays
    as it is: split over the batch axis, XLA would rather split the
    activations it touches that way than gather it (measured: collective
@@ -69,7 +71,14 @@ def fsdp_axes(
         if split is not None and shape[split] % (m * d) == 0:
             out[split] = (model_axis, batch_axis)
             return tuple(out), f"FSDP: looked-up dim {split} over {model_axis!r} x {batch_axis!r}"
-        return axes, "FSDP: a lookup table whose split dimension the mesh does not divide: kept"
+        free = [k for k in by_size if axes[k] is None and shape[k] % d == 0]
+        if free:
+            # The looked-up rows come out split over the batch axis along
+            # their width; the plan relays them to batch-only right after
+            # the lookup (`LayoutPlan.gathered_outputs`).
+            out[free[0]] = batch_axis
+            return tuple(out), f"FSDP: dim {free[0]} over {batch_axis!r}, lookups gathered"
+        return axes, "FSDP: a lookup table no free dimension of which the batch axis divides: kept"
     if model_axis in axes:
         split = axes.index(model_axis)
         free = [k for k in by_size if k != split and axes[k] is None and shape[k] % d == 0]
