@@ -109,3 +109,20 @@ def test_unknown_variables_raise_unless_opted_in():
     assert plan.axes_for(keras.Variable(0.0, name="step")) == ()
     assert set(variables_by_key(model)) == {"layers/dense/vars/0", "layers/dense/vars/1",
                                             "layers/dense_1/vars/0", "layers/dense_1/vars/1"}
+
+
+def test_from_preset_with_a_plan_of_another_instance_and_fsdp(tmp_path):
+    first, values = _saved(tmp_path)
+    first.save_to_preset(str(tmp_path / "preset"))
+    plan = auto_layout(first, (2, 4), fsdp=True)
+    assert plan.fsdp and any("data" in str(p.axes) for p in plan.placements)
+    model = shardckpt.from_preset(tmp_path / "preset", layout=plan)  # built again: other generated names
+    assert any(v.path != p.path for v, p in zip(model.variables, plan.placements))
+    keys = structural_paths(model)
+    for v in model.variables:
+        key = keys[id(v)]
+        assert v.value.sharding.is_equivalent_to(_expected_sharding(plan, key), len(v.shape)), v.path
+        np.testing.assert_array_equal(np.asarray(v.value), values[key])
+    again = shardckpt.from_preset(tmp_path / "preset", mesh="auto", fsdp=True)
+    assert keras.distribution.distribution() is not None
+    assert {tuple(v.value.sharding.mesh.devices.shape) for v in again.variables} == {(1, 8)}  # all heads divide 8
