@@ -34,47 +34,12 @@ from shardckpt import _keras
 from shardckpt.errors import LayoutError, UnplannedVariableError
 from shardckpt.layout.memory import slots_per_variable
 from shardckpt.layout.mesh import check_device_count
+from shardckpt.layout.placement import Axis, Placement, axis_from_json, axis_json, flat_axes
 from shardckpt.structure import structural_paths
 
 _FORMAT = "shardckpt.layout_plan/2"
 _READABLE = (_FORMAT, "shardckpt.layout_plan/1")  # /1: no structural keys (matched by path)
-# An entry of `Placement.axes`: a mesh axis, several (split over their product), or None.
-Axis = str | tuple[str, ...] | None
 UNKNOWN_CHOICES = (None, "replicate")
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class Placement:
-    """The placement of one variable.
-
-    Attributes:
-        path: `variable.path` in the instance the plan was made or bound for.
-        shape: The variable's shape.
-        dtype: Its dtype name.
-        axes: One mesh axis name (or None, replicated) per dimension.
-        reason: Why, in words.
-        source: "auto" (derived from the model), "rule" (a user rule), or
-            "fallback" (a split was wanted but the axis does not divide the
-            dimension; replicated).
-        trainable: Whether an optimizer keeps slots for it.
-        key: Its structural key (`shardckpt.structure.structural_paths`),
-            the same in every instance of the architecture; "" in plans
-            read from format /1 (matched by path then).
-    """
-
-    path: str
-    shape: tuple[int, ...]
-    dtype: str
-    axes: tuple[Axis, ...]
-    reason: str
-    source: str = "auto"
-    trainable: bool = True
-    key: str = ""
-
-    @property
-    def nbytes(self) -> int:
-        """Bytes of the whole variable."""
-        return math.prod(self.shape) * jnp.dtype(self.dtype).itemsize
 
 
 class LayoutPlan:
@@ -281,9 +246,10 @@ class LayoutPlan:
         )
 
     # -- memory --------------------------------------------------------------
-    def _split_factor(self, axes: Sequence[Axis]) -> int:
+    def split_factor(self, axes: Sequence[Axis]) -> int:
+        """Devices one variable placed on `axes` is split over."""
         sizes = dict(zip(self.mesh.axis_names, self.mesh.shape))
-        return math.prod(sizes[a] for a in _flat_axes(axes))
+        return math.prod(sizes[a] for a in flat_axes(axes))
 
     def bytes_per_device(self, optimizer: Any = None) -> int:
         """Bytes of variables on the most loaded device.
@@ -300,7 +266,7 @@ class LayoutPlan:
         slots = 0 if optimizer is None else slots_per_variable(optimizer)
         total = 0
         for p in self.placements:
-            piece = p.nbytes // self._split_factor(p.axes)
+            piece = p.nbytes // self.split_factor(p.axes)
             total += piece * (1 + (slots if p.trainable else 0))
         return total
 
@@ -340,30 +306,9 @@ class LayoutPlan:
         terminal's width on a terminal, unfolded otherwise); it is also a
         `rich.table.Table`, so `rich.print(plan.explain())` shows it in colour.
         """
-        from shardckpt.layout.table import ExplainTable
+        from shardckpt.layout.table import explain_table
 
-        table = ExplainTable(
-            title=(
-                f"Layout plan: mesh {dict(zip(self.mesh.axis_names, self.mesh.shape))}, "
-                f"model axis {self.model_axis!r}, batch axis {self.batch_axis!r}; "
-                f"{self.sharded_fraction():.1%} of parameter bytes split, balance "
-                f"{self.balance():.2f}" + (", FSDP" if self.fsdp else "")
-            ),
-            caption="\n".join(self.notes) or None,
-        )
-        for column in ("path", "shape", "dtype", "axes", "bytes/device", "why"):
-            table.add_column(column, overflow="fold", justify="right" if column == "bytes/device" else "left")
-        for p in self.placements:
-            why = p.reason if p.source == "auto" else f"[{p.source}] {p.reason}"
-            table.add_row(
-                p.path,
-                str(p.shape),
-                p.dtype,
-                str(p.axes),
-                f"{p.nbytes // self._split_factor(p.axes):,}",
-                why,
-            )
-        return table
+        return explain_table(self)
 
     def __str__(self) -> str:
         return str(self.explain())
@@ -385,11 +330,11 @@ class LayoutPlan:
             if len(p.axes) != len(p.shape):
                 problems.append(f"{p.path}: {len(p.axes)} axes for a rank-{len(p.shape)} variable")
                 continue
-            used = _flat_axes(p.axes)
+            used = flat_axes(p.axes)
             if len(used) != len(set(used)):
                 problems.append(f"{p.path}: mesh axis used twice in {p.axes}")
             for dim, (size, axis) in enumerate(zip(p.shape, p.axes)):
-                names = _flat_axes((axis,))
+                names = flat_axes((axis,))
                 if not names:
                     continue
                 if any(a not in sizes for a in names):
@@ -428,7 +373,7 @@ class LayoutPlan:
                 "notes": list(self.notes),
                 "gathered_outputs": list(self.gathered_outputs),
                 "placements": [
-                    {**dataclasses.asdict(p), "shape": list(p.shape), "axes": [_axis_json(a) for a in p.axes]}
+                    {**dataclasses.asdict(p), "shape": list(p.shape), "axes": [axis_json(a) for a in p.axes]}
                     for p in self.placements
                 ],
             },
@@ -461,7 +406,7 @@ class LayoutPlan:
         )
         mesh = kd.DeviceMesh(shape, data["mesh"]["axis_names"], np.asarray(pool).reshape(shape))
         placements = [
-            Placement(**{**p, "shape": tuple(p["shape"]), "axes": tuple(_axis_from_json(a) for a in p["axes"])})
+            Placement(**{**p, "shape": tuple(p["shape"]), "axes": tuple(axis_from_json(a) for a in p["axes"])})
             for p in data["placements"]
         ]
         return cls(
@@ -495,21 +440,3 @@ def _slot_stems(stem: str) -> list[str]:
     parts = stem.split("_")
     return ["_".join(parts[:k]) for k in range(len(parts) - 1, 0, -1)]
 
-
-def _flat_axes(axes: Sequence[Axis]) -> list[str]:
-    """The mesh axis names used by `axes` (an entry may name several)."""
-    out: list[str] = []
-    for a in axes:
-        if isinstance(a, tuple):
-            out.extend(a)
-        elif a is not None:
-            out.append(a)
-    return out
-
-
-def _axis_json(axis: Axis) -> Any:
-    return list(axis) if isinstance(axis, tuple) else axis
-
-
-def _axis_from_json(axis: Any) -> Axis:
-    return tuple(axis) if isinstance(axis, list) else axis
