@@ -93,6 +93,9 @@ def test_published_sizes_balance_and_auto_mesh():
     assert tuple(auto.mesh.shape) == (2, 4) and auto.fsdp
     assert auto.balance("adam") <= 1.05
     assert "mesh chosen for 8 devices with FSDP: (2, 4)" in str(auto.explain())
+    # Without FSDP too: (1, 8) needs the head-dimension split (one more all-reduce per block).
+    plain = auto_layout(gpt2, "auto", devices=8)
+    assert tuple(plain.mesh.shape) == (2, 4) and plain.balance() <= 1.15 and not plain.fsdp
     four = auto_layout(gpt2, "auto", devices=4)
     assert tuple(four.mesh.shape) == (1, 4) and four.balance() <= 1.15
     qwen = _published("qwen2.5-0.5b")

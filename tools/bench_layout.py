@@ -357,6 +357,7 @@ def main(argv=None) -> int:
                         help="the published configs at real sizes, built lazily (tools/layout_real.py)")
     parser.add_argument("--devices", default="8,4", help="--real: device counts to plan on")
     parser.add_argument("--configs", default=None, help="--real: comma-separated config names (default: all)")
+    parser.add_argument("--only", choices=("auto",), default=None, help="--real: only the mesh='auto' rows")
     args = parser.parse_args(argv)
     if args.real:
         return _real(args)
@@ -422,7 +423,7 @@ def _real(args) -> int:
         if devices > jax.device_count():
             print(f"need {devices} devices, have {jax.device_count()} (set BENCH_DEVICES)", file=sys.stderr)
             return 2
-        rows = layout_real.run(names, devices, smoke=args.smoke)
+        rows = layout_real.run(names, devices, smoke=args.smoke, only=args.only)
         Console(width=240).print(layout_real.table(rows, devices))
         misses += layout_real.check(rows)
     for line in misses:

@@ -116,11 +116,14 @@ def variants(devices: int) -> list[tuple[Any, bool]]:
     return [((1, devices), False), ((2, half), True), ("auto", False), ("auto", True)]
 
 
-def run(names: list[str], devices: int, *, smoke: bool = False) -> list[tuple[str, str, Any]]:
+def run(names: list[str], devices: int, *, smoke: bool = False, only: str | None = None) -> list[tuple[str, str, Any]]:
     configs = load_configs()
     out = []
     for name in names:
-        for mesh, fsdp in ([((1, devices), False)] if smoke else variants(devices)):
+        chosen = [((1, devices), False)] if smoke else variants(devices)
+        if only == "auto":
+            chosen = [v for v in chosen if v[0] == "auto"]
+        for mesh, fsdp in chosen:
             label = f"{mesh if isinstance(mesh, str) else 'x'.join(map(str, mesh))}{' fsdp' if fsdp else ''}"
             try:
                 out.append((name, label, measure(configs[name], mesh, fsdp=fsdp, devices=devices)))

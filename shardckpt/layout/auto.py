@@ -50,10 +50,11 @@ def auto_layout(
     data) look at paths, and they override the automatic plan.
 
     With `mesh="auto"` (or `devices=N` and no mesh) every `(data, model)`
-    shape of the devices is planned, and the one whose most loaded device
-    holds the fewest bytes wins (shapes within 5% of the fewest count as
-    equal; then the fewer extra all-reduces from head-dimension splits, then
-    the larger model axis); `explain()` lists the candidates.
+    shape of the devices is planned. Shapes whose plan is balanced (within
+    15% of a perfect split) with no extra all-reduce from a head-dimension
+    split come first; among them the one whose most loaded device holds the
+    fewest bytes wins (within 5% count as equal; then the larger model
+    axis); `explain()` lists the candidates.
 
     Example:
 
@@ -216,13 +217,20 @@ def _choose(ctx: _Context, pool: list[Any] | None, *, fsdp: bool, model_axis: st
         mesh = kd.DeviceMesh(shape, [batch_axis, model_axis], np.asarray(devices).reshape(shape))
         plan = _plan_on(ctx, mesh, model_axis=model_axis, batch_axis=batch_axis, fsdp=fsdp, unknown=unknown)
         scored.append((plan.bytes_per_device(), _extra_collectives(plan), m, plan))
-    fewest = min(s[0] for s in scored)
-    # Shapes within 5% of the fewest bytes count as equal: then fewer extra
-    # all-reduces, then the larger model axis (less to gather than FSDP).
-    best = min(scored, key=lambda s: (s[0] > 1.05 * fewest, s[1], -s[2]))
+    # A shape is clean when its plan is balanced (most loaded device within
+    # 15% of a perfect split over the devices it shards over) and splits no
+    # variable on a second-choice dimension (no extra all-reduce). Clean
+    # shapes come first; among them (or among all, if none is clean) the
+    # fewest bytes on the most loaded device, within 5%, then the fewest
+    # extra all-reduces, then the larger model axis (less to gather).
+    clean = [s for s in scored if s[3].balance() <= 1.15 and s[1] == 0]
+    pool = clean or scored
+    fewest = min(s[0] for s in pool)
+    best = min(pool, key=lambda s: (s[0] > 1.05 * fewest, s[1], -s[2]))
     lines = [
         f"mesh chosen for {n} devices{' with FSDP' if fsdp else ''}: ({n // best[2]}, {best[2]}) "
-        "(fewest bytes on the most loaded device within 5%, then fewest extra all-reduces, then the largest model axis)"
+        "(balanced within 15% with no extra all-reduce first, then the fewest bytes on the most loaded "
+        "device within 5%, then the fewest extra all-reduces, then the largest model axis)"
     ]
     for nbytes, extra, m, plan in scored:
         lines.append(
