@@ -44,8 +44,7 @@ def _layers(model):
         yield main, [v for v in members if v is not main]
 
 
-@pytest.mark.parametrize("mesh", [(1, 8), (2, 4)])
-@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize(("mode", "mesh"), [(m, (1, 8)) for m in MODES] + [("int8", (2, 4)), ("float8", (2, 4))])
 def test_quantized_scales_follow_their_kernel(mode, mesh):
     model = _build(mode)
     plan = auto_layout(model, mesh)
