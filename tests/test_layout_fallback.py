@@ -100,3 +100,16 @@ def test_published_sizes_balance_and_auto_mesh():
     assert tuple(four.mesh.shape) == (1, 4) and four.balance() <= 1.15
     qwen = _published("qwen2.5-0.5b")
     assert auto_layout(qwen, (2, 4), fsdp=True).balance("adam") <= 1.05
+
+
+@pytest.mark.skipif(not os.path.exists(PUBLISHED), reason="published_configs.json not present")
+def test_bench_layout_real_smoke(capsys):
+    """tools/bench_layout.py --real --smoke: GPT-2 base at its real size, lazily, on (1, 8)."""
+    import sys
+
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tools"))
+    import bench_layout
+
+    assert bench_layout.main(["--real", "--smoke"]) == 0
+    out = capsys.readouterr().out
+    assert "gpt2-base" in out and "0.12B" in out and "3/0/0" in out  # 3 all-reduces per block: see README
