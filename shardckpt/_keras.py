@@ -25,6 +25,12 @@ Private modules:
 
 Private attributes of `keras.Variable`, through the functions below:
 
+- `TensorLayout._device_mesh` (layout.plan, layout.parallel): Keras'
+  `TensorLayout` refuses an entry naming several mesh axes (`("model",
+  "data")`: one dimension split over both, as FSDP needs where only one
+  dimension divides), although JAX's `PartitionSpec`, which Keras builds
+  from it, takes it; `tensor_layout` sets the mesh after construction,
+  skipping that check.
 - `_value`, `_layout`: replacing a value in a given layout without
   `Variable.assign`, which would re-place it on the variable's previous
   layout and keep the old value alive while the new one is built;
@@ -77,6 +83,7 @@ __all__ = [
     "set_initializer",
     "set_layout",
     "set_value",
+    "tensor_layout",
 ]
 
 H5IOStore = saving_lib.H5IOStore
@@ -116,6 +123,21 @@ def current_value(variable: Any) -> Any:
 def current_layout(variable: Any) -> Any:
     """The layout Keras re-places assigned values on (a `TensorLayout`, a sharding or None)."""
     return variable._layout
+
+
+def tensor_layout(axes: Any, mesh: Any) -> Any:
+    """A `keras.distribution.TensorLayout` whose entries may name several mesh axes.
+
+    Plain axes (one name or None per dimension) go through Keras' own
+    constructor and its validation.
+    """
+    from keras import distribution as kd
+
+    if all(a is None or isinstance(a, str) for a in axes):
+        return kd.TensorLayout(axes, mesh)
+    layout = kd.TensorLayout(tuple(axes))
+    layout._device_mesh = mesh
+    return layout
 
 
 def set_layout(variable: Any, layout: Any) -> None:

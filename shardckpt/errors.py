@@ -154,6 +154,16 @@ class MeshMismatchError(LayoutError):
     """
 
 
+class UnplannedVariableError(LayoutError):
+    """A layout plan was asked where a variable goes that it has no placement
+    for (another architecture, or an instance the plan was not bound to).
+
+    Its message names the variable; the fix is `plan.bind(model)` for an
+    instance of the same architecture, or `unknown="replicate"` to opt into
+    replicating what the plan does not know.
+    """
+
+
 class UnsupportedURLError(ShardckptError, ValueError):
     """A path is a `scheme://` URL shardckpt cannot read or write there.
 

@@ -28,6 +28,10 @@ class PlanLike(Protocol):
         """The plan as a Keras `LayoutMap`."""
         ...
 
+    def bind(self, model: Any) -> PlanLike:
+        """The plan applied to `model` (an instance of the planned architecture), matched by structure."""
+        ...
+
 
 Layout: TypeAlias = PlanLike | kd.LayoutMap | kd.ModelParallel | kd.DataParallel | None
 """What `layout=` takes: a `LayoutPlan`, a Keras `LayoutMap`, a Keras

@@ -150,16 +150,25 @@ def test_cnn_channels_split_and_forward_equal():
     assert np.max(np.abs(got - want)) <= 1e-5 * np.max(np.abs(want))
 
 
-def test_heads_not_divisible_fall_back_without_crash():
+def test_heads_not_divisible_split_the_head_dimension_and_match_one_device():
     s = models.Shape(heads=4, dim=32, kv_heads=1, ff=64, blocks=1, gated=True)
     model = models.build_transformer(s)
     plan = auto_layout(model, (1, 8))
-    query = plan["grouped_query_attention/query/kernel"]
-    assert query.axes == (None, None, None) and query.source == "fallback"
-    # Without split heads the output projection's output would hit the residual stream's norm.
-    assert plan["grouped_query_attention/attention_output/kernel"].axes == (None, None, None)
+    # 4 query heads, 1 key/value head on 8: every projection splits the head dimension (8) instead.
+    for name in ("query", "key", "value"):
+        p = plan[f"grouped_query_attention/{name}/kernel"]
+        assert p.axes == (None, None, M) and p.source == "fallback" and "one more all-reduce" in p.reason
+    assert plan["grouped_query_attention/attention_output/kernel"].axes == (None, M, None)
     assert plan["dense/kernel"].axes == (None, M)
-    assert plan.validate(model) == []
+    assert plan.validate(model) == [] and plan.balance() < 1.15
+    xs = models.sample_inputs(model, s.vocab)
+    tv, ntv = _sharded_state(model, plan)
+    forward = _forward(model)
+    got, want = np.asarray(forward(tv, ntv, xs)), np.asarray(model(xs))
+    assert np.max(np.abs(got - want)) <= 1e-5 * np.max(np.abs(want))
+    counts = _collectives(forward.lower(tv, ntv, xs).compile().as_text())
+    # Embedding, scores (the split head dimension is contracted), attention output, MLP down.
+    assert counts == {"all-reduce": 4, "all-gather": 0, "reduce-scatter": 0, "all-to-all": 0, "collective-permute": 0}
 
 
 def test_rules_override_and_bad_rules():

@@ -53,3 +53,19 @@ def test_plan_bad_arguments():
         run_plan("tests.stacks:nope", "1x8", None)
     with pytest.raises(CheckpointNotFoundError, match="missing.keras"):
         run_plan(os.path.join(sys.prefix, "missing.keras"), "1x8", None)
+
+
+def test_plan_auto_mesh_fsdp_and_device_memory(capsys):
+    from shardckpt.cli.plan import parse_bytes
+
+    assert parse_bytes("16GiB") == 16 * 2**30 and parse_bytes("80GB") == 80 * 10**9 and parse_bytes("123") == 123
+    with pytest.raises(LayoutError, match="--device-memory must be a size"):
+        parse_bytes("lots")
+    assert run_plan("tests.stacks:build_default", "auto", "adam", devices=8, fsdp=True, device_memory="16GiB") == 0
+    out = capsys.readouterr().out
+    assert "mesh chosen for 8 devices with FSDP" in out and "with FSDP; balance" in out
+    assert "per device (weights):" in out and "per device (weights + adam slots):" in out
+    assert "fits in 16GiB (17,179,869,184 bytes) per device: yes" in out
+    assert run_plan("tests.stacks:build_default", "1x8", "adam", device_memory="1KiB") == 1
+    out = capsys.readouterr().out
+    assert "fits in 1KiB (1,024 bytes) per device: no" in out and "more than --device-memory 1KiB" in out

@@ -199,7 +199,11 @@ def test_bench_layout_smoke_runs_both_plans(capsys):
 
 
 def test_heads_the_axis_does_not_divide_keep_the_residual_stream_whole():
-    """4 heads on 8 devices: attention replicated, MLP split, every norm scale replicated.
+    """4 heads on 8 devices: query/key replicated, values over the head dimension, MLP split, every norm scale replicated.
+
+    Rotary embeddings cut the query's and key's head dimension in halves, so
+    those cannot split it; values and the output projection can (one
+    all-reduce after the output projection, as with split heads).
 
     An RMSNorm sums `x * x`, a tensor read nowhere else; counting that sum as
     a contraction would let the attention output split the residual stream
@@ -215,10 +219,12 @@ def test_heads_the_axis_does_not_divide_keep_the_residual_stream_whole():
         )
     plan = auto_layout(model, (1, 8))
     for p in plan.placements:
-        if "self_attention/" in p.path:
+        if "self_attention/query" in p.path or "self_attention/key" in p.path:
             assert p.axes == (None,) * len(p.shape), p
         elif p.path.endswith("scale"):
             assert p.axes == (None,), p
+    assert plan["transformer_layer_0/self_attention/value/kernel"].axes == (None, None, M)
+    assert plan["transformer_layer_0/self_attention/attention_output/kernel"].axes == (None, M, None)
     assert plan["transformer_layer_0/feedforward_gate_dense/kernel"].axes == (None, M)
     assert plan["transformer_layer_0/feedforward_output_dense/kernel"].axes == (M, None)
     query = plan["transformer_layer_0/self_attention/query/kernel"]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import typing
 from collections import abc
+from typing import Literal
 
 import keras
 import numpy.typing as npt
@@ -26,10 +27,10 @@ def test_model_layout_and_mesh_parameters_are_typed():
     assert hints["model"] is keras.Model and hints["layout"] == layout
     hints = _hints(shardckpt.from_preset)
     assert hints["return"] is keras.Model and hints["layout"] == layout
-    assert hints["mesh"] == mesh | None and hints["cls"] == type[keras.Model] | None
+    assert hints["mesh"] == mesh | Literal["auto"] | None and hints["cls"] == type[keras.Model] | None
     assert hints["dtype"] == npt.DTypeLike | None
     hints = _hints(shardckpt.auto_layout)
-    assert hints["model"] is keras.Model and hints["mesh"] == mesh
+    assert hints["model"] is keras.Model and hints["mesh"] == mesh | Literal["auto"] | None
     hints = _hints(shardckpt.parallelize)
     assert hints["model"] is keras.Model and hints["mesh"] == mesh | None
     hints = _hints(shardckpt.convert)

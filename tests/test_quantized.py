@@ -128,24 +128,9 @@ def test_a_different_policy_is_refused_naming_the_kernel(saved):
                     shardckpt.load_sharded(model, paths[fmt], strict=False)
 
 
-_SCALE_NOT_SPLIT = pytest.mark.xfail(
-    strict=True,
-    reason="auto_layout splits the int8 EinsumDense kernel's output dimension but not its "
-    "scale's (issue 28.3, the layout engineer's shardckpt/layout/); drop this marker when it does",
-)
-
-
-_AMAX_SPLIT = pytest.mark.xfail(
-    strict=True,
-    reason="auto_layout splits float8 amax histories (never read by the forward pass) along "
-    "their length (issue 28.3, the layout engineer's shardckpt/layout/); drop this marker when it does not",
-)
-
-
 @pytest.mark.parametrize(
     "name",
-    [pytest.param("int8", marks=_SCALE_NOT_SPLIT), "int4_subchannel", "int4_per_channel",
-     pytest.param("float8", marks=_AMAX_SPLIT)],
+    ["int8", "int4_subchannel", "int4_per_channel", "float8"],
 )
 def test_scales_follow_their_kernels_output_dimension(name):
     """A kernel's scale (and int4 zero point) is split like the kernel's output dimension;

@@ -26,8 +26,14 @@ where the backbone has one.
 
 The model builders are tests/stacks.py's, shared with tests/test_layout*.py.
 
+With `--real`, the published configs at their real sizes instead, built
+lazily (no weight memory), on 8 and on 4 of the devices, with and without
+FSDP and with `mesh="auto"` (see tools/layout_real.py): split share,
+balance, collectives per block from the compiled forward pass, plan time.
+
 Usage:
     python tools/bench_layout.py [--mesh 1x8] [--models all|synthetic|hub] [--hidden 256] [--smoke]
+    python tools/bench_layout.py --real [--devices 8,4] [--configs gpt2-base,...] [--smoke]
 """
 from __future__ import annotations
 
@@ -347,7 +353,14 @@ def main(argv=None) -> int:
     parser.add_argument("--hidden", type=int, default=256, help="hidden size of the keras-hub backbones")
     parser.add_argument("--smoke", action="store_true",
                         help="tiny run for the tests: one synthetic stack, two keras-hub backbones, hidden 64")
+    parser.add_argument("--real", action="store_true",
+                        help="the published configs at real sizes, built lazily (tools/layout_real.py)")
+    parser.add_argument("--devices", default="8,4", help="--real: device counts to plan on")
+    parser.add_argument("--configs", default=None, help="--real: comma-separated config names (default: all)")
+    parser.add_argument("--only", choices=("auto",), default=None, help="--real: only the mesh='auto' rows")
     args = parser.parse_args(argv)
+    if args.real:
+        return _real(args)
     mesh_shape = tuple(int(s) for s in args.mesh.split("x"))
     n = mesh_shape[0] * mesh_shape[1]
     if jax.device_count() != n:
@@ -394,6 +407,27 @@ def main(argv=None) -> int:
                       str(pb["reduce-scatter"]), f"{rest['all-reduce']}/{rest['all-gather']}/{rest['reduce-scatter']}",
                       f"{r['max_bytes']:,}", f"{r['error']:.1e}")
     Console(width=240).print(table)
+    return 0
+
+
+def _real(args) -> int:
+    import layout_real
+    from rich.console import Console
+
+    names = args.configs.split(",") if args.configs else list(layout_real.NAMES)
+    counts = [int(n) for n in args.devices.split(",")]
+    if args.smoke:
+        names, counts = ["gpt2-base"], [8]
+    misses = []
+    for devices in counts:
+        if devices > jax.device_count():
+            print(f"need {devices} devices, have {jax.device_count()} (set BENCH_DEVICES)", file=sys.stderr)
+            return 2
+        rows = layout_real.run(names, devices, smoke=args.smoke, only=args.only)
+        Console(width=240).print(layout_real.table(rows, devices))
+        misses += layout_real.check(rows)
+    for line in misses:
+        print(f"not met: {line}")
     return 0
 
 

@@ -83,8 +83,11 @@ def _parser() -> argparse.ArgumentParser:
         help="package.module:function (returns a Keras model), a .keras file (its config only), "
         "or a keras-hub preset folder (save_to_preset; its config.json only)",
     )
-    p.add_argument("--mesh", default="1x8", help="mesh shape, data x model (default 1x8)")
-    p.add_argument("--optimizer", help="optimizer whose slots to count, e.g. adam")
+    p.add_argument("--mesh", default=None, help="mesh shape, data x model (default 1x8; see --devices)")
+    p.add_argument("--devices", type=_positive_int, help="choose the (data, model) mesh of N devices for the model")
+    p.add_argument("--fsdp", action="store_true", help="split parameters over the data axis too (FSDP)")
+    p.add_argument("--optimizer", default="adam", help="optimizer whose slots to count (default adam)")
+    p.add_argument("--device-memory", help="memory of one device, e.g. 16GiB or 80GB: say whether the plan fits")
     p.add_argument("--json", action="store_true", help="print the plan and memory as JSON")
 
     p = sub.add_parser("demo", help="the guided tour on 8 simulated CPU devices")
@@ -105,8 +108,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     if args.command == "demo":
         simulate_cpu_devices(8)
-    elif args.command in ("plan", "convert") and args.mesh:
-        simulate_cpu_devices(math.prod(_mesh_shape(args.mesh)))
+    elif args.command == "plan" and args.devices and not args.mesh:
+        simulate_cpu_devices(args.devices)
+    elif args.command in ("plan", "convert") and (args.mesh or args.command == "plan"):
+        simulate_cpu_devices(math.prod(_mesh_shape(args.mesh or "1x8")))
     else:
         use_cpu_platform()  # converting and reading need no accelerator
     try:
@@ -223,7 +228,12 @@ def _verify(args: argparse.Namespace) -> int:
 def _plan(args: argparse.Namespace) -> int:
     from shardckpt.cli.plan import run_plan
 
-    return run_plan(args.model, args.mesh, args.optimizer, as_json=args.json)
+    if args.mesh and args.devices:
+        raise LayoutError("shardckpt plan takes --mesh or --devices, not both. Fix: drop one of them.")
+    return run_plan(
+        args.model, args.mesh or ("auto" if args.devices else "1x8"), args.optimizer,
+        devices=args.devices, fsdp=args.fsdp, device_memory=args.device_memory, as_json=args.json,
+    )
 
 
 def _demo(args: argparse.Namespace) -> int:

@@ -43,6 +43,11 @@ from shardckpt.layout.flow import CONTRACTED, Kept, dot_free_position, follow, i
 from shardckpt.layout.trace import Graph, Op, Value
 
 _PARAM_VIEWS = {"broadcast_in_dim", "transpose", "squeeze", "reshape"}
+# A lookup table whose vocabulary the model axis does not divide is split
+# along its width (one all-gather of the looked-up rows) only when it holds
+# at least this share of the parameters; smaller ones (token types, a
+# handful of rows) cost less replicated than an all-gather per lookup.
+_SMALL_TABLE = 0.01
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,13 +57,19 @@ class Decision:
     Attributes:
         dim: The split dimension, or None (replicated).
         reason: Why, in words, for `LayoutPlan.explain()`.
-        fallback: A split was wanted but the axis does not divide the
-            dimension (or the split could not be kept), so it is replicated.
+        fallback: The preferred split did not divide (or could not be
+            kept): replicated, or split on the next dimension that works.
+        gather_output: An embedding table split along its rows' width: the
+            output of its lookup is to be gathered right away (the plan's
+            layout map relays the owning layer's output), so the split does
+            not spread through the model.
     """
 
     dim: int | None
     reason: str
     fallback: bool = False
+    gather_output: bool = False
+    use: str = "contract"
 
 
 class _Undecided(enum.Enum):
@@ -71,9 +82,15 @@ _UNDECIDED: Final = _Undecided.TOKEN
 
 
 class _Planner:
-    def __init__(self, graph: Graph, axis_size: int) -> None:
+    def __init__(self, graph: Graph, axis_size: int, banned: frozenset[int] = frozenset()) -> None:
         self.graph = graph
         self.n = axis_size
+        # Variables whose second-choice split met another split in one op
+        # (a conflict XLA resolves with an all-gather) in an earlier run.
+        self.banned = banned
+        self.alternates: set[int] = set()  # variables split on a second-choice dimension
+        self.blame: dict[Value, frozenset[int]] = {}  # split value -> the alternates it comes from
+        self.conflicts: set[int] = set()
         self.decided: dict[int, Decision] = {}
         self.split: dict[Value, int] = {}
         # Values computed from variables alone (views, or element-wise math
@@ -84,6 +101,8 @@ class _Planner:
             assert v.param is not None, "Graph.params holds variables' values, each with its index"
             self.origin[v] = [(v.param, tuple(range(len(v.shape))))]
         self._good: dict[tuple[int, int], bool] = {}
+        self.use = "contract"  # how the op being decided uses its variables (Decision.use)
+        self.total = sum(math.prod(v.shape) for v in graph.params)
 
     # -- state -----------------------------------------------------------
     def effective(self, value: Value) -> int | None | Literal[_Undecided.TOKEN]:
@@ -101,19 +120,15 @@ class _Planner:
 
     def decide(self, p: int, dim: int | None, reason: str, *, fallback: bool = False) -> None:
         if p not in self.decided:
-            self.decided[p] = Decision(dim, reason, fallback)
+            self.decided[p] = Decision(dim, reason, fallback, use=self.use)
 
-    def assign(self, value: Value, vdim: int | None, reason: str) -> None:
+    def assign(self, value: Value, vdim: int | None, reason: str, *, fallback: bool = False) -> None:
         """Decides every undecided variable behind `value`: split on `vdim` of the value, or not."""
         for p, dims in self.origin[value]:
             if p in self.decided:
                 continue
-            if vdim is None:
-                self.decide(p, None, reason)
-                continue
-            if vdim >= len(value.shape):
-                # A 0-d operand (a float8 scale) broadcast over a split tensor.
-                self.decide(p, None, "broadcast along the split dimension: replicated")
+            if vdim is None or vdim >= len(dims):
+                self.decide(p, None, reason if vdim is None else "a scalar: replicated")
                 continue
             pdim = dims[vdim]
             shape = self.graph.params[p].shape
@@ -131,7 +146,17 @@ class _Planner:
                     fallback=True,
                 )
             else:
-                self.decide(p, pdim, reason)
+                self.decide(p, pdim, reason, fallback=fallback)
+
+    def divides(self, value: Value, vdim: int) -> bool:
+        """Whether the model axis divides every variable dimension behind `value`'s `vdim`."""
+        for p, dims in self.origin.get(value, ()):
+            if vdim >= len(dims):
+                return False
+            pdim = dims[vdim]
+            if pdim is not None and self.graph.params[p].shape[pdim] % self.n:
+                return False
+        return value.shape[vdim] % self.n == 0
 
     # -- lookahead ---------------------------------------------------------
     def reaches_contraction(self, value: Value, dim: int) -> bool:
@@ -169,6 +194,34 @@ class _Planner:
                 "contraction, so a split output would need an all-gather: replicated",
             )
 
+    def column_any(self, value: Value, op: Op, ppos: int, free: list[int], what: str) -> None:
+        """Column-parallel on the first free dim; where the axis does not divide it, the next one that works.
+
+        The next free dimension (a head dimension where heads do not divide)
+        is taken only where its split output still ends in contractions: the
+        scores of attention then contract the split head dimension, so XLA
+        adds one all-reduce (of the scores) per attention, recorded in the
+        reason.
+        """
+        first = free[0]
+        if self.divides(value, first) or len(free) == 1:
+            self.column(value, first, op, dot_free_position(op, ppos, first), what)
+            return
+        params = {p for p, _ in self.origin.get(value, ())}
+        for dim in free[1:] if not params & self.banned else ():
+            if self.divides(value, dim) and self.reaches_contraction(op.outputs[0], dot_free_position(op, ppos, dim)):
+                self.alternates |= params
+                self.assign(
+                    value,
+                    dim,
+                    f"column-parallel on dim {dim} ({value.shape[dim]}): the model axis ({self.n}) does not "
+                    f"divide dim {first} ({value.shape[first]}, heads); the split dimension is contracted "
+                    "later (one more all-reduce, e.g. of attention scores)",
+                    fallback=True,
+                )
+                return
+        self.column(value, first, op, dot_free_position(op, ppos, first), what)
+
     def dot(self, op: Op, ppos: int) -> None:
         value = op.inputs[ppos]
         a = self.effective(op.inputs[1 - ppos])
@@ -195,11 +248,11 @@ class _Planner:
             if not free:
                 self.assign(value, None, "contracted entirely (no output dimension): replicated")
                 return
-            self.column(
+            self.column_any(
                 value,
-                free[0],
                 op,
-                dot_free_position(op, ppos, free[0]),
+                ppos,
+                free,
                 "column-parallel: first output dimension split (heads / features), "
                 "consumed by a later contraction",
             )
@@ -229,11 +282,33 @@ class _Planner:
         if len(numbers.collapsed_slice_dims) != 1:
             self.assign(op.inputs[0], None, "multi-dimensional lookup: replicated")
             return
-        self.assign(
-            op.inputs[0],
-            numbers.collapsed_slice_dims[0],
-            "vocabulary split: masked lookup on each device, one all-reduce after",
-        )
+        table, vocab = op.inputs[0], numbers.collapsed_slice_dims[0]
+        if not self.divides(table, vocab):
+            others = [d for d in range(len(table.shape)) if d != vocab and self.divides(table, d)]
+            if others and math.prod(table.shape) < _SMALL_TABLE * self.total:
+                self.assign(
+                    table,
+                    None,
+                    f"the model axis ({self.n}) does not divide the vocabulary ({table.shape[vocab]}); a split "
+                    f"along dim {others[0]} would gather every lookup for a table under "
+                    f"{_SMALL_TABLE:.0%} of the parameters: replicated",
+                    fallback=True,
+                )
+                return
+            if others:
+                self.assign(
+                    table,
+                    others[0],
+                    f"the model axis ({self.n}) does not divide the vocabulary ({table.shape[vocab]}): split "
+                    f"on dim {others[0]} ({table.shape[others[0]]}) instead; each device looks up its slice "
+                    "of every row, gathered once after the lookup",
+                    fallback=True,
+                )
+                for p, _ in self.origin.get(table, ()):
+                    if self.decided[p].dim is not None:
+                        self.decided[p] = dataclasses.replace(self.decided[p], gather_output=True)
+                return
+        self.assign(table, vocab, "vocabulary split: masked lookup on each device, one all-reduce after")
 
     def elementwise(self, op: Op) -> None:
         splits = [self.effective(v) for v in op.inputs]
@@ -278,6 +353,9 @@ class _Planner:
                 continue
             undecided = [i for i, v in enumerate(op.inputs) if self.effective(v) is _UNDECIDED]
             if undecided:
+                self.use = {"dot_general": "contract", "conv_general_dilated": "contract", "gather": "lookup"}.get(
+                    op.name, "elementwise" if is_elementwise(op) else "other"
+                )
                 if op.name == "dot_general":
                     for i in undecided:
                         self.dot(op, i)
@@ -290,17 +368,42 @@ class _Planner:
                 else:
                     for i in undecided:
                         self.assign(op.inputs[i], None, f"used by `{op.name}`, which the planner does not split: replicated")
+            landed: list[tuple[object, frozenset[int]]] = []
             for pos, value in enumerate(op.inputs):
                 s = self.effective(value)
                 if s is None or s is _UNDECIDED:
                     continue
+                if op.name == "gather" and pos == 0 and s not in op.params["dimension_numbers"].collapsed_slice_dims:
+                    # A table split along its rows' width (the vocabulary did not
+                    # divide): the looked-up rows are gathered once, and the rest
+                    # of the model sees them whole, as with a vocabulary split.
+                    continue
                 where = follow(op, pos, s)
+                blame = self.blame_of(value)
                 if isinstance(where, Kept):
+                    landed.append((tuple(j for _, j in where.outputs), blame))
                     for out, j in where.outputs:
                         self.split.setdefault(out, j)
+                        if blame:
+                            self.blame[out] = self.blame.get(out, frozenset()) | blame
+                elif where is CONTRACTED:
+                    landed.append(("contracted", blame))
+            if len({where for where, _ in landed}) > 1:
+                # Two operands split differently meet here (say attention
+                # probabilities split over heads and values over the head
+                # dimension): XLA would gather one of them.
+                for _, blame in landed:
+                    self.conflicts |= blame
+        self.use = "contract"
         for value in self.graph.params:
             self.unused(value)
         return self.decided
+
+    def blame_of(self, value: Value) -> frozenset[int]:
+        """The second-choice splits behind `value`'s split."""
+        if value in self.origin:
+            return frozenset(p for p, _ in self.origin[value] if p in self.alternates)
+        return self.blame.get(value, frozenset())
 
     def unused(self, value: Value) -> None:
         """A variable the forward pass never reads (e.g. an untied output head of a backbone).
@@ -335,4 +438,11 @@ def plan_splits(graph: Graph, axis_size: int) -> dict[int, Decision]:
     Returns:
         A `Decision` per variable index (the model's `variables` order).
     """
-    return _Planner(graph, axis_size).run()
+    banned: frozenset[int] = frozenset()
+    while True:
+        planner = _Planner(graph, axis_size, banned)
+        decided = planner.run()
+        if not planner.conflicts - banned:
+            return decided
+        # Plan again without the second-choice splits that met another split.
+        banned |= planner.conflicts

@@ -138,6 +138,13 @@ def _reduce(op: Op, pos: int, dim: int) -> Kept | _Marker:
             # sums its part and one all-reduce completes it, as for a
             # contraction.
             return CONTRACTED
+        if op.name == "reduce_max":
+            # A maximum over the split dimension (the absolute maximum that
+            # int8 / float8 layers quantize their inputs by): each device
+            # takes its part's maximum, and one all-reduce (max) of the
+            # reduced, small tensor completes it; the split input itself
+            # goes on to its contraction.
+            return CONTRACTED
         return LOST
     return Kept(tuple((out, dim - sum(1 for a in axes if a < dim)) for out in op.outputs))
 

@@ -36,6 +36,7 @@ def parallelize(
     model_axis: str = "model",
     batch_axis: str | None = None,
     rules: RulesLike = None,
+    fsdp: bool = False,
 ) -> LayoutPlan:
     """Makes `model` run tensor-parallel on `mesh`, in place.
 
@@ -57,12 +58,15 @@ def parallelize(
 
     Args:
         model: A built Keras model (compiled or not).
-        mesh: None, a shape such as `(2, 4)`, `(shape, axis_names)`, or a
-            `keras.distribution.DeviceMesh`.
+        mesh: None, a shape such as `(2, 4)`, `(shape, axis_names)`, a
+            `keras.distribution.DeviceMesh`, or "auto" (the `(data, model)`
+            shape `auto_layout` picks for the model; see there).
         devices: Devices for a mesh given by shape (default: `jax.devices()`).
         model_axis: Mesh axis to split weights over.
         batch_axis: Mesh axis to split batches over (default: the other one).
         rules: User rules overriding the automatic plan (see `auto_layout`).
+        fsdp: Also split parameters (and optimizer slots) over the batch
+            axis (see `auto_layout`).
 
     Returns:
         The `LayoutPlan` now in force (also the active Keras distribution).
@@ -73,18 +77,24 @@ def parallelize(
     pool = list(devices) if devices is not None else jax.devices()
     if mesh is None:
         mesh = kd.DeviceMesh((1, len(pool)), ["data", model_axis], pool)
-    device_mesh, batch_axis = resolve_mesh(mesh, model_axis=model_axis, batch_axis=batch_axis, devices=pool)
+    if isinstance(mesh, str) and mesh == "auto":
+        device_mesh: Any = "auto"
+    else:
+        device_mesh, batch_axis = resolve_mesh(mesh, model_axis=model_axis, batch_axis=batch_axis, devices=pool)
     previous = kd.distribution()
     # Plan with no distribution active: the trace must see the bare model,
     # not an earlier plan's sharding constraints.
     kd.set_distribution(None)
     try:
-        plan = auto_layout(model, device_mesh, model_axis=model_axis, batch_axis=batch_axis, rules=rules)
+        plan = auto_layout(
+            model, device_mesh, devices=pool, model_axis=model_axis, batch_axis=batch_axis, rules=rules, fsdp=fsdp
+        )
     except BaseException:
         kd.set_distribution(previous)
         raise
+    model_ids = {id(v) for v in model.variables}
     for variable in _all_variables(model):
-        _place(variable, plan)
+        _place(variable, plan, planned=id(variable) in model_ids)
     kd.set_distribution(plan.distribution())
     # Compiled step functions captured the old shardings; Keras rebuilds
     # them on the next fit/evaluate/predict under the new distribution.
@@ -107,9 +117,15 @@ def _all_variables(model: Any) -> list[Any]:
     return found
 
 
-def _place(variable: Any, plan: LayoutPlan) -> None:
-    """Moves one variable into its planned sharding and records its layout."""
-    layout = kd.TensorLayout(plan.axes_for(variable), plan.mesh)
+def _place(variable: Any, plan: LayoutPlan, *, planned: bool) -> None:
+    """Moves one variable into its planned sharding and records its layout.
+
+    Model variables must have a placement (`axes_for` raises otherwise);
+    optimizer and metric variables are not the plan's: slots follow their
+    variable, the rest (step counters, metric totals) is replicated.
+    """
+    axes = plan.axes_for(variable) if planned else plan.axes_for(variable, unknown="replicate")
+    layout = _keras.tensor_layout(axes, plan.mesh)
     # Recorded even on an unloaded variable: `load_sharded` later fills it
     # into this layout, and optimizer slots made from it follow it.
     _keras.set_layout(variable, layout)

@@ -1,10 +1,18 @@
 """`LayoutPlan`: where every variable of a model goes on a device mesh.
 
-A plan is plain data (one `Placement` per variable: path, shape, dtype,
-mesh axes per dimension, why) plus the mesh. Everything Keras and JAX need
-is derived from it: a `keras.distribution.LayoutMap` with one exact key per
-variable, a `ModelParallel` distribution, a `NamedSharding` per variable,
-per-device memory, and JSON to store beside a checkpoint.
+A plan is plain data (one `Placement` per variable: path, structural key,
+shape, dtype, mesh axes per dimension, why) plus the mesh. Everything Keras
+and JAX need is derived from it: a `keras.distribution.LayoutMap` with one
+exact key per variable, a `ModelParallel` distribution, a `NamedSharding`
+per variable, per-device memory, and JSON to store beside a checkpoint.
+
+Variables are identified by structure (`shardckpt.structure`: their
+position in the model's object graph, as `.weights.h5` keys them), so a
+plan applies to any instance of the architecture: `plan.bind(model)` maps
+it onto another instance whose generated layer names differ (in this
+process, or in another one after `to_json` / `from_json`). A variable the
+plan does not know is an `UnplannedVariableError`, unless the plan was made
+with `unknown="replicate"`.
 """
 
 from __future__ import annotations
@@ -23,41 +31,16 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 from keras import distribution as kd
 
-from shardckpt.errors import LayoutError
+from shardckpt import _keras
+from shardckpt.errors import LayoutError, UnplannedVariableError
 from shardckpt.layout.memory import slots_per_variable
 from shardckpt.layout.mesh import check_device_count
+from shardckpt.layout.placement import Axis, Placement, axis_from_json, axis_json, flat_axes
+from shardckpt.structure import structural_paths
 
-_FORMAT = "shardckpt.layout_plan/1"
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class Placement:
-    """The placement of one variable.
-
-    Attributes:
-        path: `variable.path`.
-        shape: The variable's shape.
-        dtype: Its dtype name.
-        axes: One mesh axis name (or None, replicated) per dimension.
-        reason: Why, in words.
-        source: "auto" (derived from the model), "rule" (a user rule), or
-            "fallback" (a split was wanted but the axis does not divide the
-            dimension; replicated).
-        trainable: Whether an optimizer keeps slots for it.
-    """
-
-    path: str
-    shape: tuple[int, ...]
-    dtype: str
-    axes: tuple[str | None, ...]
-    reason: str
-    source: str = "auto"
-    trainable: bool = True
-
-    @property
-    def nbytes(self) -> int:
-        """Bytes of the whole variable."""
-        return math.prod(self.shape) * jnp.dtype(self.dtype).itemsize
+_FORMAT = "shardckpt.layout_plan/2"
+_READABLE = (_FORMAT, "shardckpt.layout_plan/1")  # /1: no structural keys (matched by path)
+UNKNOWN_CHOICES = (None, "replicate")
 
 
 class LayoutPlan:
@@ -73,6 +56,7 @@ class LayoutPlan:
     plan = shardckpt.auto_layout(model, keras.distribution.DeviceMesh((1, 8), ["data", "model"]))
     rich.print(plan.explain())
     keras.distribution.set_distribution(plan.distribution())
+    other = plan.bind(rebuilt_model)       # same architecture, other generated names
     ```
 
     Args:
@@ -80,6 +64,16 @@ class LayoutPlan:
         placements: One `Placement` per model variable.
         model_axis: The mesh axis weights are split over.
         batch_axis: The mesh axis batches are split over.
+        unknown: What to do with a variable the plan does not know: None
+            (raise `UnplannedVariableError`) or "replicate".
+        notes: Lines `explain()` prints under its title (how the mesh was
+            chosen, FSDP).
+        fsdp: Whether parameters are also split over the batch axis.
+        gathered_outputs: Structural keys of embedding tables split along
+            their width: `layout_map()` relays the output of the layer that
+            owns each (`<layer path>/output`, Keras' activation layouts) to
+            batch-only, so the lookup is gathered once and the rest of the
+            model sees whole rows.
     """
 
     def __init__(
@@ -89,12 +83,23 @@ class LayoutPlan:
         *,
         model_axis: str,
         batch_axis: str,
+        unknown: str | None = None,
+        notes: Sequence[str] = (),
+        fsdp: bool = False,
+        gathered_outputs: Sequence[str] = (),
     ) -> None:
+        if unknown not in UNKNOWN_CHOICES:
+            raise LayoutError(f"unknown must be None or 'replicate'. Received: unknown={unknown!r}")
         self.mesh = mesh
         self.placements = tuple(placements)
         self.model_axis = model_axis
         self.batch_axis = batch_axis
+        self.unknown = unknown
+        self.notes = tuple(notes)
+        self.fsdp = fsdp
+        self.gathered_outputs = tuple(gathered_outputs)
         self._by_path = {p.path: p for p in self.placements}
+        self._by_key = {p.key: p for p in self.placements if p.key}
         # Optimizer slots are named "<optimizer>/<variable path with / -> _>_<slot>"
         # by Keras (`BaseOptimizer.add_variable_from_reference`).
         self._by_slot_stem = {p.path.replace("/", "_"): p for p in self.placements}
@@ -106,23 +111,105 @@ class LayoutPlan:
     def __getitem__(self, path: str) -> Placement:
         return self._by_path[path]
 
-    def axes_for(self, variable: Any) -> tuple[str | None, ...]:
+    def bind(self, model: Any, *, unknown: str | None = None) -> LayoutPlan:
+        """This plan for `model`: another instance of the architecture it was made for.
+
+        Variables are matched by their structural key (their position in the
+        model's layer tree), so generated layer names (`dense_2` where the
+        plan has `dense`) do not matter; the returned plan holds `model`'s
+        paths, so its `layout_map()` and `distribution()` fit `model`.
+
+        Args:
+            model: The model to place.
+            unknown: Overrides the plan's `unknown` ("replicate": variables
+                the plan does not know are replicated, reported in `explain()`).
+
+        Returns:
+            A plan with one placement per variable of `model` (`self` when
+            nothing changes).
+
+        Raises:
+            UnplannedVariableError: A variable of `model` has no placement
+                (and `unknown` is not "replicate"), or its shape differs.
+        """
+        unknown = self.unknown if unknown is None else unknown
+        keys = structural_paths(model)
+        placements: list[Placement] = []
+        problems: list[str] = []
+        for v in model.variables:
+            key = keys[id(v)]
+            shape = tuple(int(d) for d in v.shape)
+            found = self._by_key.get(key) if self._by_key else self._by_path.get(v.path)
+            if found is None and unknown == "replicate":
+                found = Placement(
+                    path=v.path, key=key, shape=shape, dtype=jnp.dtype(v.dtype).name,
+                    axes=(None,) * len(shape), reason="not in the plan: replicated (unknown='replicate')",
+                    source="default",
+                )
+            if found is None:
+                problems.append(f"{v.path} (structural key {key!r}, shape {shape}): no placement")
+            elif found.shape != shape:
+                problems.append(f"{v.path} (structural key {key!r}): model shape {shape}, plan shape {found.shape}")
+            else:
+                placements.append(dataclasses.replace(found, path=v.path, key=key))
+        if problems:
+            raise UnplannedVariableError(
+                f"The layout plan does not fit model {getattr(model, 'name', model)!r}: "
+                + "; ".join(problems[:10])
+                + (f"; and {len(problems) - 10} more" if len(problems) > 10 else "")
+                + ". Fix: plan this model with shardckpt.auto_layout(model, mesh), or pass "
+                "unknown='replicate' to replicate what the plan does not know."
+            )
+        if tuple(placements) == self.placements and unknown == self.unknown:
+            return self
+        return LayoutPlan(
+            self.mesh, placements, model_axis=self.model_axis, batch_axis=self.batch_axis,
+            unknown=unknown, notes=self.notes, fsdp=self.fsdp, gathered_outputs=self.gathered_outputs,
+        )
+
+    def slot_axes(self, variable: Any) -> tuple[Axis, ...] | None:
+        """The axes of the model variable an optimizer slot was made from, or None."""
+        if "/" not in variable.path:
+            return None
+        stem = variable.path.split("/", 1)[1]
+        for key in _slot_stems(stem):
+            placement = self._by_slot_stem.get(key)
+            if placement is not None and placement.shape == tuple(variable.shape):
+                return placement.axes
+        return None
+
+    def axes_for(self, variable: Any, *, unknown: str | None = None) -> tuple[Axis, ...]:
         """Mesh axes per dimension of `variable` (a model, optimizer or metric variable).
 
-        Model variables get their planned axes. An optimizer slot gets the
-        axes of the variable it was made from (same shape); anything else
-        (step counters, learning rate, metric totals) is replicated.
+        Model variables get their planned axes; an optimizer slot gets the
+        axes of the variable it was made from (same shape); a scalar (step
+        counter, learning rate, metric total) is replicated.
+
+        Args:
+            variable: The variable.
+            unknown: Overrides the plan's `unknown` for this call.
+
+        Raises:
+            UnplannedVariableError: Any other variable, unless `unknown`
+                (or the plan's) is "replicate". The plan never replicates a
+                variable silently: a rebuilt model's generated names differ
+                from the plan's, and `plan.bind(model)` maps them.
         """
         placement = self._by_path.get(variable.path)
         if placement is not None and tuple(variable.shape) == placement.shape:
             return placement.axes
-        if "/" in variable.path:
-            stem = variable.path.split("/", 1)[1]
-            for key in _slot_stems(stem):
-                placement = self._by_slot_stem.get(key)
-                if placement is not None and placement.shape == tuple(variable.shape):
-                    return placement.axes
-        return (None,) * len(variable.shape)
+        axes = self.slot_axes(variable)
+        if axes is not None:
+            return axes
+        if len(variable.shape) == 0 or (unknown or self.unknown) == "replicate":
+            return (None,) * len(variable.shape)
+        raise UnplannedVariableError(
+            f"Variable {variable.path!r} (shape {tuple(variable.shape)}) has no placement in this "
+            "layout plan. Fix: for another instance of the planned architecture (generated layer "
+            "names differ), use plan.bind(model); for another model, plan it with "
+            "shardckpt.auto_layout; or pass unknown='replicate' to replicate what the plan does "
+            f"not know. Received: variable={variable.path!r}"
+        )
 
     def sharding_for(self, variable: Any) -> NamedSharding:
         """The `jax.sharding.NamedSharding` of `variable` under this plan (see `axes_for`)."""
@@ -133,11 +220,17 @@ class LayoutPlan:
         """A `keras.distribution.LayoutMap` with one exact key per variable.
 
         Keys are `re.escape(path)`, so Keras' `re.fullmatch` lookup matches
-        exactly one variable and never two.
+        exactly one variable and never two. The layer outputs of
+        `gathered_outputs` get an activation layout (batch axis only) under
+        `<layer path>/output`, the key Keras' `Layer.__call__` looks up.
         """
         layout_map = kd.LayoutMap(self.mesh)
         for p in self.placements:
-            layout_map[re.escape(p.path)] = kd.TensorLayout(p.axes, self.mesh)
+            layout_map[re.escape(p.path)] = _keras.tensor_layout(p.axes, self.mesh)
+        by_key = {p.key: p for p in self.placements}
+        for key in self.gathered_outputs:
+            owner = by_key[key].path.rsplit("/", 1)[0]
+            layout_map[re.escape(owner) + "/output"] = kd.TensorLayout((self.batch_axis,), self.mesh)
         return layout_map
 
     def distribution(self, *, auto_shard_dataset: bool = True) -> kd.ModelParallel:
@@ -154,9 +247,10 @@ class LayoutPlan:
         )
 
     # -- memory --------------------------------------------------------------
-    def _split_factor(self, axes: Sequence[str | None]) -> int:
+    def split_factor(self, axes: Sequence[Axis]) -> int:
+        """Devices one variable placed on `axes` is split over."""
         sizes = dict(zip(self.mesh.axis_names, self.mesh.shape))
-        return math.prod(sizes[a] for a in axes if a is not None)
+        return math.prod(sizes[a] for a in flat_axes(axes))
 
     def bytes_per_device(self, optimizer: str | keras.optimizers.Optimizer | None = None) -> int:
         """Bytes of variables on the most loaded device.
@@ -173,9 +267,31 @@ class LayoutPlan:
         slots = 0 if optimizer is None else slots_per_variable(optimizer)
         total = 0
         for p in self.placements:
-            piece = p.nbytes // self._split_factor(p.axes)
+            piece = p.nbytes // self.split_factor(p.axes)
             total += piece * (1 + (slots if p.trainable else 0))
         return total
+
+    def shard_devices(self) -> int:
+        """Devices a perfect split spreads the parameters over.
+
+        The model axis; with FSDP, the whole mesh (the batch axis splits
+        parameters too). Replicas along a batch axis without FSDP are copies
+        by design, not imbalance.
+        """
+        sizes = dict(zip(self.mesh.axis_names, self.mesh.shape))
+        return math.prod(self.mesh.shape) if self.fsdp else sizes[self.model_axis]
+
+    def balance(self, optimizer: Any = None) -> float:
+        """The most loaded device against a perfect split (1.0: perfect).
+
+        `bytes_per_device(optimizer)` divided by the total bytes (with the
+        optimizer's slots) over `shard_devices()`.
+        """
+        slots = 0 if optimizer is None else slots_per_variable(optimizer)
+        total = sum(p.nbytes * (1 + (slots if p.trainable else 0)) for p in self.placements)
+        if not total:
+            return 1.0
+        return self.bytes_per_device(optimizer) / (total / self.shard_devices())
 
     def sharded_fraction(self) -> float:
         """Share of parameter bytes split over at least one mesh axis."""
@@ -191,28 +307,9 @@ class LayoutPlan:
         terminal's width on a terminal, unfolded otherwise); it is also a
         `rich.table.Table`, so `rich.print(plan.explain())` shows it in colour.
         """
-        from shardckpt.layout.table import ExplainTable
+        from shardckpt.layout.table import explain_table
 
-        table = ExplainTable(
-            title=(
-                f"Layout plan: mesh {dict(zip(self.mesh.axis_names, self.mesh.shape))}, "
-                f"model axis {self.model_axis!r}, batch axis {self.batch_axis!r}; "
-                f"{self.sharded_fraction():.1%} of parameter bytes split"
-            )
-        )
-        for column in ("path", "shape", "dtype", "axes", "bytes/device", "why"):
-            table.add_column(column, overflow="fold", justify="right" if column == "bytes/device" else "left")
-        for p in self.placements:
-            why = p.reason if p.source == "auto" else f"[{p.source}] {p.reason}"
-            table.add_row(
-                p.path,
-                str(p.shape),
-                p.dtype,
-                str(p.axes),
-                f"{p.nbytes // self._split_factor(p.axes):,}",
-                why,
-            )
-        return table
+        return explain_table(self)
 
     def __str__(self) -> str:
         return str(self.explain())
@@ -234,16 +331,17 @@ class LayoutPlan:
             if len(p.axes) != len(p.shape):
                 problems.append(f"{p.path}: {len(p.axes)} axes for a rank-{len(p.shape)} variable")
                 continue
-            used = [a for a in p.axes if a is not None]
+            used = flat_axes(p.axes)
             if len(used) != len(set(used)):
                 problems.append(f"{p.path}: mesh axis used twice in {p.axes}")
             for dim, (size, axis) in enumerate(zip(p.shape, p.axes)):
-                if axis is None:
+                names = flat_axes((axis,))
+                if not names:
                     continue
-                if axis not in sizes:
+                if any(a not in sizes for a in names):
                     problems.append(f"{p.path}: unknown mesh axis {axis!r} (mesh axes: {tuple(sizes)})")
-                elif size % sizes[axis]:
-                    problems.append(f"{p.path}: dim {dim} ({size}) is not divisible by axis {axis!r} ({sizes[axis]})")
+                elif size % math.prod(sizes[a] for a in names):
+                    problems.append(f"{p.path}: dim {dim} ({size}) is not divisible by axis {axis!r}")
         if model is not None:
             paths = {}
             for v in model.variables:
@@ -259,15 +357,24 @@ class LayoutPlan:
 
     # -- JSON ----------------------------------------------------------------
     def to_json(self) -> str:
-        """The plan as JSON (mesh shape and axis names, not device ids)."""
+        """The plan as JSON (mesh shape and axis names, not device ids).
+
+        Each placement carries its structural key, so the JSON applies to a
+        model built in another process: `LayoutPlan.from_json(text).bind(model)`
+        (`load_sharded` and `parallelize` bind by themselves).
+        """
         return json.dumps(
             {
                 "format": _FORMAT,
                 "mesh": {"shape": list(self.mesh.shape), "axis_names": list(self.mesh.axis_names)},
                 "model_axis": self.model_axis,
                 "batch_axis": self.batch_axis,
+                "unknown": self.unknown,
+                "fsdp": self.fsdp,
+                "notes": list(self.notes),
+                "gathered_outputs": list(self.gathered_outputs),
                 "placements": [
-                    {**dataclasses.asdict(p), "shape": list(p.shape), "axes": list(p.axes)}
+                    {**dataclasses.asdict(p), "shape": list(p.shape), "axes": [axis_json(a) for a in p.axes]}
                     for p in self.placements
                 ],
             },
@@ -286,7 +393,7 @@ class LayoutPlan:
             data = json.loads(text)
         except json.JSONDecodeError as err:
             raise LayoutError(f"Not a layout plan: invalid JSON ({err}).") from err
-        if not isinstance(data, dict) or data.get("format") != _FORMAT:
+        if not isinstance(data, dict) or data.get("format") not in _READABLE:
             found = data.get("format") if isinstance(data, dict) else type(data).__name__
             raise LayoutError(
                 f"Not a layout plan: expected format {_FORMAT!r}, found {found!r}. "
@@ -300,9 +407,14 @@ class LayoutPlan:
         )
         mesh = kd.DeviceMesh(shape, data["mesh"]["axis_names"], np.asarray(pool).reshape(shape))
         placements = [
-            Placement(**{**p, "shape": tuple(p["shape"]), "axes": tuple(p["axes"])}) for p in data["placements"]
+            Placement(**{**p, "shape": tuple(p["shape"]), "axes": tuple(axis_from_json(a) for a in p["axes"])})
+            for p in data["placements"]
         ]
-        return cls(mesh, placements, model_axis=data["model_axis"], batch_axis=data["batch_axis"])
+        return cls(
+            mesh, placements, model_axis=data["model_axis"], batch_axis=data["batch_axis"],
+            unknown=data.get("unknown"), notes=data.get("notes", ()), fsdp=data.get("fsdp", False),
+            gathered_outputs=data.get("gathered_outputs", ()),
+        )
 
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, LayoutPlan):
@@ -312,6 +424,8 @@ class LayoutPlan:
             and tuple(self.mesh.shape) == tuple(other.mesh.shape)
             and tuple(self.mesh.axis_names) == tuple(other.mesh.axis_names)
             and (self.model_axis, self.batch_axis) == (other.model_axis, other.batch_axis)
+            and (self.unknown, self.fsdp) == (other.unknown, other.fsdp)
+            and self.gathered_outputs == other.gathered_outputs
         )
 
     def __repr__(self) -> str:
@@ -326,3 +440,4 @@ def _slot_stems(stem: str) -> list[str]:
     """Candidate variable stems of a slot name `<stem>_<slot name>`, longest first."""
     parts = stem.split("_")
     return ["_".join(parts[:k]) for k in range(len(parts) - 1, 0, -1)]
+

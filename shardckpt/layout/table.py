@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import io
 import sys
+from typing import Any
 
 from rich.console import Console
 from rich.table import Table
@@ -26,3 +27,22 @@ class ExplainTable(Table):
         buffer = io.StringIO()
         Console(width=width, file=buffer, color_system=None, highlight=False).print(self)
         return buffer.getvalue().rstrip("\n")
+
+
+def explain_table(plan: Any) -> ExplainTable:
+    """`LayoutPlan.explain()`: path, shape, dtype, axes, bytes per device, why; notes as the caption."""
+    table = ExplainTable(
+        title=(
+            f"Layout plan: mesh {dict(zip(plan.mesh.axis_names, plan.mesh.shape))}, "
+            f"model axis {plan.model_axis!r}, batch axis {plan.batch_axis!r}; "
+            f"{plan.sharded_fraction():.1%} of parameter bytes split, balance "
+            f"{plan.balance():.2f}" + (", FSDP" if plan.fsdp else "")
+        ),
+        caption="\n".join(plan.notes) or None,
+    )
+    for column in ("path", "shape", "dtype", "axes", "bytes/device", "why"):
+        table.add_column(column, overflow="fold", justify="right" if column == "bytes/device" else "left")
+    for p in plan.placements:
+        why = p.reason if p.source == "auto" else f"[{p.source}] {p.reason}"
+        table.add_row(p.path, str(p.shape), p.dtype, str(p.axes), f"{p.nbytes // plan.split_factor(p.axes):,}", why)
+    return table

@@ -18,7 +18,8 @@ by `config.json`:
 from __future__ import annotations
 
 import os
-from typing import Any
+from collections.abc import Sequence
+from typing import Any, Literal
 
 from shardckpt import _keras, _keras_hub, storage
 from shardckpt.errors import CheckpointMismatchError, CheckpointNotFoundError, UnknownFormatError
@@ -95,10 +96,12 @@ def _remote_kind(location: storage.Location) -> str:
 def from_preset(
     preset: str | os.PathLike,
     *,
-    mesh: Mesh | None = None,
+    mesh: Mesh | Literal["auto"] | None = None,
     layout: Layout = None,
     dtype: DType = None,
     cls: type[Model] | None = None,
+    fsdp: bool = False,
+    devices: int | Sequence[Any] | None = None,
 ) -> Model:
     """Builds a pretrained model and loads every variable straight into its sharding.
 
@@ -128,15 +131,21 @@ def from_preset(
             through keras-hub's download cache.
         mesh: The device mesh to plan on: a `keras.distribution.DeviceMesh`,
             a shape such as `(2, 4)` over ("data", "model"), or None for every
-            device on the "model" axis. Ignored when `layout` is given.
-        layout: Where variables go, instead of `auto_layout`: a `LayoutPlan`,
-            a `keras.distribution.LayoutMap` or a `Distribution`.
+            device on the "model" axis, or "auto" (the shape `auto_layout`
+            picks for the model). Ignored when `layout` is given.
+        layout: Where variables go, instead of `auto_layout`: a `LayoutPlan`
+            (bound to the built model by structure, `plan.bind`), a
+            `keras.distribution.LayoutMap` or a `Distribution`.
         dtype: The model's dtype policy (e.g. "bfloat16"), as keras-hub's
             `dtype=`; stored values are cast while loading.
         cls: The keras-hub class to build (a `Backbone` or `Task` subclass,
             e.g. `keras_hub.models.CausalLM`). None: the preset's backbone.
             keras-hub folders only; a Hugging Face folder builds the
             backbone its `config.json` names.
+        fsdp: Plan parameters split over the data axis too (FSDP; see
+            `auto_layout`). Ignored when `layout` is given.
+        devices: A device count or devices for `mesh` given by shape or
+            "auto" (default: all). Ignored when `layout` is given.
 
     Returns:
         The model, every variable loaded in its sharding, with the
@@ -166,7 +175,7 @@ def from_preset(
         # A handle is given to keras-hub itself, which fetches what the build
         # needs (tokenizer assets of a task's preprocessor, say).
         model = kerashub.build(folder if os.path.isdir(source) else source, dtype=dtype, cls=cls)
-    distribution = _distribution(model, mesh, layout)
+    distribution = _distribution(model, mesh, layout, fsdp=fsdp, devices=devices)
     import keras
 
     keras.distribution.set_distribution(distribution)
@@ -237,15 +246,20 @@ def _is_builtin(name: str) -> bool:
         return False
 
 
-def _distribution(model: Any, mesh: Any, layout: Any) -> Any:
+def _distribution(model: Any, mesh: Any, layout: Any, *, fsdp: bool = False, devices: Any = None) -> Any:
     """The Keras distribution to load into: `layout`'s, or `auto_layout`'s on `mesh`."""
     import jax
     import keras
 
     if layout is None:
         if mesh is None:
-            mesh = keras.distribution.DeviceMesh((1, jax.device_count()), ["data", "model"])
-        return auto_layout(model, mesh).distribution()
+            count = devices if isinstance(devices, int) else len(devices) if devices is not None else jax.device_count()
+            mesh = (1, count)
+        return auto_layout(model, mesh, devices=devices, fsdp=fsdp).distribution()
+    if callable(getattr(layout, "bind", None)):
+        # A LayoutPlan made on another instance: matched by structure, so the
+        # distribution's exact-path layout map fits this model's names.
+        layout = layout.bind(model)
     if isinstance(layout, keras.distribution.LayoutMap):
         return keras.distribution.ModelParallel(layout_map=layout)
     if hasattr(layout, "distribution") and callable(layout.distribution):

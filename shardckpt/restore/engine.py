@@ -33,7 +33,7 @@ from shardckpt.restore import hostmem
 from shardckpt.restore import keys as naming
 from shardckpt.restore.strategies import Budget, Job, load_variable
 from shardckpt.restore.targets import TargetLayout, check_mesh, resolve_layout
-from shardckpt.types import Layout, Model
+from shardckpt.types import Layout, Model, PlanLike
 
 # Reads run on a few threads: numpy copies, h5 page faults and tensorstore
 # decoding all release the GIL, and overlapping them hides I/O latency.
@@ -133,7 +133,9 @@ def load_sharded(
         layout: Where variables go. None: the active Keras distribution, else
             each variable's current sharding (or device 0 for a lazy one). Also
             a `keras.distribution.LayoutMap`, a `Distribution`, or a plan with
-            `layout_map()` / `sharding_for(variable)` (`shardckpt.auto_layout`).
+            `layout_map()` / `sharding_for(variable)` (`shardckpt.auto_layout`);
+            a `LayoutPlan` is first bound to `model` (`plan.bind`: matched
+            by structure, so generated layer names may differ).
         strict: Raise on missing or unexpected keys. With False, load what
             matches; lazily built variables the checkpoint lacks are
             initialised with their own initializer, in their sharding.
@@ -169,9 +171,15 @@ def load_sharded(
         DtypeMismatchError: a stored dtype cannot be cast to the variable's.
         IndivisibleLayoutError: a mesh axis does not divide a sharded dimension.
         MeshMismatchError: `layout` is on another mesh (see `allow_other_mesh`).
+        UnplannedVariableError: a `LayoutPlan` has no placement for a variable.
     """
     start = time.perf_counter()
     max_inflight_bytes = budgets.resolve(max_inflight_bytes)
+    if isinstance(layout, PlanLike):
+        # A LayoutPlan matches variables by structure: bound to this instance,
+        # generated layer names that differ from the planned model's do not
+        # matter, and a variable it does not know is refused (never replicated).
+        layout = layout.bind(model)
     check_mesh(layout, allow_other_mesh=allow_other_mesh)
     reader = open_reader(
         os.fspath(path), cache_bytes=budgets.chunk_cache_bytes(max_inflight_bytes), model=model, task=naming.is_task(model)

@@ -1,0 +1,116 @@
+"""The structural identity of a model's variables: immune to Keras' generated names.
+
+Keras names an unnamed layer by a process-wide counter, so the same
+architecture built twice in one process has `dense_2/kernel` where the
+first had `dense/kernel`: anything keyed by `variable.path` misses the
+second instance. Keras' own `.weights.h5` files are immune, because they
+key each variable by its position in the model's object graph
+(`layers/dense_1/vars/0`: class names in snake case, numbered in order of
+appearance within their parent). This module computes that key, by
+running Keras' own `save_weights` walk (`_keras.save_state`) against a
+store that records variables instead of writing them.
+
+API (small on purpose, meant to be shared by layouts and checkpoint
+matching):
+
+- `structural_paths(model) -> {id(variable): key}` for every variable in
+  `model.variables`;
+- `variables_by_key(model) -> {key: variable}`, its inverse.
+
+A variable the walk does not reach (none in Keras' built-in layers; a
+custom layer may skip some in `save_own_variables`) gets the key
+`variables/<i>`: its index in `model.variables`, which is just as stable
+for the same architecture built the same way.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+from shardckpt import _keras
+
+__all__ = ["structural_paths", "variables_by_key"]
+
+
+class _Recorder(_keras.H5IOStore):
+    """An `H5IOStore` that opens no file and records `key -> value`."""
+
+    def __init__(self) -> None:  # noqa: D107 (deliberately skips the file open)
+        self.mode = "w"
+        self.records: dict[str, Any] = {}
+        self._prefix = ""
+
+    def __bool__(self) -> bool:
+        return True
+
+    def make(self, path: str, metadata: dict | None = None) -> _Recorder:
+        self._prefix = f"{path}/vars" if path else "vars"
+        return self
+
+    def __setitem__(self, key: str, value: Any) -> None:
+        self.records[f"{self._prefix}/{key}"] = value
+
+    def close(self) -> None:
+        pass
+
+
+@contextlib.contextmanager
+def _bare_layers(model: Any) -> Iterator[None]:
+    # A LoRA-enabled layer saves its merged kernel (a new array computed from
+    # values a lazily built model lacks); with LoRA off for the walk the same
+    # key holds the base kernel variable itself.
+    lora = [
+        layer
+        for layer in getattr(model, "_flatten_layers", list)()
+        if getattr(layer, "lora_enabled", False) is True
+    ]
+    for layer in lora:
+        layer.lora_enabled = False
+    try:
+        yield
+    finally:
+        for layer in lora:
+            layer.lora_enabled = True
+
+
+def structural_paths(model: Any) -> dict[int, str]:
+    """`{id(variable): structural key}` for every variable of `model`.
+
+    Two instances of one architecture get the same keys for corresponding
+    variables, whatever names Keras generated for their layers.
+
+    Example:
+
+    ```python
+    keys = structural_paths(model)
+    keys[id(model.layers[1].kernel)]     # "layers/dense/vars/0"
+    ```
+
+    Args:
+        model: A built Keras model (or layer); its variables may be unloaded.
+
+    Returns:
+        One key per variable of `model.variables` (an optimizer's are not
+        model variables and are left out).
+    """
+    store = _Recorder()
+    optimizer = getattr(model, "optimizer", None)
+    skip = [optimizer] if optimizer is not None else []
+    with _bare_layers(model):
+        _keras.save_state(model, store, skip=skip)
+    wanted = {id(v) for v in model.variables}
+    out: dict[int, str] = {}
+    for key, value in store.records.items():
+        if id(value) in wanted and id(value) not in out:
+            out[id(value)] = key
+    for i, v in enumerate(model.variables):
+        out.setdefault(id(v), f"variables/{i}")
+    return out
+
+
+def variables_by_key(model: Any) -> dict[str, Any]:
+    """`{structural key: variable}`: the inverse of `structural_paths`."""
+    by_id = {id(v): v for v in model.variables}
+    return {key: by_id[i] for i, key in structural_paths(model).items()}
