@@ -15,7 +15,10 @@ matching):
 
 - `structural_paths(model) -> {id(variable): key}` for every variable in
   `model.variables`;
-- `variables_by_key(model) -> {key: variable}`, its inverse.
+- `variables_by_key(model) -> {key: variable}`, its inverse;
+- `RecordingStore` and `lora_off(model)`, the walk's parts, which restore's
+  h5 key naming (`restore.keys.h5_keys`) and export's converter recording
+  use too.
 
 A variable the walk does not reach (none in Keras' built-in layers; a
 custom layer may skip some in `save_own_variables`) gets the key
@@ -31,11 +34,11 @@ from typing import Any
 
 from shardckpt import _keras
 
-__all__ = ["structural_paths", "variables_by_key"]
+__all__ = ["RecordingStore", "lora_off", "structural_paths", "variables_by_key"]
 
 
-class _Recorder(_keras.H5IOStore):
-    """An `H5IOStore` that opens no file and records `key -> value`."""
+class RecordingStore(_keras.H5IOStore):
+    """An `H5IOStore` that opens no file and records `key -> value` (the `.weights.h5` keys of a walk)."""
 
     def __init__(self) -> None:  # noqa: D107 (deliberately skips the file open)
         self.mode = "w"
@@ -45,7 +48,7 @@ class _Recorder(_keras.H5IOStore):
     def __bool__(self) -> bool:
         return True
 
-    def make(self, path: str, metadata: dict | None = None) -> _Recorder:
+    def make(self, path: str, metadata: dict | None = None) -> RecordingStore:
         self._prefix = f"{path}/vars" if path else "vars"
         return self
 
@@ -57,10 +60,14 @@ class _Recorder(_keras.H5IOStore):
 
 
 @contextlib.contextmanager
-def _bare_layers(model: Any) -> Iterator[None]:
-    # A LoRA-enabled layer saves its merged kernel (a new array computed from
-    # values a lazily built model lacks); with LoRA off for the walk the same
-    # key holds the base kernel variable itself.
+def lora_off(model: Any) -> Iterator[None]:
+    """Turns `lora_enabled` off on every LoRA-enabled layer of `model` for the block.
+
+    A LoRA-enabled layer's `kernel` is its merged kernel (base + A @ B x
+    scale), a new array computed from values a lazily built model lacks;
+    with LoRA off, the same walk (Keras' save, a keras-hub converter) meets
+    the base kernel variable under the same key.
+    """
     lora = [
         layer
         for layer in getattr(model, "_flatten_layers", list)()
@@ -95,10 +102,10 @@ def structural_paths(model: Any) -> dict[int, str]:
         One key per variable of `model.variables` (an optimizer's are not
         model variables and are left out).
     """
-    store = _Recorder()
+    store = RecordingStore()
     optimizer = getattr(model, "optimizer", None)
     skip = [optimizer] if optimizer is not None else []
-    with _bare_layers(model):
+    with lora_off(model):
         _keras.save_state(model, store, skip=skip)
     wanted = {id(v) for v in model.variables}
     out: dict[int, str] = {}

@@ -13,7 +13,8 @@ import json
 import os
 from typing import Any
 
-from shardckpt.formats import open_reader, storage
+from shardckpt import storage
+from shardckpt.formats import open_reader
 from shardckpt.formats.orbax import ondisk
 from shardckpt.natsort import natural_sorted
 

@@ -22,9 +22,10 @@ from typing import Any
 import numpy as np
 
 from shardckpt import budget as budgets
+from shardckpt import storage
 from shardckpt.convert.boxes import c_order_boxes
 from shardckpt.errors import ChecksumMismatchError, CorruptCheckpointError
-from shardckpt.formats import open_reader, storage
+from shardckpt.formats import open_reader
 from shardckpt.formats.orbax import ondisk
 from shardckpt.natsort import natural_sorted
 from shardckpt.progress import format_bytes

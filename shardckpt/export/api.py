@@ -34,14 +34,16 @@ from typing import Any
 import numpy as np
 
 from shardckpt import budget as _budget
+from shardckpt import storage
 from shardckpt.errors import DestinationExistsError, UnsupportedURLError
 from shardckpt.export import model as _model
 from shardckpt.export.pieces import Identity, write_value
-from shardckpt.formats import h5_writer, safetensors_writer, storage
+from shardckpt.formats import h5_writer, safetensors_writer
 from shardckpt.formats.base import ArraySpec
 from shardckpt.formats.hf_remap import Tensor
 from shardckpt.formats.mapped_writer import MappedFiles
 from shardckpt.progress import ByteProgress
+from shardckpt.types import DType, Model
 
 FORMATS = ("hf", "keras-hub", "safetensors", "orbax")
 PARTIAL_SUFFIX = ".shardckpt-partial"
@@ -270,12 +272,12 @@ def _export_orbax(model: Any, dst: str, *, dtype: Any, max_inflight_bytes: int |
 
 
 def export(
-    model: Any,
+    model: Model,
     dst: str | os.PathLike,
     *,
     format: str = "hf",  # noqa: A002 (the contract's name)
-    max_shard_size: Any = None,
-    dtype: Any = None,
+    max_shard_size: float | str | None = None,
+    dtype: DType = None,
     max_inflight_bytes: int | None = None,
     progress: bool | None = None,
     overwrite: bool = False,

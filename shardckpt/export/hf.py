@@ -24,9 +24,10 @@ import numpy as np
 
 from shardckpt.errors import UnsupportedModelError
 from shardckpt.export.hf_shapes import stored_shapes
-from shardckpt.export.model import lora_factors, lora_kernels_as_variables
+from shardckpt.export.model import lora_factors
 from shardckpt.formats.base import ArraySpec
 from shardckpt.formats.hf_remap import Concat, Tensor, Unsupported
+from shardckpt.structure import lora_off
 
 _OWN_CONVERTERS = {"Phi3Backbone": ("shardckpt.formats.hf_phi3", ["phi3"])}
 
@@ -108,7 +109,9 @@ def plan(backbone: Any, dtype: Any = None) -> HFPlan:
     config = hf_config(backbone, converter, model_types)
     name = type(backbone).__name__
     try:
-        with lora_kernels_as_variables(backbone):
+        # Converters port `layer.kernel`: record the base kernel variable; the
+        # merged kernel is written there (`value_getters`).
+        with lora_off(backbone):
             shapes = stored_shapes(backbone, converter, config)
             stored_dtype = np.dtype(dtype) if dtype is not None else np.dtype("float32")
             specs = {k: ArraySpec(shape=tuple(s), dtype=stored_dtype) for k, s in sorted(shapes.items())}

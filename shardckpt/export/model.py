@@ -11,8 +11,7 @@
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 from shardckpt.errors import UnloadedVariableError, UnsupportedModelError
@@ -79,20 +78,3 @@ def value_of(variable: Any, getters: dict[int, Callable[[], Any]]) -> Any:
     return get() if get is not None else variable.value
 
 
-@contextlib.contextmanager
-def lora_kernels_as_variables(model: Any) -> Iterator[None]:
-    """While recording a converter: a LoRA layer's `kernel` is its base variable.
-
-    keras-hub's converters port `layer.kernel`, which for a LoRA-enabled
-    layer is a computed value (base + A @ B x scale), not a variable. With
-    `lora_enabled` off for the recording, the remap is recorded for the base
-    kernel variable; `value_getters` then writes the merged value there.
-    """
-    layers = [layer for layer in model._flatten_layers(include_self=True) if getattr(layer, "lora_enabled", False) is True]
-    for layer in layers:
-        layer.lora_enabled = False
-    try:
-        yield
-    finally:
-        for layer in layers:
-            layer.lora_enabled = True

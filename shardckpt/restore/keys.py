@@ -52,6 +52,7 @@ from shardckpt.errors import CheckpointMismatchError
 from shardckpt.formats.base import Reader
 from shardckpt.formats.registry import FORMATS
 from shardckpt.natsort import natural_sorted
+from shardckpt.structure import RecordingStore, lora_off
 
 # Checkpoint collections that are optional: a weights-only checkpoint lacks
 # them, and a model without a built optimizer has nothing to put there.
@@ -64,48 +65,6 @@ _UNIQUIFIED = re.compile(r"_\d+$")
 _SUFFIXES = re.compile(r"_(\d+)(?=[/_]|$)")
 # The roles of a preset's weights files (see `preset_keys`).
 PRESET_PREFIXES = ("model/", "task/")
-
-
-class _RecordingStore(_keras.H5IOStore):
-    """An `H5IOStore` that opens no file and records `key -> variable`."""
-
-    def __init__(self) -> None:  # noqa: D107 (deliberately skips the file open)
-        self.mode = "w"
-        self.records: dict[str, Any] = {}
-        self._prefix = ""
-
-    def __bool__(self) -> bool:
-        return True
-
-    def make(self, path: str, metadata: dict | None = None) -> _RecordingStore:
-        self._prefix = f"{path}/vars" if path else "vars"
-        return self
-
-    def __setitem__(self, key: str, value: Any) -> None:
-        self.records[f"{self._prefix}/{key}"] = value
-
-    def close(self) -> None:
-        pass
-
-
-@contextlib.contextmanager
-def _lora_saves_base_kernel(model: Any) -> Iterator[None]:
-    # A LoRA-enabled layer saves its merged kernel, computed from variables a
-    # lazily built model has no value for. With `lora_enabled` off for the
-    # walk, the same `save_own_variables` stores the base kernel variable
-    # under the same key (see the module docstring).
-    layers = [
-        layer
-        for layer in getattr(model, "_flatten_layers", list)()
-        if getattr(layer, "lora_enabled", False) is True
-    ]
-    for layer in layers:
-        layer.lora_enabled = False
-    try:
-        yield
-    finally:
-        for layer in layers:
-            layer.lora_enabled = True
 
 
 @contextlib.contextmanager
@@ -141,8 +100,8 @@ def h5_keys(model: Any, *, skip: Iterable[Any] = ()) -> dict[str, Any]:
             (keras-hub saves a task's own weights with its backbone's layers
             skipped).
     """
-    store = _RecordingStore()
-    with _optimizers_record_variables(model), _lora_saves_base_kernel(model):
+    store = RecordingStore()
+    with _optimizers_record_variables(model), lora_off(model):
         _keras.save_state(model, store, skip=skip)
     return store.records
 
