@@ -333,10 +333,19 @@ def _build_with_policy(dtype: str) -> keras.Model:
     return keras.Model(inputs, outputs, name="tiny")
 
 
+def _gpt2_like() -> keras.Model:
+    """GPT-2's published head count (12, indivisible by 8) and an odd vocabulary, tiny otherwise."""
+    import keras_hub
+
+    return keras_hub.models.GPT2Backbone(
+        vocabulary_size=101, num_layers=1, num_heads=12, hidden_dim=48, intermediate_dim=96, max_sequence_length=16
+    )
+
+
 def _export_inputs(ws: Workspace) -> None:
-    preset = ws.llama_preset()
+    folder = ws.hf_folder()  # a tiny Hugging Face Llama folder: keras-hub builds a Llama3Backbone
     if not os.path.exists(ws.path("Llama-3.2-1B")):
-        os.symlink(preset, ws.path("Llama-3.2-1B"))
+        os.symlink(folder, ws.path("Llama-3.2-1B"))
     ws.buckets()
     for url in ("out_hf", "out_hf_bf16", "out_preset", "gs://my-bucket/out"):
         ws.fresh(url)
@@ -383,12 +392,17 @@ FILLERS: dict[str, Filler] = {
         shrink={"steps_per_epoch=500, epochs=10": "steps_per_epoch=2, epochs=2"},
         reason="2 epochs of 2 steps",
     ),
+    # Sizes that do not divide
+    "plan = shardckpt.auto_layout(model, (1, 8))": Filler(
+        names=lambda ws: {"shardckpt": shardckpt, "model": _gpt2_like(), "p": ws.llama_preset()},
+        reason="a 1-layer GPT-2 with the published 12 heads, at width 48 and vocabulary 101",
+    ),
     # Export
     'model = shardckpt.from_preset("Llama-3.2-1B/", mesh=(2, 4))': Filler(
         names=lambda ws: {"shardckpt": shardckpt},
         setup=_export_inputs,
         fixtures=("gcs_server", "s3_server"),
-        reason="Llama-3.2-1B/ is a tiny keras-hub Llama preset under that name",
+        reason="Llama-3.2-1B/ is a tiny Hugging Face Llama folder under that name",
     ),
     # Quantized models
     "with shardckpt.lazy_init():": Filler(

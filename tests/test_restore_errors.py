@@ -175,7 +175,9 @@ def test_corrupt_orbax_chunk(tmp_path):
         (data_dir / name).write_bytes(bytes(blob))
     model = _lazy()
     tree = str(tmp_path / "ck" / "0" / "pytree")
-    with pytest.raises(errors.CorruptCheckpointError, match=rf"array\(s\) of '{tree}' cannot be opened .*damaged\. Fix: restore from another step"):
+    # Every data file is hit, so OCDBT's b-tree nodes (in the same files) may be the first damage met.
+    damaged = rf"(array\(s\) of '{tree}' cannot be opened .*damaged|The index of '{tree}' .* is damaged)"
+    with pytest.raises(errors.CorruptCheckpointError, match=rf"{damaged}.*Fix: restore from another step"):
         shardckpt.load_sharded(model, tmp_path / "ck")
     _untouched(model)  # every array's data is damaged: no variable got a value
 
