@@ -33,6 +33,19 @@ class PlanLike(Protocol):
         ...
 
 
+@runtime_checkable
+class StatefulIterator(Protocol):
+    """A data iterator whose position can be saved: grain's, or anything with `get_state` / `set_state`."""
+
+    def get_state(self) -> Any:
+        """The iterator's position (bytes, a dict, ...; stored exactly)."""
+        ...
+
+    def set_state(self, state: Any) -> None:
+        """Moves the iterator to a position `get_state` returned."""
+        ...
+
+
 Layout: TypeAlias = PlanLike | kd.LayoutMap | kd.ModelParallel | kd.DataParallel | None
 """What `layout=` takes: a `LayoutPlan`, a Keras `LayoutMap`, a Keras
 distribution (`ModelParallel`, `DataParallel`: keras.distribution exports no
@@ -49,4 +62,4 @@ Model: TypeAlias = keras.Model
 DType: TypeAlias = npt.DTypeLike | None
 """A dtype: a name ("bfloat16"), a numpy / ml_dtypes type, or None (keep)."""
 
-__all__ = ["DType", "Layout", "Mesh", "Model", "PlanLike"]
+__all__ = ["DType", "Layout", "Mesh", "Model", "PlanLike", "StatefulIterator"]

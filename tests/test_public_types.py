@@ -36,6 +36,10 @@ def test_model_layout_and_mesh_parameters_are_typed():
     hints = _hints(shardckpt.convert)
     assert hints["model"] == keras.Model | None and hints["layout"] == layout and hints["mesh"] == mesh | None
     assert _hints(shardckpt.LayoutPlan.bytes_per_device)["optimizer"] == str | keras.optimizers.Optimizer | None
+    hints = _hints(shardckpt.restore_latest)
+    assert hints["model"] is keras.Model and hints["data_iterator"] == types.StatefulIterator | None
+    hints = _hints(shardckpt.export)
+    assert hints["model"] is keras.Model and hints["dtype"] == npt.DTypeLike | None
 
 
 def test_a_layout_plan_is_plan_like():

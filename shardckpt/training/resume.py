@@ -22,6 +22,7 @@ from shardckpt.formats.orbax.ondisk import (  # noqa: F401  (the callback's name
 )
 from shardckpt.restore import LoadReport, load_sharded
 from shardckpt.training.iterators import decode_state
+from shardckpt.types import Model, StatefulIterator
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -110,7 +111,9 @@ def restore_step(model: Any, step_dir: str, *, data_iterator: Any = None, strict
     )
 
 
-def restore_latest(model: Any, directory: str | os.PathLike, *, data_iterator: Any = None, strict: bool = True) -> ResumeInfo:
+def restore_latest(
+    model: Model, directory: str | os.PathLike, *, data_iterator: StatefulIterator | None = None, strict: bool = True
+) -> ResumeInfo:
     """Restores the latest committed checkpoint of `directory` outside `fit`.
 
     Every model, optimizer and metric variable (seed-generator states included)
