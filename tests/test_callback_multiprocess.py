@@ -6,10 +6,6 @@ step and stop."""
 from __future__ import annotations
 
 import json
-import os
-import socket
-import subprocess
-import sys
 
 import keras
 import numpy as np
@@ -18,38 +14,13 @@ import pytest
 from shardckpt import load_sharded
 from shardckpt.convert.info import inspect
 from tests._train_worker import build_model
+from tests.mp import run_pair
 
 pytestmark = pytest.mark.multiprocess
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_two_process_training_checkpoint_restores_on_two_and_on_one_process(tmp_path):
-    port = str(_free_port())
-    env = {**os.environ, "PYTHONPATH": ROOT}
-    env.pop("XLA_FLAGS", None)
-    worker = os.path.join(ROOT, "tests", "_mp_train_worker.py")
-    procs = [
-        subprocess.Popen([sys.executable, worker, str(i), port, str(tmp_path)], env=env, cwd=ROOT,
-                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        for i in range(2)
-    ]
-    outputs = []
-    for p in procs:
-        try:
-            out, _ = p.communicate(timeout=240)
-        except subprocess.TimeoutExpired:
-            for q in procs:
-                q.kill()
-            raise
-        outputs.append(out)
-    for p, out in zip(procs, outputs):
-        assert p.returncode == 0, out[-4000:]
+    run_pair("_mp_train_worker.py", str(tmp_path))
     results = [json.loads((tmp_path / f"result{i}.json").read_text()) for i in range(2)]
     for i, r in enumerate(results):
         assert r["step"] == 6 and r["shards"] > 0, r

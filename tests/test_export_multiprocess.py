@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 
 import hf_fixtures as fx
 import keras
@@ -13,7 +11,7 @@ import pytest
 
 import shardckpt
 from shardckpt import storage
-from tests.test_multiprocess_restore import _free_port
+from tests.mp import run_pair
 
 pytestmark = pytest.mark.multiprocess
 keras_hub = pytest.importorskip("keras_hub")
@@ -33,26 +31,7 @@ def test_two_processes_write_half_each_and_equal_the_single_process_export(tmp_p
     shardckpt.export(model, tmp_path / "one_kh", format="keras-hub", max_shard_size=20e3 / 1024**3)
     keras.distribution.set_distribution(None)
 
-    port = str(_free_port())
-    env = {**os.environ, "PYTHONPATH": os.getcwd()}
-    env.pop("XLA_FLAGS", None)
-    worker = os.path.join(os.path.dirname(__file__), "_export_worker.py")
-    procs = [
-        subprocess.Popen([sys.executable, worker, str(i), port, str(tmp_path), bucket], env=env,
-                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        for i in range(2)
-    ]
-    outputs = []
-    for p in procs:
-        try:
-            out, _ = p.communicate(timeout=300)
-        except subprocess.TimeoutExpired:
-            for q in procs:
-                q.kill()
-            raise
-        outputs.append(out)
-    for p, out in zip(procs, outputs):
-        assert p.returncode == 0, out[-4000:]
+    run_pair("_export_worker.py", str(tmp_path), bucket, timeout=300)
 
     for one, two in (("one_hf", "mp_hf"), ("one_kh", "mp_kh")):
         a, b = _files(tmp_path / one), _files(tmp_path / two)

@@ -4,23 +4,15 @@ from __future__ import annotations
 
 import json
 import os
-import socket
-import subprocess
-import sys
 
 import keras
 import numpy as np
 import pytest
 
+from tests.mp import run_pair
 from tests.zoo import build_zoo, randomize, zoo_layout_map
 
 pytestmark = pytest.mark.multiprocess
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_two_processes_restore_h5_sharded_index_and_resharded_orbax(tmp_path):
@@ -41,31 +33,7 @@ def test_two_processes_restore_h5_sharded_index_and_resharded_orbax(tmp_path):
     assert len([n for n in os.listdir(tmp_path) if n.startswith("m_0")]) >= 3
     np.savez(tmp_path / "expected.npz", **{v.path: np.asarray(v.value) for v in model.weights})
 
-    port = str(_free_port())
-    env = {**os.environ, "PYTHONPATH": os.getcwd()}
-    env.pop("XLA_FLAGS", None)
-    worker = os.path.join(os.path.dirname(__file__), "_restore_worker.py")
-    procs = [
-        subprocess.Popen(
-            [sys.executable, worker, str(i), port, str(tmp_path)],
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
-        for i in range(2)
-    ]
-    outputs = []
-    for p in procs:
-        try:
-            out, _ = p.communicate(timeout=240)
-        except subprocess.TimeoutExpired:
-            for q in procs:
-                q.kill()
-            raise
-        outputs.append(out)
-    for p, out in zip(procs, outputs):
-        assert p.returncode == 0, out[-4000:]
+    run_pair("_restore_worker.py", str(tmp_path))
     results = [json.loads((tmp_path / f"result{i}.json").read_text()) for i in range(2)]
     for r in results:
         # On the 1x8 mesh each process holds half of every sharded variable,

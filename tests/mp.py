@@ -1,0 +1,46 @@
+"""Two real `jax.distributed` processes on 127.0.0.1, as the 2-process tests start them."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 now (for JAX's coordination service)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_pair(worker: str, *args: str, timeout: float = 240) -> list[str]:
+    """Runs `tests/<worker> <process id> <port> *args` as processes 0 and 1; both must exit 0.
+
+    Each process sets its own CPU devices (XLA_FLAGS is dropped from the
+    environment). Returns the two outputs (stdout and stderr together).
+    """
+    port = str(free_port())
+    env = {**os.environ, "PYTHONPATH": ROOT}
+    env.pop("XLA_FLAGS", None)
+    path = os.path.join(ROOT, "tests", worker)
+    procs = [
+        subprocess.Popen([sys.executable, path, str(i), port, *args], env=env, cwd=ROOT,
+                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        for i in range(2)
+    ]
+    outputs = []
+    for p in procs:
+        try:
+            out, _ = p.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                q.kill()
+            raise
+        outputs.append(out)
+    for p, out in zip(procs, outputs):
+        assert p.returncode == 0, out[-4000:]
+    return outputs
