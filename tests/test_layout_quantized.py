@@ -44,35 +44,40 @@ def _layers(model):
         yield main, [v for v in members if v is not main]
 
 
-@pytest.mark.parametrize(("mode", "mesh"), [(m, (1, 8)) for m in MODES] + [("int8", (2, 4)), ("float8", (2, 4))])
+@pytest.mark.parametrize(("mode", "mesh"), [(m, (1, 8)) for m in MODES] + [("int8", (2, 4)), ("int4", (2, 4)), ("float8", (2, 4))])
 def test_quantized_scales_follow_their_kernel(mode, mesh):
     model = _build(mode)
     plan = auto_layout(model, mesh)
     assert plan.validate(model) == []
     names = {v.path.rsplit("/", 1)[-1] for v in model.variables}
     n = dict(zip(plan.mesh.axis_names, plan.mesh.shape))[M]
-    companions = 0
+    companions = followed = 0
     for main, others in _layers(model):
         main_axes = plan[main.path].axes
         for v in others:
             axes, name = plan[v.path].axes, v.path.rsplit("/", 1)[-1]
-            if "amax_history" in name:
-                assert axes == (None,) * len(v.shape), v.path  # float8 statistics: replicated
-            elif name.endswith(("_scale", "_zero", "g_idx")) and v.shape:
+            if "amax_history" in name or name == "g_idx":
+                assert axes == (None,) * len(v.shape), v.path  # float8 statistics, int4 group indices: replicated
+            elif name.endswith(("_scale", "_zero")) and v.shape:
                 companions += 1
                 if M in main_axes and not plan[main.path].reason.startswith("row-parallel"):
                     k = main_axes.index(M)
+                    # Keras packs an int4 kernel's last dimension (two values per int8): the scale
+                    # has the unpacked width there.
+                    width = main.shape[k] * (2 if mode.startswith("int4") and k == len(main.shape) - 1 else 1)
                     aligned = len(v.shape) - (len(main.shape) - k)  # the scale is shaped like the output
-                    if 0 <= aligned and v.shape[aligned] == main.shape[k]:
+                    if 0 <= aligned and v.shape[aligned] == width:
                         assert axes[aligned] == M, (v.path, axes)
-                    elif list(v.shape).count(main.shape[k]) == 1:  # an embedding's per-row scale
-                        assert axes[list(v.shape).index(main.shape[k])] == M, (v.path, axes)
+                    else:  # an embedding's per-row scale
+                        assert list(v.shape).count(width) == 1, (v.path, v.shape, width)
+                        assert axes[list(v.shape).index(width)] == M, (v.path, axes)
+                    followed += 1
                 else:
                     assert M not in axes, (v.path, axes, main_axes)
     if mode != "float8":
         assert companions >= 4, names
-    if not mode.startswith("int4"):  # int4 kernels are unpacked by ops the planner does not split through
-        assert any(M in p.axes for p in plan.placements if p.path.endswith("kernel"))
+        assert followed >= {"int8": 3, "int4": 6, "int4 per-channel": 3}[mode], (mode, followed)
+    assert any(M in p.axes for p in plan.placements if p.path.endswith("kernel"))
     xs = np.random.default_rng(1).integers(0, 256, size=(n * 2, 8)).astype("int32")
     forward = jax.jit(lambda tv, ntv, x: model.stateless_call(tv, ntv, x)[0])
     want = np.asarray(forward([v.value for v in model.trainable_variables], [v.value for v in model.non_trainable_variables], xs))

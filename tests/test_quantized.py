@@ -143,8 +143,13 @@ def test_scales_follow_their_kernels_output_dimension(name):
             if "amax_history" in v.path or v.ndim == 0:
                 assert not any(plan.axes_for(v)), (v.path, plan.axes_for(v))
         return
+    # Column-parallel "up": its kernel (int4: packed two values per int8 along the output) is
+    # split over its output features, not replicated with its scales.
+    assert plan.axes_for(model.get_layer("up")._kernel)[-1] == "model", plan["up/kernel"].reason
     for layer_name in ("up", "down", "proj"):
         layer = model.get_layer(layer_name)
+        if hasattr(layer, "g_idx"):
+            assert not any(plan.axes_for(layer.g_idx)), (layer.g_idx.path, plan.axes_for(layer.g_idx))
         kernel_out = plan.axes_for(layer._kernel)[-1]
         for scale in (layer.kernel_scale, getattr(layer, "kernel_zero", None)):
             if scale is not None:

@@ -39,37 +39,21 @@ import enum
 import math
 from typing import Final, Literal
 
+from shardckpt.layout.decision import INDICES_ONLY, Decision
 from shardckpt.layout.flow import CONTRACTED, Kept, dot_free_position, follow, is_elementwise
 from shardckpt.layout.trace import Graph, Op, Value
 
-_PARAM_VIEWS = {"broadcast_in_dim", "transpose", "squeeze", "reshape"}
+# Ops whose output, computed from variables alone, is a view of them: the
+# planner follows the variables' dimensions through to where the value meets
+# an activation. `stack` and `slice` unpack int4 kernels (two nibbles per
+# int8, interleaved along the packed dimension); `gather` maps sub-channel
+# int4 scales to rows by their group indices (`take(scale, g_idx)`).
+_PARAM_VIEWS = {"broadcast_in_dim", "transpose", "squeeze", "reshape", "stack", "slice", "gather"}
 # A lookup table whose vocabulary the model axis does not divide is split
 # along its width (one all-gather of the looked-up rows) only when it holds
 # at least this share of the parameters; smaller ones (token types, a
 # handful of rows) cost less replicated than an all-gather per lookup.
 _SMALL_TABLE = 0.01
-
-
-@dataclasses.dataclass(frozen=True)
-class Decision:
-    """How one variable is split over the model axis.
-
-    Attributes:
-        dim: The split dimension, or None (replicated).
-        reason: Why, in words, for `LayoutPlan.explain()`.
-        fallback: The preferred split did not divide (or could not be
-            kept): replicated, or split on the next dimension that works.
-        gather_output: An embedding table split along its rows' width: the
-            output of its lookup is to be gathered right away (the plan's
-            layout map relays the owning layer's output), so the split does
-            not spread through the model.
-    """
-
-    dim: int | None
-    reason: str
-    fallback: bool = False
-    gather_output: bool = False
-    use: str = "contract"
 
 
 class _Undecided(enum.Enum):
@@ -101,6 +85,7 @@ class _Planner:
             assert v.param is not None, "Graph.params holds variables' values, each with its index"
             self.origin[v] = [(v.param, tuple(range(len(v.shape))))]
         self._good: dict[tuple[int, int], bool] = {}
+        self.indices: set[int] = set()  # variables used as the indices of a lookup into another variable
         self.use = "contract"  # how the op being decided uses its variables (Decision.use)
         self.total = sum(math.prod(v.shape) for v in graph.params)
 
@@ -122,7 +107,7 @@ class _Planner:
         if p not in self.decided:
             self.decided[p] = Decision(dim, reason, fallback, use=self.use)
 
-    def assign(self, value: Value, vdim: int | None, reason: str, *, fallback: bool = False) -> None:
+    def assign(self, value: Value, vdim: int | None, reason: str, *, fallback: bool = False, note: str = "") -> None:
         """Decides every undecided variable behind `value`: split on `vdim` of the value, or not."""
         for p, dims in self.origin[value]:
             if p in self.decided:
@@ -132,7 +117,9 @@ class _Planner:
                 continue
             pdim = dims[vdim]
             shape = self.graph.params[p].shape
-            if pdim is None:
+            if pdim is None and p in self.indices:
+                self.decide(p, None, INDICES_ONLY)
+            elif pdim is None:
                 if value.shape[vdim] != 1 and len(shape) and math.prod(shape) == value.shape[vdim]:
                     self.decide(p, None, "the split dimension does not survive a reshape: replicated", fallback=True)
                 else:
@@ -142,7 +129,7 @@ class _Planner:
                     p,
                     None,
                     f"{reason.split(':')[0]} wanted on dim {pdim} ({shape[pdim]}), which "
-                    f"the model axis ({self.n}) does not divide: replicated",
+                    f"the model axis ({self.n}) does not divide: replicated{note}",
                     fallback=True,
                 )
             else:
@@ -181,9 +168,9 @@ class _Planner:
         return ok
 
     # -- decisions -----------------------------------------------------------
-    def column(self, value: Value, vdim: int, op: Op, out_dim: int, what: str) -> None:
+    def column(self, value: Value, vdim: int, op: Op, out_dim: int, what: str, note: str = "") -> None:
         if value.shape[vdim] % self.n:
-            self.assign(value, vdim, what)
+            self.assign(value, vdim, what, note=note)
         elif self.reaches_contraction(op.outputs[0], out_dim):
             self.assign(value, vdim, what)
         else:
@@ -208,19 +195,31 @@ class _Planner:
             self.column(value, first, op, dot_free_position(op, ppos, first), what)
             return
         params = {p for p, _ in self.origin.get(value, ())}
+        # Why no next dimension works, for the reason recorded where none does.
+        note = (
+            "; a split of the next dimension met a differently split operand (XLA would gather one)"
+            if params & self.banned else ""
+        )
         for dim in free[1:] if not params & self.banned else ():
-            if self.divides(value, dim) and self.reaches_contraction(op.outputs[0], dot_free_position(op, ppos, dim)):
-                self.alternates |= params
-                self.assign(
-                    value,
-                    dim,
-                    f"column-parallel on dim {dim} ({value.shape[dim]}): the model axis ({self.n}) does not "
-                    f"divide dim {first} ({value.shape[first]}, heads); the split dimension is contracted "
-                    "later (one more all-reduce, e.g. of attention scores)",
-                    fallback=True,
+            if not self.divides(value, dim):
+                continue
+            if not self.reaches_contraction(op.outputs[0], dot_free_position(op, ppos, dim)):
+                note = note or (
+                    f"; a split of dim {dim} ({value.shape[dim]}) would not reach a contraction whole "
+                    "(e.g. rotary embeddings cut it in halves, or a norm reduces over it)"
                 )
-                return
-        self.column(value, first, op, dot_free_position(op, ppos, first), what)
+                continue
+            self.alternates |= params
+            self.assign(
+                value,
+                dim,
+                f"column-parallel on dim {dim} ({value.shape[dim]}): the model axis ({self.n}) does not "
+                f"divide dim {first} ({value.shape[first]}, heads); the split dimension is contracted "
+                "later (one more all-reduce, e.g. of attention scores)",
+                fallback=True,
+            )
+            return
+        self.column(value, first, op, dot_free_position(op, ppos, first), what, note)
 
     def dot(self, op: Op, ppos: int) -> None:
         value = op.inputs[ppos]
@@ -333,6 +332,8 @@ class _Planner:
         out = op.outputs[0]
         sources = []
         for pos, src in enumerate(op.inputs):
+            if op.name == "gather" and pos == 1:
+                self.indices.update(p for p, _ in self.origin.get(src, ()))
             for p, dims in self.origin.get(src, ()):
                 new: list[int | None] = [None] * len(out.shape)
                 for d, pdim in enumerate(dims):

@@ -13,9 +13,13 @@ generated name), the scale instead follows the kernel:
   variable of the layer that the planner left replicated and that has a
   dimension of the same size (`kernel_scale` (units,), int4's sub-channel
   (groups, units), EinsumDense's (1, 1, units)) is split on it;
-- where that weight is replicated (int4 kernels: the planner does not split
-  through their unpacking), its scales, zero points and group indices are
+- where that weight is replicated, its scales and zero points are
   replicated with it;
+- int4 layers need none of this: the planner follows a packed kernel
+  through its unpacking and the scales, zero points and group indices
+  through their dequantization (`take(scale, g_idx)`), so it splits the
+  packed output dimension and the scales with it, and keeps the group
+  indices (lookup indices) whole;
 - a smaller variable of the layer that the forward pass never reads
   (float8's amax histories, updated through their gradient) is replicated.
 """
@@ -26,10 +30,13 @@ import dataclasses
 import math
 from collections.abc import Sequence
 
+from shardckpt.layout.decision import INDICES_ONLY
 from shardckpt.layout.plan import Placement
 
 _OUTPUT_SPLITS = ("column-parallel", "vocabulary split", "batch-dimension split", "split along the batch")
 _UNREAD = "not used by the traced forward pass"
+# Replicated on purpose by the planner, which saw them meet the kernel's split.
+_DELIBERATE = (INDICES_ONLY, "broadcast along the split dimension")
 
 
 def _layer(key: str) -> str:
@@ -61,7 +68,7 @@ def place_companions(placements: Sequence[Placement], *, model_axis: str, axis_s
                     )
                 continue
             if model_axis in kernel.axes and kernel.reason.startswith(_OUTPUT_SPLITS):
-                if model_axis in p.axes:
+                if model_axis in p.axes or p.reason.startswith(_DELIBERATE):
                     continue
                 dim = _matching_dim(kernel, p, model_axis, axis_size)
                 if dim is not None:
