@@ -88,18 +88,55 @@ def test_published_sizes_balance_and_auto_mesh():
     assert fsdp.balance("adam") <= 1.05
     # Adam's two slots follow their variables (seed-generator states are not trainable: no slots).
     assert 2.99 < fsdp.bytes_per_device("adam") / fsdp.bytes_per_device() < 3
-    # 12 heads on 8 devices: a model axis of 4, FSDP over the rest, said in explain().
+    # Its vocabulary (50257) divides by no model axis: every tensor-parallel shape gathers the
+    # embedding's lookups, so "auto" shards it over the data axis alone (ZeRO-3), said in explain().
     auto = auto_layout(gpt2, devices=8, fsdp=True)
-    assert tuple(auto.mesh.shape) == (2, 4) and auto.fsdp
-    assert auto.balance("adam") <= 1.05
-    assert "mesh chosen for 8 devices with FSDP: (2, 4)" in str(auto.explain())
-    # Without FSDP too: (1, 8) needs the head-dimension split (one more all-reduce per block).
-    plain = auto_layout(gpt2, "auto", devices=8)
-    assert tuple(plain.mesh.shape) == (2, 4) and plain.balance() <= 1.15 and not plain.fsdp
-    four = auto_layout(gpt2, "auto", devices=4)
-    assert tuple(four.mesh.shape) == (1, 4) and four.balance() <= 1.15
+    assert tuple(auto.mesh.shape) == (8, 1) and auto.fsdp
+    # 0.7% of the bytes stay whole on every device: the position table and the biases and
+    # normalization scales, applied element-wise (FSDP keeps those; see layout/fsdp.py).
+    assert auto.balance("adam") <= 1.06
+    assert "mesh chosen for 8 devices with FSDP: (8, 1)" in str(auto.explain())
     qwen = _published("qwen2.5-0.5b")
     assert auto_layout(qwen, (2, 4), fsdp=True).balance("adam") <= 1.05
+
+
+@pytest.mark.skipif(not os.path.exists(PUBLISHED), reason="published_configs.json not present")
+@pytest.mark.parametrize(("name", "shape"), [("gpt2-base", (8, 1)), ("bert-base", (4, 2))])
+def test_auto_mesh_of_an_indivisible_vocabulary_gathers_nothing_in_the_forward(name, shape):
+    """GPT-2 / BERT base: a model axis that does not divide the vocabulary (50257; 30522 =
+    2 x 15261) splits the embedding along its width and gathers each lookup outside the blocks.
+    "auto" takes no such shape: GPT-2 runs data parallel (no collective in the forward at all),
+    BERT on a model axis of 2 (all-reduces only: a vocabulary split and two per block)."""
+    import sys
+
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tools"))
+    import layout_real
+
+    with open(PUBLISHED) as f:
+        config = json.load(f)[name]
+    model = layout_real.build(config)
+    plan = auto_layout(model, devices=8)
+    assert tuple(plan.mesh.shape) == shape and not plan.gathered_outputs and plan.balance() <= 1.15
+    lines = str(plan.explain())
+    assert f"mesh chosen for 8 devices: {shape}" in lines and "1 lookups gathered" in lines
+    # The forward of a one-block build (the same embedding; layout_real counts per block),
+    # compiled from abstract sharded inputs: no weight memory.
+    small = layout_real.build(config, blocks=1)
+    small_plan = auto_layout(small, devices=8)
+    assert tuple(small_plan.mesh.shape) == shape
+    counts = layout_real.forward_collectives(small, small_plan)
+    assert {k: v for k, v in counts.items() if k != "all-reduce"} == dict.fromkeys(counts.keys() - {"all-reduce"}, 0)
+    assert counts["all-reduce"] == (0 if shape[1] == 1 else 3), counts  # the lookup's and one block's two
+    if name != "gpt2-base":
+        return
+    # Where one device cannot hold that much, the shape is out.
+    limit = plan.bytes_per_device() // 2
+    tight = auto_layout(model, devices=8, device_memory=limit)
+    assert tuple(tight.mesh.shape) != shape and tight.bytes_per_device() <= limit
+    assert "does not fit" in str(tight.explain())
+    with pytest.warns(UserWarning, match="No mesh shape of 8 devices fits"):
+        none = auto_layout(model, devices=8, device_memory=1 << 20)
+    assert tuple(none.mesh.shape) == (1, 8)  # the fewest bytes, said not to fit
 
 
 @pytest.mark.skipif(not os.path.exists(PUBLISHED), reason="published_configs.json not present")

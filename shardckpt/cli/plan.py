@@ -50,7 +50,9 @@ def run_plan(
         model: `package.module:function`, a `.keras` file, or a keras-hub
             preset folder.
         mesh: Mesh shape such as "1x8" (axes data x model; one number: model
-            only), or "auto" (the shape `auto_layout` chooses for `devices`).
+            only), or "auto" (the shape `auto_layout` chooses for `devices`,
+            among those whose weights plus optimizer slots fit
+            `device_memory`).
         optimizer: Optimizer name whose slots to count, or None.
         devices: Device count for mesh "auto".
         fsdp: Plan FSDP (parameters over the data axis too).
@@ -77,7 +79,10 @@ def run_plan(
             f"XLA_FLAGS={DEVICE_FLAG}={math.prod(target)}.",
         )
     built = load_preset_architecture(model) if os.path.isdir(model) else load_architecture(model)
-    plan = auto_layout(built, target, devices=devices if mesh == "auto" else None, fsdp=fsdp)
+    if mesh == "auto":  # the shape is chosen among those whose state fits --device-memory
+        plan = auto_layout(built, target, devices=devices, fsdp=fsdp, device_memory=limit, optimizer=optimizer)
+    else:
+        plan = auto_layout(built, target, fsdp=fsdp)
     problems = plan.validate(built)
     weights = plan.bytes_per_device()
     needed = plan.bytes_per_device(optimizer) if optimizer else weights
