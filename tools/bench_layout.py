@@ -425,6 +425,8 @@ def _real(args) -> int:
             return 2
         rows = layout_real.run(names, devices, smoke=args.smoke, only=args.only)
         Console(width=240).print(layout_real.table(rows, devices))
+        for line in layout_real.verdicts(rows, devices):
+            print(line)
         misses += layout_real.check(rows)
     for line in misses:
         print(f"not met: {line}")
