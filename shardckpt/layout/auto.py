@@ -8,6 +8,7 @@ from typing import Any, Literal
 
 import jax
 import jax.numpy as jnp
+import keras
 
 from shardckpt.errors import LayoutError
 from shardckpt.layout.analyze import plan_splits
@@ -34,7 +35,7 @@ def auto_layout(
     rules: RulesLike = None,
     unknown: str | None = None,
     device_memory: int | None = None,
-    optimizer: str | Any = None,
+    optimizer: str | keras.optimizers.Optimizer | None = None,
 ) -> LayoutPlan:
     """Plans where every variable of `model` goes on `mesh` (tensor parallel, optionally FSDP).
 

@@ -14,6 +14,7 @@ import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import keras
 import numpy as np
 from keras import distribution as kd
 
@@ -65,7 +66,7 @@ def choose_mesh(
     model_axis: str,
     unknown: str | None,
     device_memory: int | None,
-    optimizer: Any,
+    optimizer: str | keras.optimizers.Optimizer | None,
 ) -> LayoutPlan:
     """Plans every `(data, model)` shape of `devices` and returns the chosen plan.
 
