@@ -217,3 +217,13 @@ class BackendError(ShardckptError, RuntimeError):
 class IteratorStateError(ShardckptError, TypeError):
     """A data iterator's `get_state()` returned a value that cannot be stored
     exactly (only bytes, str, numbers, bool, None, lists, tuples and dicts can)."""
+
+
+class IteratorCountError(ShardckptError, ValueError):
+    """A step holds data-iterator positions of another number of processes than this run has.
+
+    Each process's position is stored under its process index; with another
+    process count no position belongs to a process unambiguously. The message
+    names the counts and the option that decides instead
+    (`on_process_count_change="restart_iterators"`).
+    """
