@@ -227,3 +227,21 @@ class IteratorCountError(ShardckptError, ValueError):
     names the counts and the option that decides instead
     (`on_process_count_change="restart_iterators"`).
     """
+
+
+class ObjectChangedError(ShardckptError, RuntimeError):
+    """A bucket object was replaced while it was being read.
+
+    Every read of a load is pinned to the version its first read saw (the
+    object generation on GCS, the ETag on S3); a later read served by another
+    version stops the load here instead of mixing old and new bytes.
+
+    Attributes:
+        url: The object.
+        expected: The version the load began with (as the store names it).
+        found: The version a later read got.
+    """
+
+    def __init__(self, message: str, *, url: str = "", expected: str = "", found: str = "") -> None:
+        super().__init__(message)
+        self.url, self.expected, self.found = url, expected, found
