@@ -22,6 +22,7 @@ import tensorstore as ts
 from shardckpt.errors import (
     BucketNotFoundError,
     CheckpointNotFoundError,
+    ObjectChangedError,
     StorageAccessDeniedError,
     StorageCredentialsError,
     StorageTimeoutError,
@@ -154,6 +155,17 @@ class ObjectStore:
         if result.state == "unspecified" or result.stamp.generation == version:
             return None
         return self.version_text(result.stamp.generation)
+
+    def replaced(self, location: Location, expected: bytes, found: bytes) -> ObjectChangedError:
+        """The error for a read of `location` served by version `found` in a load pinned to `expected`."""
+        label, old, new = self.version_label, self.version_text(expected), self.version_text(found)
+        return ObjectChangedError(
+            f"{location.url!r} was replaced while it was being read: this load began with {label} {old} "
+            f"and a later read got {label} {new}. Nothing of the new version was used (no mix of old "
+            "and new bytes). Fix: load again once the upload is finished, and do not overwrite a "
+            "checkpoint that is being read (write a new step or a new object name).",
+            url=location.url, expected=old, found=new,
+        )
 
     def exists(self, location: Location) -> bool:
         """True for an existing object or non-empty prefix."""

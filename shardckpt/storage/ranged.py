@@ -38,7 +38,7 @@ import numpy as np
 
 from shardckpt.budget import Budget
 from shardckpt.dtypes import aligned_empty
-from shardckpt.errors import CorruptCheckpointError, ObjectChangedError
+from shardckpt.errors import CorruptCheckpointError
 from shardckpt.storage import deadlines, sizing
 from shardckpt.storage.location import Location
 
@@ -145,15 +145,7 @@ class RemoteObject:
                 return
             expected = self._generation
         if generation != expected:
-            label = self._backend.version_label
-            old, new = self._backend.version_text(expected), self._backend.version_text(generation)
-            raise ObjectChangedError(
-                f"{self.url!r} was replaced while it was being read: this load began with {label} {old} "
-                f"and a later read got {label} {new}. Nothing of the new version was used (no mix of old "
-                "and new bytes). Fix: load again once the upload is finished, and do not overwrite a "
-                "checkpoint that is being read (write a new step or a new object name).",
-                url=self.url, expected=old, found=new,
-            )
+            raise self._backend.replaced(self.location, expected, generation)
 
     def missing(self) -> BaseException:
         """The error for "no such object": `BucketNotFoundError` when the bucket is missing."""
