@@ -217,3 +217,31 @@ class BackendError(ShardckptError, RuntimeError):
 class IteratorStateError(ShardckptError, TypeError):
     """A data iterator's `get_state()` returned a value that cannot be stored
     exactly (only bytes, str, numbers, bool, None, lists, tuples and dicts can)."""
+
+
+class IteratorCountError(ShardckptError, ValueError):
+    """A step holds data-iterator positions of another number of processes than this run has.
+
+    Each process's position is stored under its process index; with another
+    process count no position belongs to a process unambiguously. The message
+    names the counts and the option that decides instead
+    (`on_process_count_change="restart_iterators"`).
+    """
+
+
+class ObjectChangedError(ShardckptError, RuntimeError):
+    """A bucket object was replaced while it was being read.
+
+    Every read of a load is pinned to the version its first read saw (the
+    object generation on GCS, the ETag on S3); a later read served by another
+    version stops the load here instead of mixing old and new bytes.
+
+    Attributes:
+        url: The object.
+        expected: The version the load began with (as the store names it).
+        found: The version a later read got.
+    """
+
+    def __init__(self, message: str, *, url: str = "", expected: str = "", found: str = "") -> None:
+        super().__init__(message)
+        self.url, self.expected, self.found = url, expected, found

@@ -44,3 +44,21 @@ def run_pair(worker: str, *args: str, timeout: float = 240) -> list[str]:
     for p, out in zip(procs, outputs):
         assert p.returncode == 0, out[-4000:]
     return outputs
+
+
+def init_worker(devices: int = 4) -> tuple[int, str]:
+    """Starts this worker as one process of `run_pair`: `devices` CPU devices, gloo
+    collectives, `jax.distributed` on the pair's port. Call before importing keras.
+
+    Returns:
+        The process id and the worker's third argument (its folder).
+    """
+    process_id, port, folder = int(sys.argv[1]), sys.argv[2], sys.argv[3]
+    os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
+    os.environ["KERAS_BACKEND"] = "jax"
+    os.environ["JAX_PLATFORMS"] = "cpu"
+    import jax
+
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    jax.distributed.initialize(f"127.0.0.1:{port}", num_processes=2, process_id=process_id)
+    return process_id, folder

@@ -421,7 +421,8 @@ def test_strided_remaps_read_from_a_bucket_equal_numpy(tmp_path, bucket):
         box = (slice(10, 20), slice(0, 16))
         np.testing.assert_array_equal(Strided.stored("w", stored.dtype, stored.shape).T.read(box, tensors.read_strided),
                                       stored.T[box])
-        assert remote.TRAFFIC.bytes == 16 * 96 * 4 - (96 - 20 + 10) * 4
+        # Only its elements: a gap between two rows' runs is 86 elements, far over 1/8 of them.
+        assert remote.TRAFFIC.bytes == 16 * 10 * 4
     finally:
         tensors.close()
 

@@ -32,6 +32,13 @@ class Gcs(ObjectStore):
     )
     read_permission = "roles/storage.objectViewer on the bucket"
     write_permission = "roles/storage.objectAdmin on the bucket"
+    version_label = "generation"
+
+    def version_text(self, generation: bytes) -> str:
+        # TensorStore's gcs generation: a flag byte, then the object generation (uint64, little-endian).
+        if len(generation) == 9:
+            return str(int.from_bytes(generation[1:], "little"))
+        return repr(generation)
 
     def settings(self, location: Location) -> dict[str, Any]:
         _check_key_file(location)

@@ -22,6 +22,7 @@ import tensorstore as ts
 from shardckpt.errors import (
     BucketNotFoundError,
     CheckpointNotFoundError,
+    ObjectChangedError,
     StorageAccessDeniedError,
     StorageCredentialsError,
     StorageTimeoutError,
@@ -51,6 +52,8 @@ class ObjectStore:
     """What reading needs, for messages."""
     write_permission = ""
     """What writing and deleting need, for messages."""
+    version_label = "version"
+    """What the store calls an object's version, for messages ("generation", "ETag")."""
     mappable = False
     renames = False  # no atomic rename: a step is committed by its marker object, written last
 
@@ -63,6 +66,10 @@ class ObjectStore:
     def context(self) -> dict[str, Any]:
         """Context resources beyond the deadline's retries (credentials)."""
         return {}
+
+    def version_text(self, generation: bytes) -> str:
+        """An object version as the store shows it, from TensorStore's storage generation."""
+        return repr(generation)
 
     def endpoint(self) -> str:
         """The endpoint requests go to, for messages."""
@@ -123,6 +130,42 @@ class ObjectStore:
         store = self.open(location.parent)
         result = self.wait(store.read(location.name.encode()), location, "reading")
         return None if result.state == "missing" else bytes(result.value)
+
+    def read_version(self, location: Location) -> tuple[bytes | None, bytes]:
+        """The bytes of one object (None if it does not exist) and the version they are of.
+
+        The version is TensorStore's storage generation (GCS's object
+        generation, S3's ETag), for `changed`.
+        """
+        store = self.open(location.parent)
+        result = self.wait(store.read(location.name.encode()), location, "reading")
+        return (None if result.state == "missing" else bytes(result.value)), result.stamp.generation
+
+    def changed(self, location: Location, version: bytes) -> str | None:
+        """None while `location` is still at `version`; else its version now, as the store shows it.
+
+        A conditional read (no bytes come back when the version matches; a
+        store that ignores the condition sends the object, and the versions
+        are compared all the same).
+        """
+        store = self.open(location.parent)
+        result = self.wait(store.read(location.name.encode(), if_not_equal=version), location, "reading")
+        if result.state == "missing":
+            return "none (deleted)"
+        if result.state == "unspecified" or result.stamp.generation == version:
+            return None
+        return self.version_text(result.stamp.generation)
+
+    def replaced(self, location: Location, expected: bytes, found: bytes) -> ObjectChangedError:
+        """The error for a read of `location` served by version `found` in a load pinned to `expected`."""
+        label, old, new = self.version_label, self.version_text(expected), self.version_text(found)
+        return ObjectChangedError(
+            f"{location.url!r} was replaced while it was being read: this load began with {label} {old} "
+            f"and a later read got {label} {new}. Nothing of the new version was used (no mix of old "
+            "and new bytes). Fix: load again once the upload is finished, and do not overwrite a "
+            "checkpoint that is being read (write a new step or a new object name).",
+            url=location.url, expected=old, found=new,
+        )
 
     def exists(self, location: Location) -> bool:
         """True for an existing object or non-empty prefix."""

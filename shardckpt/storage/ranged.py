@@ -15,6 +15,12 @@ there) with ranged reads (`KvStore.read(key, byte_range=...)`):
   cache of `BLOCK`-sized blocks so HDF5's many small metadata reads do not
   each become a request.
 
+Every read of a `RemoteObject` is pinned to one version of the object: each
+answer carries the version that served it (TensorStore's storage generation:
+the object generation on GCS, the ETag on S3), the first one is kept, and an
+answer from any other version raises `ObjectChangedError`, so an object
+replaced in the middle of a load never yields a mix of old and new bytes.
+
 The formats' readers ask a backend that is not `mappable` for these instead
 of a memory map (`H5Reader`, `SafetensorsReader`, ...).
 """
@@ -44,6 +50,8 @@ Box = tuple[slice, ...]
 
 GAP = 256 * 1024
 """Runs of a box closer than this are one request (a request costs more than reading the gap)."""
+WASTE = 0.125
+"""Most bytes of gaps a request may carry, as a fraction of the bytes it is for."""
 PART = 4 * 1024 * 1024
 """Largest single request; longer spans are split, and the parts read concurrently."""
 INFLIGHT_BYTES = 32 * 1024 * 1024
@@ -109,6 +117,8 @@ class RemoteObject:
         self._store = store.open(location.parent)
         self._key = location.name.encode()
         self._size: int | None = None
+        self._generation: bytes | None = None  # the version every read must come from
+        self._pin_lock = threading.Lock()
 
     def _request(self, start: int, stop: int) -> Any:
         TRAFFIC.add(stop - start)
@@ -121,10 +131,21 @@ class RemoteObject:
             raise self._error(e, start, stop) from e
         if result.state == "missing":
             raise self.missing()
+        self._pin(result.stamp.generation)
         value = result.value
         if len(value) != stop - start:
             raise self._truncated(start, stop, f"got {len(value)} bytes")
         return value
+
+    def _pin(self, generation: bytes) -> None:
+        """Keeps the first answer's version; raises `ObjectChangedError` for another one."""
+        with self._pin_lock:
+            if self._generation is None:
+                self._generation = generation
+                return
+            expected = self._generation
+        if generation != expected:
+            raise self._backend.replaced(self.location, expected, generation)
 
     def missing(self) -> BaseException:
         """The error for "no such object": `BucketNotFoundError` when the bucket is missing."""
@@ -204,6 +225,7 @@ class RemoteObject:
             return int(found.group(1))
         if result.state == "missing":
             raise self.missing()
+        self._pin(result.stamp.generation)
         return bytes(result.value)
 
     def read_box(self, offset: int, shape: tuple[int, ...], dtype: np.dtype, box: Box) -> np.ndarray:
@@ -318,18 +340,31 @@ def _runs(shape: tuple[int, ...], itemsize: int, box: Box) -> list[tuple[int, in
 
 
 def _merge(runs: list[tuple[int, int]]) -> list[tuple[int, int, list[tuple[int, int]]]]:
-    """Groups runs into requests `(start, stop, runs)`: gaps under `GAP`, at most `PART` bytes."""
+    """Groups runs into requests `(start, stop, runs)`: gaps under `GAP`, at most `PART` bytes.
+
+    A gap joins a request only while the request's gaps stay within `WASTE`
+    of its wanted bytes: the columns of a column-sharded kernel that another
+    process (or device) holds are not requested, so each process asks for
+    little more than its own pieces.
+    """
     out: list[tuple[int, int, list[tuple[int, int]]]] = []
+    wanted = 0  # bytes of the runs in out[-1]
     for a, b in runs:
         while b - a > PART:  # a long run: parts of its own, read concurrently
             out.append((a, a + PART, [(a, a + PART)]))
             a += PART
-        if out and 0 <= a - out[-1][1] <= GAP and b - out[-1][0] <= PART:
-            start, _, members = out[-1]
-            members.append((a, b))
-            out[-1] = (start, b, members)
-        else:
-            out.append((a, b, [(a, b)]))
+            wanted = PART
+        if out:
+            start, stop, members = out[-1]
+            gap = a - stop
+            joined = wanted + b - a
+            if 0 <= gap <= GAP and b - start <= PART and (b - start) - joined <= WASTE * joined:
+                members.append((a, b))
+                out[-1] = (start, b, members)
+                wanted = joined
+                continue
+        out.append((a, b, [(a, b)]))
+        wanted = b - a
     return out
 
 

@@ -35,6 +35,11 @@ class S3(ObjectStore):
     )
     read_permission = "s3:GetObject and s3:ListBucket"
     write_permission = "s3:PutObject, s3:DeleteObject and s3:ListBucket"
+    version_label = "ETag"
+
+    def version_text(self, generation: bytes) -> str:
+        # TensorStore's s3 generation: a flag byte, then the ETag as S3 sent it (quoted).
+        return generation[1:].decode("ascii", "replace") or repr(generation)
 
     def settings(self, location: Location) -> dict[str, Any]:
         # TensorStore's s3 driver finds credentials in the environment itself,

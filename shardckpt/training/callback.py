@@ -82,6 +82,10 @@ class OrbaxCheckpoint(BestTracking):
             (pinned host memory, in pieces of `snapshot_budget_bytes`) or
             "auto" ("device" when `memory_stats()` shows room); see `snapshot`.
         snapshot_budget_bytes: Host mode's piece size and "auto"'s margin (256 MiB).
+        on_process_count_change: On resume, when the step's data-iterator
+            positions come from another number of processes: "error" (raise
+            `IteratorCountError`) or "restart_iterators" (model, optimizer and
+            counters resume; each iterator keeps its own position, with a warning).
 
     Raises:
         ValueError: an argument is out of range.
@@ -111,8 +115,11 @@ class OrbaxCheckpoint(BestTracking):
         save_on_preemption: bool = True,
         snapshot: str = "auto",
         snapshot_budget_bytes: int = snapshot_lib.DEFAULT_BUDGET_BYTES,
+        on_process_count_change: str = "error",
     ) -> None:
         super().__init__(monitor, mode, initial_value_threshold)
+        options.check_on_count_change(on_process_count_change)
+        self.on_process_count_change = on_process_count_change
         options.validate(save_freq=save_freq, snapshot=snapshot, snapshot_budget_bytes=snapshot_budget_bytes,
                          metadata=metadata, max_to_keep=max_to_keep, keep_best=keep_best, keep_period=keep_period,
                          monitor=monitor)
@@ -319,7 +326,8 @@ class OrbaxCheckpoint(BestTracking):
         for step in point.newer:  # the resumed run writes them again, bit-identical
             self._writer.delete(step)
         info = resume_point.restore(self.model, point, tracker=self._tracker, data_iterator=self.data_iterator,
-                                    iterator_restored_from=self._iterator_restored_from)
+                                    iterator_restored_from=self._iterator_restored_from,
+                                    on_process_count_change=self.on_process_count_change)
         self.resumed = info
         if info is not None and info.epoch is not None:  # (None: a step Keras wrote, weights only)
             _keras.set_initial_epoch(self._model, info.next_epoch)
@@ -338,7 +346,8 @@ class OrbaxCheckpoint(BestTracking):
         """Sets the iterator's saved position before fit pulls its first batch."""
         if self.resume:
             step_dir = self._resume_dir if self._resume_decided else resume.latest_step_dir(self.directory)
-            self._iterator_restored_from = resume_point.set_iterator(self.data_iterator, step_dir)
+            self._iterator_restored_from = resume_point.set_iterator(
+                self.data_iterator, step_dir, on_process_count_change=self.on_process_count_change)
 
     def _say(self, level: int, message: str) -> None:
         _log.log(level, "OrbaxCheckpoint: %s", message)

@@ -11,6 +11,7 @@ from typing import Any
 
 from shardckpt.training import retention
 from shardckpt.training import snapshot as snapshot_lib
+from shardckpt.training.resume import check_on_count_change  # noqa: F401  (checked at construction too)
 
 
 def _positive_int(value: Any) -> bool:

@@ -8,11 +8,12 @@ on a different topology is the same call.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 from typing import Any
 
 from shardckpt import storage
-from shardckpt.errors import CheckpointNotFoundError, CorruptCheckpointError
+from shardckpt.errors import CheckpointNotFoundError, IteratorCountError
 from shardckpt.formats.orbax.ondisk import (  # noqa: F401  (the callback's names for them)
     ARRAYS_ITEM,
     ITERATOR_ITEM,
@@ -23,6 +24,8 @@ from shardckpt.formats.orbax.ondisk import (  # noqa: F401  (the callback's name
 from shardckpt.restore import LoadReport, load_sharded
 from shardckpt.training.iterators import decode_state
 from shardckpt.types import Model, StatefulIterator
+
+_log = logging.getLogger("shardckpt")
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -60,17 +63,53 @@ class ResumeInfo:
         return self.epoch + 1 if self.epoch_complete else self.epoch
 
 
-def iterator_state_for_process(item: Any, process_index: int) -> Any:
-    """Picks this process's state out of a saved iterator item."""
+ON_COUNT_CHANGE = ("error", "restart_iterators")
+"""What a resume does with saved iterator positions of another process count:
+raise `IteratorCountError`, or leave every iterator where it is (restart it)."""
+
+
+def check_on_count_change(value: str) -> None:
+    """Raises ValueError unless `value` is one of `ON_COUNT_CHANGE`."""
+    if value not in ON_COUNT_CHANGE:
+        raise ValueError(
+            f"on_process_count_change must be one of {ON_COUNT_CHANGE}. Received: on_process_count_change={value!r}"
+        )
+
+
+def iterator_state_for_process(
+    item: Any, process_index: int, process_count: int, *, step_dir: str = "", on_count_change: str = "error"
+) -> Any:
+    """Picks this process's state out of a saved iterator item.
+
+    States are stored per process index; with another process count none is
+    this process's without a choice (`on_count_change`): "error" raises,
+    "restart_iterators" returns None (the iterator keeps its own position)
+    and logs a warning once, on process 0.
+
+    Raises:
+        IteratorCountError: the counts differ and `on_count_change` is "error".
+    """
+    check_on_count_change(on_count_change)
     if item is None:
         return None
     states = item.get("process_states") or []
-    if process_index >= len(states):
-        raise CorruptCheckpointError(
-            f"The checkpoint holds iterator states for {len(states)} process(es); this "
-            f"is process {process_index}. Fix: resume with the same number of "
-            "processes, or set the iterator position yourself."
-        )
+    if len(states) != process_count:
+        where = f" {step_dir!r}" if step_dir else ""
+        if on_count_change == "error":
+            raise IteratorCountError(
+                f"The checkpoint step{where} holds data-iterator positions of {len(states)} process(es); "
+                f"this run has {process_count}. Positions are per process and cannot be split or "
+                "merged exactly. Fix: resume with the same number of processes, or pass "
+                "on_process_count_change='restart_iterators' to restore model and optimizer and "
+                "leave every data iterator at its own current position. Received: "
+                f"on_process_count_change={on_count_change!r}"
+            )
+        if process_index == 0:
+            _log.warning(
+                "step%s holds data-iterator positions of %d process(es), this run has %d: the data "
+                "iterators restart from their own positions (on_process_count_change='restart_iterators'); "
+                "model, optimizer and counters resume from the step.", where, len(states), process_count)
+        return None
     # Tagged bytes/tuples (see iterators.encode_state) become themselves again.
     return decode_state(states[process_index])
 
@@ -82,15 +121,20 @@ def build_optimizer(model: Any) -> None:
         optimizer.build(model.trainable_variables)
 
 
-def restore_step(model: Any, step_dir: str, *, data_iterator: Any = None, strict: bool = True) -> ResumeInfo:
+def restore_step(
+    model: Any, step_dir: str, *, data_iterator: Any = None, strict: bool = True, on_process_count_change: str = "error"
+) -> ResumeInfo:
     """Restores one step into `model` (and `data_iterator`); see `restore_latest`."""
     import jax
 
+    check_on_count_change(on_process_count_change)
     build_optimizer(model)
     metadata = read_json_item(step_dir, METADATA_ITEM) or {}
     iterator_state = None
-    if data_iterator is not None:
-        iterator_state = iterator_state_for_process(read_json_item(step_dir, ITERATOR_ITEM), jax.process_index())
+    if data_iterator is not None:  # checked before any value moves: an error leaves the model as it was
+        iterator_state = iterator_state_for_process(
+            read_json_item(step_dir, ITERATOR_ITEM), jax.process_index(), jax.process_count(),
+            step_dir=step_dir, on_count_change=on_process_count_change)
     # A weights-only step has no optimizer/metric arrays: those keep their
     # values (such a step cannot resume bit-exactly; documented on the callback).
     strict = strict and not metadata.get("save_weights_only", False)
@@ -112,14 +156,21 @@ def restore_step(model: Any, step_dir: str, *, data_iterator: Any = None, strict
 
 
 def restore_latest(
-    model: Model, directory: str | os.PathLike, *, data_iterator: StatefulIterator | None = None, strict: bool = True
+    model: Model,
+    directory: str | os.PathLike,
+    *,
+    data_iterator: StatefulIterator | None = None,
+    strict: bool = True,
+    on_process_count_change: str = "error",
 ) -> ResumeInfo:
     """Restores the latest committed checkpoint of `directory` outside `fit`.
 
     Every model, optimizer and metric variable (seed-generator states included)
     gets its saved value in its current sharding, so this works on any mesh.
     The optimizer is built first if needed. With `data_iterator`, its saved
-    position (this process's) is set too.
+    position (this process's) is set too. The step may come from another
+    number of processes and another mesh: every array is resharded; only the
+    per-process iterator positions then need `on_process_count_change`.
 
     Example:
 
@@ -136,12 +187,18 @@ def restore_latest(
             `commit_success.txt` exists).
         data_iterator: Optional iterator with `set_state(state)`.
         strict: Passed to `load_sharded`: refuse missing/unexpected arrays.
+        on_process_count_change: With `data_iterator`, when the step holds
+            positions of another number of processes: "error" (raise
+            `IteratorCountError` before anything is restored) or
+            "restart_iterators" (restore the rest; the iterator keeps its
+            current position; a warning says so).
 
     Returns:
         A `ResumeInfo`.
 
     Raises:
         CheckpointNotFoundError: `directory` holds no committed step.
+        IteratorCountError: see `on_process_count_change`.
         CheckpointMismatchError, DtypeMismatchError, ...: see `load_sharded`.
     """
     # Classified first: an unsupported scheme:// is refused, never a local folder.
@@ -152,4 +209,5 @@ def restore_latest(
             "steps are ignored). Fix: check the directory, or train with "
             "OrbaxCheckpoint first."
         )
-    return restore_step(model, step_dir, data_iterator=data_iterator, strict=strict)
+    return restore_step(model, step_dir, data_iterator=data_iterator, strict=strict,
+                        on_process_count_change=on_process_count_change)

@@ -79,7 +79,7 @@ def choose(directory: str, *, mid_epoch: bool) -> ResumePoint | None:
 
 
 def restore(model: Any, point: ResumePoint, *, tracker: IteratorTracker | None, data_iterator: Any,
-            iterator_restored_from: str | None) -> ResumeInfo | None:
+            iterator_restored_from: str | None, on_process_count_change: str = "error") -> ResumeInfo | None:
     """Restores `point`'s step into `model` (None when the run starts from the beginning).
 
     The data iterator gets the step's position here unless `batches()` has
@@ -93,7 +93,8 @@ def restore(model: Any, point: ResumePoint, *, tracker: IteratorTracker | None, 
     if point.step_dir is None:
         return None
     started = tracker is not None and tracker.used
-    info = resume.restore_step(model, point.step_dir, data_iterator=None if started else data_iterator)
+    info = resume.restore_step(model, point.step_dir, data_iterator=None if started else data_iterator,
+                               on_process_count_change=on_process_count_change)
     if started and iterator_restored_from != point.step_dir:
         raise RuntimeError(
             f"batches() restored the data iterator from {iterator_restored_from!r} but the model resumes "
@@ -102,11 +103,17 @@ def restore(model: Any, point: ResumePoint, *, tracker: IteratorTracker | None, 
     return info
 
 
-def set_iterator(data_iterator: Any, step_dir: str | None) -> str | None:
-    """Gives `data_iterator` this process's position saved in `step_dir`; returns `step_dir`."""
+def set_iterator(data_iterator: Any, step_dir: str | None, *, on_process_count_change: str = "error") -> str | None:
+    """Gives `data_iterator` this process's position saved in `step_dir`; returns `step_dir`.
+
+    Raises:
+        IteratorCountError: the step holds positions of another process count
+            and `on_process_count_change` is "error".
+    """
     if step_dir is not None:
         item = read_json_item(step_dir, ITERATOR_ITEM)
-        state = resume.iterator_state_for_process(item, jax.process_index())
+        state = resume.iterator_state_for_process(item, jax.process_index(), jax.process_count(), step_dir=step_dir,
+                                                  on_count_change=on_process_count_change)
         if state is not None:
             data_iterator.set_state(state)
     return step_dir

@@ -347,15 +347,16 @@ def param_info(
     )
 
 
-def tspec_for(spec: dict[str, Any], tree: str) -> dict[str, Any]:
+def tspec_for(spec: dict[str, Any], tree: str, *, manifest: dict[str, Any] | None = None) -> dict[str, Any]:
     """A tensorstore spec Orbax built (from `param_info`) for the tree in `tree`.
 
     Local trees: unchanged. Bucket trees: the OCDBT store's base is the bucket
-    (see `ocdbt_kvstore`).
+    (see `ocdbt_kvstore`); `manifest`, when given, is the kvstore the OCDBT
+    manifest is read from instead (a reader's pinned copy).
     """
     location = storage.parse(tree)
     if location.local_path is None:
-        spec = dict(spec, kvstore=ocdbt_kvstore(spec["kvstore"], location))
+        spec = dict(spec, kvstore=ocdbt_kvstore(spec["kvstore"], location, manifest=manifest))
     return spec
 
 
@@ -363,7 +364,9 @@ PLACEHOLDER_DIR = "/shardckpt-bucket-placeholder"
 """The local folder Orbax builds a bucket's specs for (never touched: see `ocdbt_kvstore`)."""
 
 
-def ocdbt_kvstore(kvstore: dict[str, Any], tree: storage.Location) -> dict[str, Any]:
+def ocdbt_kvstore(
+    kvstore: dict[str, Any], tree: storage.Location, *, manifest: dict[str, Any] | None = None
+) -> dict[str, Any]:
     """Points an OCDBT kvstore spec built by Orbax for a local folder at `tree`.
 
     Orbax builds its TensorStore specs (`type_handlers.get_json_tspec_read` /
@@ -374,6 +377,8 @@ def ocdbt_kvstore(kvstore: dict[str, Any], tree: storage.Location) -> dict[str, 
     spec = dict(kvstore)
     spec["base"] = storage.kvstore(tree)
     spec.pop("manifest", None)  # the local spec's manifest override is a file path
+    if manifest is not None:
+        spec["manifest"] = manifest
     return spec
 
 

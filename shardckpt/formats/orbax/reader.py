@@ -19,6 +19,15 @@ naming the array; any other tensorstore failure of a local step is
 In a bucket (`gs://`, `s3://`) metadata JSON is read as single objects and
 array chunks as byte ranges of the OCDBT data files, through TensorStore's
 `gcs` / `s3` drivers; nothing is downloaded whole.
+
+What a bucket read sees is pinned to one version of the step. OCDBT data
+files are immutable once written (new data goes into new files); the only
+mutable object is the manifest, which names the b-tree of every array. It is
+read once when the reader opens, its version (GCS generation, S3 ETag) kept,
+and tensorstore reads it from an in-memory copy, so every array comes from
+that one version. `close` asks the bucket whether the manifest is still that
+version (a conditional read): a step replaced during the load raises
+`ObjectChangedError`, never passing for the step that is there now.
 """
 
 from __future__ import annotations
@@ -28,6 +37,8 @@ import math
 import os
 import re
 import threading
+import uuid
+from typing import Any
 
 import jax
 import numpy as np
@@ -37,7 +48,7 @@ from orbax.checkpoint import type_handlers
 
 from shardckpt import storage
 from shardckpt.budget import CHUNK_CACHE_BYTES
-from shardckpt.errors import ChecksumMismatchError, CorruptCheckpointError
+from shardckpt.errors import ChecksumMismatchError, CorruptCheckpointError, ObjectChangedError
 from shardckpt.formats.base import ArraySpec, Box, ChunkedReader
 from shardckpt.formats.orbax import ondisk
 from shardckpt.natsort import natural_sorted
@@ -84,6 +95,8 @@ class OrbaxReader(ChunkedReader):
         self._context = ts.Context(ts.Context.Spec(context))
         self._stores: dict[str, ts.TensorStore] = {}
         self._lock = threading.Lock()
+        self._manifest: dict | None = None  # the pinned copy's kvstore spec (bucket trees)
+        self._manifest_version: bytes | None = None
         if self.location.local_path is None:  # Orbax reads metadata through epath: local paths only
             self._open_remote()
             return
@@ -132,11 +145,45 @@ class OrbaxReader(ChunkedReader):
         # reports come from the arrays' zarr metadata, which opening each
         # store reads too (small ranged reads, all arrays concurrently).
         self._names = self._recorded_arrays()
+        self._pin_manifest()
         futures = {key: self._open_store(key) for key in self._names}
         for key, future in futures.items():
             store = self._opened(key, future)
             self._specs[key] = ArraySpec(shape=tuple(store.shape), dtype=np.dtype(store.dtype.numpy_dtype))
             self._stores[key] = store
+
+    def _manifest_location(self) -> storage.Location:
+        return storage.parse(self.tree_dir).join(_MANIFEST)
+
+    def _pin_manifest(self) -> None:
+        """Reads the OCDBT manifest once and has tensorstore read that copy (see the module docstring)."""
+        location = self._manifest_location()
+        bucket: Any = storage.backend(location)  # an ObjectStore: bucket trees only come here
+        data, version = bucket.read_version(location)
+        if data is None:
+            return  # not OCDBT: each array's own files
+        memory = {"driver": "memory", "path": f"shardckpt-pinned-{uuid.uuid4().hex}/"}
+        store = ts.KvStore.open(memory, context=self._context).result()
+        store.write(_MANIFEST, data).result()
+        self._manifest, self._manifest_version = memory, version
+
+    def _check_pinned(self) -> None:
+        """Raises `ObjectChangedError` when the manifest is no longer the version read at open."""
+        if self._manifest_version is None:
+            return
+        location = self._manifest_location()
+        backend: Any = storage.backend(location)  # an ObjectStore (a version was pinned)
+        found = backend.changed(location, self._manifest_version)
+        if found is not None:
+            label, expected = backend.version_label, backend.version_text(self._manifest_version)
+            raise ObjectChangedError(
+                f"The OCDBT manifest {location.url!r} of step {self.path!r} was replaced during the load: "
+                f"it began with {label} {expected}, the bucket now holds {label} {found}. Every array "
+                "read came from the version the load began with, which is no longer the step in the "
+                "bucket. Fix: load again once the step is written, and do not save into a step that "
+                "is being read.",
+                url=location.url, expected=expected, found=found,
+            )
 
     def _check_index(self) -> None:
         # Reads the OCDBT manifest and b-tree (a key listing) before Orbax's
@@ -193,7 +240,8 @@ class OrbaxReader(ChunkedReader):
         info = ondisk.param_info(
             name, self.tree_dir, context=self._context, use_zarr3=ondisk.is_zarr3(self.tree_dir, name)
         )
-        spec = ondisk.tspec_for(type_handlers.get_json_tspec_read(info, use_ocdbt=True), self.tree_dir)
+        spec = ondisk.tspec_for(type_handlers.get_json_tspec_read(info, use_ocdbt=True), self.tree_dir,
+                                manifest=self._manifest)
         return ts.open(spec, read=True, context=self._context)
 
     def _opened(self, key: str, future: ts.Future) -> ts.TensorStore:
@@ -287,7 +335,13 @@ class OrbaxReader(ChunkedReader):
         )
 
     def close(self) -> None:
+        """Drops the open arrays; in a bucket, checks the step was not replaced meanwhile.
+
+        Raises:
+            ObjectChangedError: the manifest changed since the reader opened.
+        """
         self._stores.clear()
+        self._check_pinned()
 
 
 def _key_str(entry: object) -> str:
