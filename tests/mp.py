@@ -17,21 +17,29 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_pair(worker: str, *args: str, timeout: float = 240) -> list[str]:
-    """Runs `tests/<worker> <process id> <port> *args` as processes 0 and 1; both must exit 0.
+def start_pair(worker: str, *args: str, env: dict[str, str] | None = None) -> list[subprocess.Popen]:
+    """Starts `tests/<worker> <process id> <port> *args` as processes 0 and 1 (output piped).
 
     Each process sets its own CPU devices (XLA_FLAGS is dropped from the
-    environment). Returns the two outputs (stdout and stderr together).
+    environment); `env` adds to the environment.
     """
     port = str(free_port())
-    env = {**os.environ, "PYTHONPATH": ROOT}
+    env = {**os.environ, "PYTHONPATH": ROOT, **(env or {})}
     env.pop("XLA_FLAGS", None)
     path = os.path.join(ROOT, "tests", worker)
-    procs = [
+    return [
         subprocess.Popen([sys.executable, path, str(i), port, *args], env=env, cwd=ROOT,
                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         for i in range(2)
     ]
+
+
+def run_pair(worker: str, *args: str, timeout: float = 240) -> list[str]:
+    """Runs `tests/<worker> <process id> <port> *args` as processes 0 and 1; both must exit 0.
+
+    Returns the two outputs (stdout and stderr together).
+    """
+    procs = start_pair(worker, *args)
     outputs = []
     for p in procs:
         try:
