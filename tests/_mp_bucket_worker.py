@@ -25,46 +25,24 @@ import sys
 import time
 
 process_id, port, folder, mode, urls = int(sys.argv[1]), sys.argv[2], sys.argv[3], sys.argv[4], json.loads(sys.argv[5])
-os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
-os.environ["KERAS_BACKEND"] = "jax"
-os.environ["JAX_PLATFORMS"] = "cpu"
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from tests.mp import join  # noqa: E402
+
+join(process_id, port)
 
 import jax  # noqa: E402
-
-jax.config.update("jax_cpu_collectives_implementation", "gloo")
-jax.distributed.initialize(f"127.0.0.1:{port}", num_processes=2, process_id=process_id)
-
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
 from jax.experimental import multihost_utils  # noqa: E402
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from shardckpt.training import OrbaxCheckpoint, agreement, restore_latest  # noqa: E402
-from tests._train_worker import ShuffledIterator, build_model, layout  # noqa: E402
+from tests._train_worker import ShuffledIterator, fresh_model, groups  # noqa: E402
 from tests.buckets import download, start_denying  # noqa: E402
-
-
-def groups(model):
-    return {
-        "trainable_variables": model.trainable_variables,
-        "non_trainable_variables": model.non_trainable_variables,
-        "optimizer_variables": model.optimizer.variables,
-        "metrics_variables": model.metrics_variables,
-    }
-
-
-def fresh(seed):
-    keras.backend.clear_session()
-    distribution = layout()
-    distribution.auto_shard_dataset = False  # each process feeds its own numpy batches
-    keras.distribution.set_distribution(distribution)
-    keras.utils.set_random_seed(seed)
-    return build_model(), distribution
 
 
 def fit(directory, *, callbacks=(), epochs=2, save_freq=2, **kwargs):
     """The run every mode trains: 3 batches an epoch, saves every `save_freq` batches."""
-    model, distribution = fresh(1234)
+    model, distribution = fresh_model(1234)
     data = ShuffledIterator(seed=10 + process_id)  # each process its own data and position
     ckpt = OrbaxCheckpoint(directory, save_freq=save_freq, data_iterator=data, max_to_keep=2, **kwargs)
     model.fit(ckpt.batches(), steps_per_epoch=3, epochs=epochs, callbacks=[*callbacks, ckpt], verbose=0)
@@ -115,7 +93,7 @@ def train(url, scheme):
     if process_id == 0:
         np.savez(os.path.join(folder, f"expected_{scheme}.npz"), **trained)
     # Restore on the same 2 processes into a model with other values.
-    model, distribution = fresh(99)
+    model, distribution = fresh_model(99)
     model.fit(np.zeros((8, 12), "float32"), np.zeros((8, 1), "float32"), batch_size=8, verbose=0)
     other = ShuffledIterator(seed=10 + process_id)
     info = restore_latest(model, f"{url}/run", data_iterator=other)
@@ -125,7 +103,7 @@ def train(url, scheme):
     local = os.path.join(folder, f"keras_{scheme}_{process_id}")
     download(f"{url}/run", local)
     restored = model
-    model, distribution = fresh(99)
+    model, distribution = fresh_model(99)
     loaded = keras.saving.load_model(local)  # (variable paths of a second model differ: compare in order)
     shards = 0
     for got, want in zip(loaded.weights, restored.weights, strict=True):

@@ -52,3 +52,14 @@ def run_pair(worker: str, *args: str, timeout: float = 240) -> list[str]:
     for p, out in zip(procs, outputs):
         assert p.returncode == 0, out[-4000:]
     return outputs
+
+
+def join(process_id: int, port: str) -> None:
+    """In a worker: 4 CPU devices, gloo collectives, then this process joins the pair's `jax.distributed` run."""
+    os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
+    os.environ["KERAS_BACKEND"] = "jax"
+    os.environ["JAX_PLATFORMS"] = "cpu"
+    import jax
+
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    jax.distributed.initialize(f"127.0.0.1:{port}", num_processes=2, process_id=process_id)

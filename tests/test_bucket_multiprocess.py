@@ -96,17 +96,17 @@ def test_two_processes_save_into_buckets_and_restore_on_two_and_on_one(tmp_path,
     assert preempt.step == pre[0]["step"] and preempt.incomplete == []
 
 
-def test_sigkill_of_one_process_mid_save_into_a_bucket_resumes_bit_exact(tmp_path, buckets):
-    url = buckets["gs"]
+def test_sigkill_of_one_process_mid_save_into_a_bucket_resumes_bit_exact(tmp_path, gcs_server):
+    url = gcs_server.new_bucket()
     args = (str(tmp_path), "kill", json.dumps([url]))
     procs = start_pair("_mp_bucket_worker.py", *args, env={"SHARDCKPT_PROCESS_WAIT_S": "30"})
     try:
         # Process 1 kills itself in its second save (step 4), its pieces written, unreported.
-        assert procs[1].wait(timeout=300) == -signal.SIGKILL, procs[1].communicate()[0][-3000:]
+        code = procs[1].wait(timeout=300)
     finally:
         procs[0].kill()  # what a scheduler does with the job's other process
-        for p in procs:
-            p.communicate()
+        outputs = [p.communicate()[0] for p in procs]
+    assert code == -signal.SIGKILL, outputs[1][-3000:]
     run = f"{url}/run"
     assert ondisk.committed_steps(run) == [2] and ondisk.incomplete_steps(run) == ["4"]
     assert any("ocdbt.process_1/" in k for k in storage.list_keys(storage.parse(f"{run}/4")))
