@@ -19,6 +19,11 @@ why it is needed and who uses it:
   the function is wrapped once, and the wrapper changes only the specs of
   arrays under a folder registered here, so Orbax saves elsewhere (Keras'
   own callback included) are written exactly as Orbax writes them.
+- `tensorstore_utils.build_kvstore_tspec` (formats.orbax.writer,
+  `merge_kvstore_spec`): the OCDBT kvstore spec of Orbax's merge of
+  per-process stores (`ocdbt.process_N`) into the item's own store at a
+  multi-process commit (`ocdbt_utils.merge_ocdbt_per_process_files` does the
+  same, but finds the stores through etils' epath, which has no `s3://`).
 """
 
 from __future__ import annotations
@@ -31,7 +36,13 @@ from orbax.checkpoint._src.checkpoint_managers import preservation_policy
 from orbax.checkpoint._src.metadata import sharding as sharding_metadata
 from orbax.checkpoint._src.serialization import tensorstore_utils as _ts_utils
 
-__all__ = ["add_chunk_checksums", "checksum_saves_under", "preservation_policy", "sharding_metadata"]
+__all__ = [
+    "PROCESS_STORE_PREFIX", "add_chunk_checksums", "checksum_saves_under", "merge_kvstore_spec",
+    "preservation_policy", "sharding_metadata",
+]
+
+PROCESS_STORE_PREFIX = _ts_utils.PROCESS_SUBDIR_PREFIX
+"""The name of a process's own OCDBT store in a multi-process save, before its index ("ocdbt.process_")."""
 
 CHECKSUM_CODEC = {"name": "crc32c"}
 """zarr3's bytes -> bytes codec appending a CRC-32C to each stored chunk;
@@ -88,3 +99,13 @@ def checksum_saves_under(directory: str | os.PathLike) -> None:
 
         _ts_utils.build_array_write_spec = build_array_write_spec
         _installed = True
+
+
+def merge_kvstore_spec(directory: str) -> dict[str, Any]:
+    """The OCDBT kvstore spec Orbax opens an item's store with to merge the per-process stores into it.
+
+    Args:
+        directory: The item's local folder (callers swap in a bucket's base).
+    """
+    options = _ts_utils.OcdbtKvStoreWriteOptions(mode=_ts_utils.OcdbtWriteMode.MERGE)
+    return _ts_utils.build_kvstore_tspec(directory, use_ocdbt=True, ocdbt_write_options=options)

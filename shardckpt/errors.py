@@ -65,6 +65,21 @@ class BackgroundSaveError(ShardckptError, RuntimeError):
         self.step = step
 
 
+class ProcessSaveError(ShardckptError, RuntimeError):
+    """Another process of a multi-process save failed, or stopped answering;
+    the step was not committed on any process.
+
+    Attributes:
+        step: The step being saved.
+        processes: The indices of the processes that failed.
+    """
+
+    def __init__(self, message: str, *, step: int, processes: Sequence[int]) -> None:
+        super().__init__(message)
+        self.step = step
+        self.processes = list(processes)
+
+
 class CheckpointMismatchError(ShardckptError, ValueError):
     """Checkpoint and model disagree: keys missing, unexpected, or mis-shaped.
 

@@ -17,9 +17,9 @@ Each process writes result<id>.json.
 import json
 import os
 
-from tests.mp import init_worker
+from tests.mp import start_worker
 
-process_id, folder = init_worker()
+process_id, folder = start_worker()
 
 import jax  # noqa: E402
 import keras  # noqa: E402

@@ -27,28 +27,9 @@ from jax.experimental import multihost_utils  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from shardckpt.training import OrbaxCheckpoint, restore_latest  # noqa: E402
-from tests._train_worker import ShuffledIterator, build_model, layout  # noqa: E402
+from tests._train_worker import ShuffledIterator, fresh_model, groups  # noqa: E402
 
-
-def groups(model):
-    return {
-        "trainable_variables": model.trainable_variables,
-        "non_trainable_variables": model.non_trainable_variables,
-        "optimizer_variables": model.optimizer.variables,
-        "metrics_variables": model.metrics_variables,
-    }
-
-
-def fresh(seed):
-    keras.backend.clear_session()
-    distribution = layout()
-    distribution.auto_shard_dataset = False  # each process feeds its own numpy batches
-    keras.distribution.set_distribution(distribution)
-    keras.utils.set_random_seed(seed)
-    return build_model(), distribution
-
-
-model, distribution = fresh(1234)
+model, distribution = fresh_model(1234)
 data = ShuffledIterator(seed=10 + process_id)  # each process its own data and position
 ckpt = OrbaxCheckpoint(os.path.join(folder, "ckpt"), save_freq=2, data_iterator=data, max_to_keep=2)
 model.fit(ckpt.batches(), steps_per_epoch=3, epochs=2, callbacks=[ckpt], verbose=0)
@@ -62,7 +43,7 @@ if process_id == 0:
 saved_state = data.get_state()
 
 # Restore into a model with other initial values, on the same 2-process mesh.
-model, distribution = fresh(99)
+model, distribution = fresh_model(99)
 model.fit(np.zeros((8, 12), "float32"), np.zeros((8, 1), "float32"), batch_size=8, verbose=0)  # builds optimizer/metrics
 other = ShuffledIterator(seed=10 + process_id)
 info = restore_latest(model, os.path.join(folder, "ckpt"), data_iterator=other)
@@ -123,7 +104,7 @@ class CountBatches(keras.callbacks.Callback):
 
 # Preemption: only process 0 gets a SIGTERM (after its 3rd batch). JAX's
 # preemption service tells process 1; both save the same step and stop.
-model, distribution = fresh(1234)
+model, distribution = fresh_model(1234)
 data = ShuffledIterator(seed=10 + process_id)
 pre = OrbaxCheckpoint(os.path.join(folder, "preempt"), save_freq=5, data_iterator=data, max_to_keep=2)
 count = CountBatches()

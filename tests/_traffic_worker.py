@@ -10,9 +10,9 @@ every shard is checked bit-exact against `folder/expected.npz`.
 import json
 import os
 
-from tests.mp import init_worker
+from tests.mp import start_worker
 
-process_id, folder = init_worker()
+process_id, folder = start_worker()
 
 import jax  # noqa: E402
 import keras  # noqa: E402

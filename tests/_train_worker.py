@@ -128,6 +128,26 @@ def layout() -> keras.distribution.ModelParallel:
     return keras.distribution.ModelParallel(layout_map=layout_map, batch_dim_name="data")
 
 
+def groups(model: keras.Model) -> dict[str, list]:
+    """The model's variables by state-tree group (the keys of an OrbaxCheckpoint step)."""
+    return {
+        "trainable_variables": model.trainable_variables,
+        "non_trainable_variables": model.non_trainable_variables,
+        "optimizer_variables": model.optimizer.variables,
+        "metrics_variables": model.metrics_variables,
+    }
+
+
+def fresh_model(seed: int) -> tuple[keras.Model, keras.distribution.ModelParallel]:
+    """A new session, `layout()` for a multi-process run (each process feeds its own numpy batches), a model."""
+    keras.backend.clear_session()
+    distribution = layout()
+    distribution.auto_shard_dataset = False
+    keras.distribution.set_distribution(distribution)
+    keras.utils.set_random_seed(seed)
+    return build_model(), distribution
+
+
 class Progress(keras.callbacks.Callback):
     def __init__(self, path: str, ckpt: shardckpt.training.OrbaxCheckpoint) -> None:
         super().__init__()

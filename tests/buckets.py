@@ -10,10 +10,13 @@ with fixed test keys. No request leaves the machine.
 from __future__ import annotations
 
 import dataclasses
+import http.server
 import json
+import os
 import socket
 import subprocess
 import tempfile
+import threading
 import time
 import urllib.request
 import uuid
@@ -157,3 +160,60 @@ def bucket(request) -> str:
     """A fresh, empty bucket on each fake server in turn: its `gs://` / `s3://` URL."""
     server = request.getfixturevalue("gcs_server" if request.param == "gs" else "s3_server")
     return server.new_bucket()
+
+
+_S3_DENIED = (
+    b'<?xml version="1.0" encoding="UTF-8"?><Error><Code>AccessDenied</Code>'
+    b"<Message>Access Denied</Message></Error>"
+)
+_GCS_DENIED = (
+    b'{"error":{"code":403,"message":"shardckpt-test@example.iam.gserviceaccount.com does not have '
+    b'storage.objects.get access to the Google Cloud Storage object."}}'
+)
+
+
+class _Denying(http.server.BaseHTTPRequestHandler):
+    def _deny(self) -> None:
+        gcs = self.path.startswith(("/storage/", "/download/", "/upload/"))
+        body = _GCS_DENIED if gcs else _S3_DENIED
+        self.send_response(403)
+        self.send_header("Content-Type", "application/json" if gcs else "application/xml")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        if self.command != "HEAD":
+            self.wfile.write(body)
+
+    do_GET = do_PUT = do_POST = do_HEAD = do_DELETE = _deny
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+def start_denying() -> tuple[str, Callable[[], None]]:
+    """Starts a server answering every request as GCS and S3 answer one without permission (HTTP 403).
+
+    Returns:
+        Its http://127.0.0.1:PORT address, and the function that stops it.
+    """
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Denying)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+
+    def stop() -> None:
+        server.shutdown()
+        server.server_close()
+        thread.join()
+
+    return f"http://127.0.0.1:{server.server_port}", stop
+
+
+def download(url: str, local: str) -> None:
+    """Copies every object under a bucket URL into the local folder `local`."""
+    from shardckpt import storage
+
+    src = storage.parse(url)
+    for key in storage.list_keys(src):
+        path = os.path.join(local, key)
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        with open(path, "wb") as f:
+            f.write(storage.read_bytes(src.join(key)))

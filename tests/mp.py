@@ -17,21 +17,29 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_pair(worker: str, *args: str, timeout: float = 240) -> list[str]:
-    """Runs `tests/<worker> <process id> <port> *args` as processes 0 and 1; both must exit 0.
+def start_pair(worker: str, *args: str, env: dict[str, str] | None = None) -> list[subprocess.Popen]:
+    """Starts `tests/<worker> <process id> <port> *args` as processes 0 and 1 (output piped).
 
     Each process sets its own CPU devices (XLA_FLAGS is dropped from the
-    environment). Returns the two outputs (stdout and stderr together).
+    environment); `env` adds to the environment.
     """
     port = str(free_port())
-    env = {**os.environ, "PYTHONPATH": ROOT}
+    env = {**os.environ, "PYTHONPATH": ROOT, **(env or {})}
     env.pop("XLA_FLAGS", None)
     path = os.path.join(ROOT, "tests", worker)
-    procs = [
+    return [
         subprocess.Popen([sys.executable, path, str(i), port, *args], env=env, cwd=ROOT,
                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         for i in range(2)
     ]
+
+
+def run_pair(worker: str, *args: str, timeout: float = 240) -> list[str]:
+    """Runs `tests/<worker> <process id> <port> *args` as processes 0 and 1; both must exit 0.
+
+    Returns the two outputs (stdout and stderr together).
+    """
+    procs = start_pair(worker, *args)
     outputs = []
     for p in procs:
         try:
@@ -46,14 +54,9 @@ def run_pair(worker: str, *args: str, timeout: float = 240) -> list[str]:
     return outputs
 
 
-def init_worker(devices: int = 4) -> tuple[int, str]:
-    """Starts this worker as one process of `run_pair`: `devices` CPU devices, gloo
-    collectives, `jax.distributed` on the pair's port. Call before importing keras.
-
-    Returns:
-        The process id and the worker's third argument (its folder).
-    """
-    process_id, port, folder = int(sys.argv[1]), sys.argv[2], sys.argv[3]
+def join(process_id: int, port: str, devices: int = 4) -> None:
+    """In a worker: `devices` CPU devices, gloo collectives, then this process joins the pair's
+    `jax.distributed` run. Call before anything imports jax."""
     os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
     os.environ["KERAS_BACKEND"] = "jax"
     os.environ["JAX_PLATFORMS"] = "cpu"
@@ -61,4 +64,14 @@ def init_worker(devices: int = 4) -> tuple[int, str]:
 
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
     jax.distributed.initialize(f"127.0.0.1:{port}", num_processes=2, process_id=process_id)
+
+
+def start_worker(devices: int = 4) -> tuple[int, str]:
+    """The start of a worker run by `run_pair`: `devices` CPU devices, `jax.distributed` up.
+
+    Call before anything imports jax. Returns the process id and the folder
+    (argv[1] and argv[3]; argv[2] is the coordinator's port).
+    """
+    process_id, port, folder = int(sys.argv[1]), sys.argv[2], sys.argv[3]
+    join(process_id, port, devices)
     return process_id, folder

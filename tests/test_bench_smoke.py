@@ -119,6 +119,18 @@ def _check_storage(result: dict) -> None:
     for row in result["rows"]:
         assert row["load_s"] > 0 and row["bytes_read"] > 0, row
         assert row["sharding"] == "P('model', None)", row  # the down kernel, row-sharded
+    # Saves from 1 and 2 processes into each server: one row per process, each
+    # writing and reading its share; both processes' parts add up to the same values.
+    saves = result["save_rows"]
+    assert [(r["source"], r["processes"], r["process"]) for r in saves] == [
+        (f"fake {cloud}", n, i) for cloud in ("GCS", "S3") for n in (1, 2) for i in range(n)]
+    for row in saves:
+        assert row["save_s"] > 0 and row["written_gb"] > 0 and row["read_gb"] > 0 and row["blocking_s"] > 0, row
+        assert row["peak_over_state_gb"] <= 1.1 * row["budget_gb"], row
+    for cloud in ("GCS", "S3"):
+        parts = {n: sum(r["checksum_part"] for r in saves if r["source"] == f"fake {cloud}" and r["processes"] == n)
+                 for n in (1, 2)}
+        assert parts[1] == pytest.approx(parts[2]), parts
 
 
 def _check_export(result: dict) -> None:

@@ -9,9 +9,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
-import subprocess
-import sys
 import time
 
 import keras
@@ -22,6 +19,7 @@ import shardckpt
 from shardckpt import storage
 from shardckpt.formats.orbax import ondisk
 from tests import _train_worker as worker
+from tests.buckets import download
 from tests.test_resume_kill import Server, _compare, _load
 
 STEPS, SAVE_FREQ = 6, 4
@@ -62,15 +60,6 @@ def _assert_same_state(got: keras.Model, want: keras.Model | dict) -> None:
     # The layout asked for, not replicated by accident.
     assert str(a["trainable_variables/up/kernel"][1].spec) == "P(None, 'model')"
     assert any("seed_generator" in k for k in a) and any("moving_mean" in k for k in a)
-
-
-def _download(url: str, local: str) -> None:
-    src = storage.parse(url)
-    for key in storage.list_keys(src):
-        path = os.path.join(local, key)
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        with open(path, "wb") as f:
-            f.write(storage.read_bytes(src.join(key)))
 
 
 @pytest.fixture(scope="module")
@@ -114,7 +103,7 @@ def test_fit_into_bucket_keeps_two_steps_and_restores_and_resumes_exactly(tmp_pa
     _assert_same_state(fresh, trained)
 
     # Keras' own loader reads the step (copied to a local folder).
-    _download(url, str(tmp_path / "copy"))
+    download(url, str(tmp_path / "copy"))
     loaded = keras.saving.load_model(str(tmp_path / "copy"))
     for got, want in zip(loaded.weights, trained.weights, strict=True):
         np.testing.assert_array_equal(np.asarray(got.value), np.asarray(want.value), err_msg=want.path)
@@ -205,56 +194,6 @@ def test_sigkill_during_a_save_into_a_bucket_resumes_from_the_last_committed_ste
     # The resumed run removed the interrupted objects and kept its last two steps.
     assert ondisk.incomplete_steps(url) == []
     assert ondisk.committed_steps(url) == [16, 18]
-
-
-_TWO_PROCESS_CHILD = r"""
-import os, sys
-os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"
-os.environ["KERAS_BACKEND"] = "jax"
-import jax
-jax.config.update("jax_cpu_collectives_implementation", "gloo")
-jax.distributed.initialize(f"127.0.0.1:{sys.argv[2]}", num_processes=2, process_id=int(sys.argv[1]))
-import keras, numpy as np
-import shardckpt
-from shardckpt import errors
-inputs = keras.Input((4,))
-model = keras.Model(inputs, keras.layers.Dense(2)(inputs))
-model.compile(optimizer="adam", loss="mse")
-try:
-    model.fit(np.zeros((8, 4), "float32"), np.zeros((8, 2), "float32"), epochs=1, verbose=0,
-              callbacks=[shardckpt.OrbaxCheckpoint(sys.argv[3], save_freq=1)])
-    print("RESULT no error")
-except errors.UnsupportedURLError as e:
-    print("RESULT", str(e))
-sys.stdout.flush()
-# Both leave together: process 0 hosts the coordination service, and a
-# process still running when it exits is terminated by JAX before it prints.
-jax.distributed.shutdown()
-os._exit(0)
-"""
-
-
-def test_two_process_save_to_a_bucket_is_refused_before_anything_is_written(s3_server):
-    """Not built: per-process OCDBT stores merged at commit. Both processes get the typed error."""
-    url = f"{s3_server.new_bucket()}/ck"
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = str(s.getsockname()[1])
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    env["PYTHONPATH"] = ROOT
-    procs = [subprocess.Popen([sys.executable, "-c", _TWO_PROCESS_CHILD, str(i), port, url], env=env, cwd=ROOT,
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for i in range(2)]
-    try:
-        outputs = [p.communicate(timeout=120)[0] for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-    for out in outputs:
-        [line] = [line for line in out.splitlines() if line.startswith("RESULT")] or [out[-3000:]]
-        assert url in line and "single process" in line and "Fix:" in line, line
-    assert storage.list_keys(storage.parse(url)) == []
 
 
 def test_a_bucket_save_larger_than_the_budget_commits_in_pieces_and_restores_exactly(gcs_server, monkeypatch):

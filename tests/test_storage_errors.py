@@ -7,8 +7,6 @@ caller without permission (HTTP 403 and their error bodies).
 
 from __future__ import annotations
 
-import http.server
-import threading
 from collections.abc import Iterator
 
 import keras
@@ -17,44 +15,15 @@ import pytest
 import shardckpt
 from shardckpt import errors
 from shardckpt.formats import FORMATS
+from tests.buckets import start_denying
 from tests.zoo import build_zoo
-
-_S3_DENIED = (
-    b'<?xml version="1.0" encoding="UTF-8"?><Error><Code>AccessDenied</Code>'
-    b"<Message>Access Denied</Message></Error>"
-)
-_GCS_DENIED = (
-    b'{"error":{"code":403,"message":"shardckpt-test@example.iam.gserviceaccount.com does not have '
-    b'storage.objects.get access to the Google Cloud Storage object."}}'
-)
-
-
-class _Denying(http.server.BaseHTTPRequestHandler):
-    def _deny(self) -> None:
-        gcs = self.path.startswith(("/storage/", "/download/", "/upload/"))
-        body = _GCS_DENIED if gcs else _S3_DENIED
-        self.send_response(403)
-        self.send_header("Content-Type", "application/json" if gcs else "application/xml")
-        self.send_header("Content-Length", str(len(body)))
-        self.end_headers()
-        if self.command != "HEAD":
-            self.wfile.write(body)
-
-    do_GET = do_PUT = do_POST = do_HEAD = do_DELETE = _deny
-
-    def log_message(self, *args: object) -> None:
-        pass
 
 
 @pytest.fixture(scope="module")
 def denying_server() -> Iterator[str]:
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Denying)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    yield f"http://127.0.0.1:{server.server_port}"
-    server.shutdown()
-    server.server_close()
-    thread.join()
+    url, stop = start_denying()
+    yield url
+    stop()
 
 
 @pytest.mark.parametrize("scheme", ["gs", "s3"])

@@ -19,6 +19,12 @@ The fake servers run on this machine, so the figures show shardckpt's own
 cost of reading through TensorStore's gcs / s3 drivers (HTTP, no disk
 mapping, each piece fetched as byte ranges), not a cloud's bandwidth.
 
+Then the save rows (`_bench_bucket_save`): `OrbaxCheckpoint`'s bucket save
+from 1 and from 2 `jax.distributed` processes into each server, per process:
+seconds, blocking per save, peak memory over the state against the host's
+in-flight budget, bytes written, and the restore of that step (seconds, bytes
+read).
+
 Usage:
     python tools/bench_storage.py [--blocks 12] [--dim 2048] [--repeat 1] [--smoke]
 """
@@ -32,6 +38,7 @@ import sys
 import time
 
 import _bench as bench
+import _bench_bucket_save as bucket_save
 from _bench import ROOT, PeakSampler, cpu_seconds, emit, rss_anon, run_child
 
 if ROOT not in sys.path:
@@ -144,7 +151,8 @@ def _start_servers(stack):
 
 
 def main() -> None:
-    bench.main(__doc__, options=_options, children={"--_prepare": (None, _prepare), "--_run": (None, _run)},
+    bench.main(__doc__, options=_options,
+               children={"--_prepare": (None, _prepare), "--_run": (None, _run), "--_save": (3, bucket_save.child)},
                run=_parent, smoke={"blocks": 1, "dim": 64}, prefix="bench_storage_")
 
 
@@ -182,11 +190,13 @@ def _parent(args) -> None:
         for name, (_, source) in sources.items():
             runs = [_child(args, "--_run", source) for _ in range(args.repeat)]
             rows.append((name, source, info["convert_s"][name], min(runs, key=lambda r: r["load_s"])))
+        save_rows = bucket_save.rows(os.path.abspath(__file__), args, {k: url for k, (_, url) in servers.items()})
     finally:
         for stop in reversed(stack):
             stop()
     _print(rows)
-    emit({"rows": [dict(r, source=name, convert_s=c) for name, _, c, r in rows]})
+    bucket_save.show(save_rows)
+    emit({"rows": [dict(r, source=name, convert_s=c) for name, _, c, r in rows], "save_rows": save_rows})
 
 
 def _print(rows) -> None:

@@ -25,9 +25,16 @@ Retention uses the same Orbax preservation policy as local saves; old steps
 are deleted only after the new step is committed, marker first, so a step
 half-deleted by a kill is no longer taken as committed.
 
-Only single-process runs save to buckets: with several processes each would
-have to write its own shards into per-process OCDBT stores that Orbax then
-merges, which this writer does not do.
+Several JAX processes (`jax.distributed`) save a step together, with the
+layout of Orbax's multi-process OCDBT saves: process 0 clears the step's
+prefix; each process then writes only the pieces of its own devices
+(replicated ones once, by the holder of replica 0) into its own OCDBT store,
+`pytree/ocdbt.process_N`, within its host's in-flight budget; once every
+process reports its writes durable, process 0 merges the stores into
+`pytree/`'s own (`merge_process_stores`), writes the other items and the
+commit marker last, and applies retention. The outcome of each phase goes
+through JAX's coordination service (`agreement`): a failure on any process
+fails the save on all, and nothing is committed.
 """
 
 from __future__ import annotations
@@ -40,9 +47,9 @@ import jax
 import numpy as np
 
 from shardckpt import _orbax, budget, storage
-from shardckpt.errors import UnsupportedURLError
 from shardckpt.formats.orbax import ondisk
-from shardckpt.formats.orbax.writer import CHUNK_BYTES, OrbaxStepWriter
+from shardckpt.formats.orbax.writer import CHUNK_BYTES, OrbaxStepWriter, merge_process_stores
+from shardckpt.training.agreement import Agreement
 
 
 @dataclasses.dataclass
@@ -63,29 +70,18 @@ class BucketCheckpointer:
             or None to keep every step.
         compression: zstd-compress array chunks (Orbax's zstd level 3).
 
-    Raises:
-        UnsupportedURLError: more than one JAX process.
+    Only process 0 lists, deletes and commits steps (and keeps the list of
+    steps retention looks at); every process writes its own pieces.
     """
 
     def __init__(self, root: storage.Location, *, policy: Any, compression: bool) -> None:
-        if jax.process_count() > 1:
-            raise UnsupportedURLError(
-                f"directory={root.url!r}: OrbaxCheckpoint saves to a bucket only from a "
-                f"single process; this run has {jax.process_count()} JAX processes. Fix: give "
-                "OrbaxCheckpoint a folder every process shares (a mounted bucket, NFS) and "
-                "copy committed steps to the bucket, or train in one process."
-            )
         self.root = root
         self.policy = policy
         self.compression = compression
-        # Half-written steps of a killed run are never restored; Orbax removes
-        # its local tmp folders at start (cleanup_tmp_directories), so do we.
-        for name in ondisk.incomplete_steps(root.url):
-            storage.delete_tree(root.join(name))
-        self._steps = [
-            _StepInfo(step, self._read_metrics(step), datetime.datetime.fromtimestamp(0, datetime.UTC))
-            for step in ondisk.committed_steps(root.url)
-        ]
+        self.primary = jax.process_index() == 0
+        self._steps: list[_StepInfo] = []
+        agreement = Agreement(-1, f"Opening checkpoint root {root.url!r}")
+        agreement.settle("open", self._attempt(self._open_root), everyone=False)
 
     # ---- the Checkpointer methods the callback calls -------------------------
 
@@ -107,19 +103,62 @@ class BucketCheckpointer:
                 `StepAlreadyExistsError`).
         """
         del force
-        if any(info.step == step for info in self._steps):
-            raise ValueError(f"Step {step} already exists in {self.root.url!r}.")
         step_loc = self.root.join(str(step))
-        # Objects of an earlier attempt at this step that never committed.
-        storage.delete_tree(step_loc)
-        handlers: dict[str, str] = {}
+        agreement = Agreement(step, f"Saving checkpoint step {step} to {step_loc.url!r}")
+        agreement.settle("clean", self._attempt(lambda: self._clean(step, step_loc)), everyone=False)
+        multi = jax.process_count() > 1
         compression = "zstd" if self.compression else "none"
         # The chunks a local save gets (the callback's Orbax context), so a
         # step restores alike from either place.
-        writer = OrbaxStepWriter(step_loc.url, compression=compression, chunk_byte_size=CHUNK_BYTES[compression])
+        writer = OrbaxStepWriter(step_loc.url, compression=compression, chunk_byte_size=CHUNK_BYTES[compression],
+                                 process_index=jax.process_index() if multi else None)
         # Arrays first: any object of a save killed early is under pytree/,
         # which readers report as a step never committed.
-        _write_arrays(writer, payload[ondisk.ARRAYS_ITEM])
+        agreement.settle("write", self._attempt(lambda: _write_arrays(writer, payload[ondisk.ARRAYS_ITEM])),
+                         everyone=True)
+        agreement.settle("commit", self._attempt(lambda: self._commit(step, writer, payload, metrics)),
+                         everyone=False)
+
+    @staticmethod
+    def _attempt(action: Any) -> Exception | None:
+        """Runs `action`; returns what it raised (shared with the other processes), or None."""
+        try:
+            action()
+        except Exception as e:
+            return e
+        return None
+
+    def _open_root(self) -> None:
+        """Process 0: removes the half-written steps of a killed run, lists the committed ones."""
+        if not self.primary:
+            return
+        # Never restored; Orbax removes its local tmp folders at start
+        # (cleanup_tmp_directories), so do we.
+        for name in ondisk.incomplete_steps(self.root.url):
+            storage.delete_tree(self.root.join(name))
+        self._steps = [
+            _StepInfo(step, self._read_metrics(step), datetime.datetime.fromtimestamp(0, datetime.UTC))
+            for step in ondisk.committed_steps(self.root.url)
+        ]
+
+    def _clean(self, step: int, step_loc: storage.Location) -> None:
+        """Process 0: refuses a committed step; removes an earlier, never committed attempt at it."""
+        if not self.primary:
+            return
+        if any(info.step == step for info in self._steps):
+            raise ValueError(f"Step {step} already exists in {self.root.url!r}.")
+        storage.delete_tree(step_loc)
+
+    def _commit(self, step: int, writer: OrbaxStepWriter, payload: dict[str, Any],
+                metrics: dict[str, Any] | None) -> None:
+        """Process 0, after every process wrote its pieces: the other items, the commit marker, retention."""
+        if not self.primary:
+            return
+        step_loc = storage.parse(writer.step_dir)
+        if writer.process_index is not None:
+            merge_process_stores(writer.tree_dir, jax.process_count())
+        handlers: dict[str, str] = {}
+        compression = writer.compression
         for name, value in payload.items():
             if name == ondisk.ARRAYS_ITEM:
                 continue
@@ -143,7 +182,9 @@ class BucketCheckpointer:
         self._apply_retention()
 
     def delete(self, step: int) -> None:
-        """Deletes a step: its commit marker first, so a half-deleted step never counts."""
+        """Deletes a step: its commit marker first, so a half-deleted step never counts (process 0)."""
+        if not self.primary:
+            return
         step_loc = self.root.join(str(step))
         storage.delete_object(step_loc.join(ondisk.COMMIT_MARKER))
         storage.delete_tree(step_loc)
@@ -186,11 +227,28 @@ def _leaves(tree: dict[str, Any], prefix: tuple[str, ...] = ()) -> list[tuple[tu
 
 
 def _write_arrays(writer: OrbaxStepWriter, tree: dict[str, Any]) -> None:
+    """Writes this process's pieces of every leaf of `tree`; bucket failures typed.
+
+    Raises:
+        StorageAccessDeniedError, BucketNotFoundError, StorageTimeoutError, ...:
+            a request failed (the error names the OCDBT store written).
+    """
+    try:
+        _write_pieces(writer, tree)
+    except ValueError as e:
+        typed = storage.translate(e, storage.parse(writer.store_dir), action="writing")
+        if typed is e:
+            raise
+        raise typed from e
+
+
+def _write_pieces(writer: OrbaxStepWriter, tree: dict[str, Any]) -> None:
     """Writes every leaf of `tree`, one stored block per distinct shard.
 
     Each array's write blocks are its shards, as Orbax writes a `jax.Array`
     (stored in chunks of at most `writer.chunk_byte_size`); replicated shards
-    are written once (`replica_id == 0`). TensorStore holds what a transaction
+    are written once (`replica_id == 0`), each by the process whose device
+    holds it; host (numpy) leaves by process 0. TensorStore holds what a transaction
     has staged until it commits, so the writes go in transactions of at most
     the host's `max_inflight_bytes` each (one OCDBT commit apiece, as
     `convert` writes): host memory beyond the state stays within that budget
@@ -223,7 +281,7 @@ def _write_arrays(writer: OrbaxStepWriter, tree: dict[str, Any]) -> None:
         if isinstance(value, jax.Array):
             pieces = [(tuple(s.index), s.data) for s in value.addressable_shards if s.replica_id == 0]
         else:
-            pieces = [((), value)]
+            pieces = [((), value)] if writer.process_index in (None, 0) else []
         for box, data in pieces:
             nbytes = int(np.prod(data.shape)) * np.dtype(data.dtype).itemsize
             if copies and staged + nbytes > limit:

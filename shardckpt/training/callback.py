@@ -58,7 +58,7 @@ class OrbaxCheckpoint(BestTracking):
 
     Args:
         directory: Root folder of the checkpoints, or a `gs://bucket/...` /
-            `s3://bucket/...` URL (single-process runs; see `bucket_save`).
+            `s3://bucket/...` URL (see `bucket_save`).
         monitor: Metric for `save_best_only` and `keep_best`.
         verbose: 1 prints a line per save, per wait and at resume.
         save_best_only: Save only when `monitor` improves.
@@ -123,7 +123,7 @@ class OrbaxCheckpoint(BestTracking):
         options.validate(save_freq=save_freq, snapshot=snapshot, snapshot_budget_bytes=snapshot_budget_bytes,
                          metadata=metadata, max_to_keep=max_to_keep, keep_best=keep_best, keep_period=keep_period,
                          monitor=monitor)
-        # A gs:// or s3:// URL saves through bucket_save (single process).
+        # A gs:// or s3:// URL saves through bucket_save.
         self._location = storage.parse(directory, what="directory")
         self.directory = self._location.url
         self.verbose, self.save_best_only, self.save_freq = verbose, save_best_only, save_freq

@@ -5,9 +5,11 @@ background, one save in flight.
 `bucket_save.BucketCheckpointer`, which takes the same calls), the worker
 thread and the save in flight. A save hands the snapshot to the worker and
 returns; the next save, `wait` or `close` first waits for it and raises its
-error as `BackgroundSaveError`. Multi-process runs keep Orbax's own async save
-on the training thread instead of the worker: Orbax's barriers may run device
-collectives, which must be issued in the same order on every process.
+error as `BackgroundSaveError`. Multi-process runs into local folders keep
+Orbax's own async save on the training thread instead of the worker: Orbax's
+barriers may run device collectives, which must be issued in the same order on
+every process. Bucket saves use the worker everywhere: their processes agree
+through JAX's coordination service (`agreement`), which runs no collective.
 
 A wait for the save in flight is recorded (`waits_s`) and warned about once
 per `fit`, only when it is a real share of the training time it held up
@@ -46,9 +48,9 @@ class StepWriter:
         location: The checkpoint root.
         policy: The Orbax preservation policy (`retention.preservation_policy`).
         compression: zstd-compress array chunks.
-        background: Write on a worker thread (single process) or through
-            Orbax's async save (several processes); False: write before
-            returning.
+        background: Write on a worker thread (single process, buckets) or
+            through Orbax's async save (several processes, local folders);
+            False: write before returning.
         context: The Orbax context of the saves (`json_context`).
         waits_s: The list each wait for a save in flight is appended to.
     """
@@ -72,7 +74,7 @@ class StepWriter:
                 cleanup_tmp_directories=True,
             )
         self._executor: concurrent.futures.ThreadPoolExecutor | None = None
-        if background and jax.process_count() == 1:
+        if background and (jax.process_count() == 1 or location.is_remote):
             self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="shardckpt-save")
         self._pending: Any = None  # a Future (worker) or an Orbax AsyncResponse
         self._pending_step: int | None = None

@@ -94,10 +94,15 @@ class OrbaxStepWriter:
             chunk per written block, as Orbax's own saves without `SaveArgs`.
         item: The step's checkpointable the arrays go to ("pytree"; the
             training callback also writes Keras' "assets" tree).
+        process_index: Write the arrays into this process's own OCDBT store
+            (`ocdbt.process_N` in the item), as each process of an Orbax
+            multi-process save does; `merge_process_stores` then joins them
+            into the item's store. None: straight into the item's store.
     """
 
     def __init__(
-        self, step_dir: str, *, compression: str, chunk_byte_size: int | None, item: str = ondisk.ARRAYS_ITEM
+        self, step_dir: str, *, compression: str, chunk_byte_size: int | None, item: str = ondisk.ARRAYS_ITEM,
+        process_index: int | None = None,
     ) -> None:
         if compression not in COMPRESSIONS:
             raise ValueError(f"compression must be one of {COMPRESSIONS}. Received: compression={compression!r}")
@@ -107,6 +112,8 @@ class OrbaxStepWriter:
         self.tree_dir = ondisk.join(self.step_dir, item)
         self.compression = compression
         self.chunk_byte_size = chunk_byte_size
+        self.process_index = process_index
+        self.store_dir = self.tree_dir if process_index is None else process_store(self.tree_dir, process_index)
         if location.local_path is not None:  # object stores have no folders
             os.makedirs(self.tree_dir)
         self._context = ondisk.ts_context()
@@ -147,8 +154,9 @@ class OrbaxStepWriter:
             local_shape=tuple(max(1, n) for n in write_shape),
             dtype=np.dtype(dtype),
             arg=type_handlers.SaveArgs(chunk_byte_size=self.chunk_byte_size),
+            process_index=self.process_index,
         )
-        spec = ondisk.tspec_for(_orbax.add_chunk_checksums(spec), self.tree_dir)
+        spec = ondisk.tspec_for(_orbax.add_chunk_checksums(spec), self.store_dir)
         return ts.open(spec, create=True, open=True, context=self._context)
 
     def record_sharding(self, key: str, sharding: Any, write_shape: tuple[int, ...]) -> None:
@@ -229,3 +237,41 @@ class OrbaxStepWriter:
         # Last: in a bucket the step is committed exactly when this exists.
         marker = f"Checkpoint commit was successful to {final_dir or self.step_dir}"
         storage.write_bytes(step.join(ondisk.COMMIT_MARKER), marker.encode())
+
+
+def process_store(tree_dir: str, process_index: int) -> str:
+    """The OCDBT store process `process_index` writes an item's arrays into (Orbax's `ocdbt.process_N`)."""
+    return ondisk.join(tree_dir, f"{_orbax.PROCESS_STORE_PREFIX}{process_index}")
+
+
+def merge_process_stores(tree_dir: str, process_count: int) -> None:
+    """Joins the per-process OCDBT stores of an item into the item's own store, as Orbax does at commit.
+
+    The item's store then lists every array key of every process (the
+    process stores' data files stay where they are and are referenced), so
+    readers open the item as they open a single-process one. One atomic
+    OCDBT commit.
+
+    Args:
+        tree_dir: The item's folder or bucket URL (holding `ocdbt.process_N`).
+        process_count: The number of processes that wrote into it.
+    """
+    context = ondisk.ts_context()
+
+    def spec(directory: str, *, merge: bool) -> dict[str, Any]:
+        local = storage.parse(directory).local_path
+        built = _orbax.merge_kvstore_spec(local or ondisk.PLACEHOLDER_DIR)
+        if not merge:
+            built = {k: v for k, v in built.items() if k not in ("config", "assume_config", "target_data_file_size")}
+        return built if local is not None else ondisk.ocdbt_kvstore(built, storage.parse(directory))
+
+    opened = [ts.KvStore.open(spec(process_store(tree_dir, i), merge=False), context=context)
+              for i in range(process_count)]
+    parent = ts.KvStore.open(spec(tree_dir, merge=True), context=context)
+    children = [future.result() for future in opened]
+    target = parent.result()
+    txn = ts.Transaction(atomic=True)
+    copies = [child.experimental_copy_range_to(target.with_transaction(txn)) for child in children]
+    for copy in copies:
+        copy.result()
+    txn.commit_async().result()
