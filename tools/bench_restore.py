@@ -397,23 +397,23 @@ def _print_then_vs_now(rows) -> None:
     """Issue 27's restore figures beside this run's (`print_then_vs_now`)."""
     by = {(fmt, mode): r for fmt, mode, r in rows}
     out = []
-    h5 = by.get(("h5", "shardckpt"))
+
+    def add(figure: str, key: str, now: str) -> None:
+        then, filed, goal = ISSUE_27[key]
+        out.append((figure, then, filed, now, goal))
+
+    h5, orbax, keras_h5 = by.get(("h5", "shardckpt")), by.get(("orbax", "shardckpt")), by.get(("h5", "keras"))
     if h5:
-        out.append(("h5 restore (lazy) / read of the file", *ISSUE_27["h5"][:2],
-                    f"{h5['load_s'] / h5['read_s']:.2f}x ({h5['load_s']:.2f} vs {h5['read_s']:.2f} s); "
-                    f"{h5['load_s'] / h5['fresh_read_s']:.2f}x of a read into fresh memory ({h5['fresh_read_s']:.2f} s)",
-                    ISSUE_27["h5"][2]))
-    orbax = by.get(("orbax", "shardckpt"))
+        add("h5 restore (lazy) / read of the file", "h5",
+            f"{h5['load_s'] / h5['read_s']:.2f}x ({h5['load_s']:.2f} vs {h5['read_s']:.2f} s); "
+            f"{h5['load_s'] / h5['fresh_read_s']:.2f}x of a read into fresh memory ({h5['fresh_read_s']:.2f} s)")
     if orbax:
-        out.append(("Keras-written Orbax restore / tensorstore read()", *ISSUE_27["orbax"][:2],
-                    f"{orbax['load_s'] / orbax['ts_pread_s']:.2f}x ({orbax['load_s']:.2f} vs "
-                    f"{orbax['ts_pread_s']:.2f} s; mapped ts {orbax['load_s'] / orbax['ts_read_s']:.2f}x)",
-                    ISSUE_27["orbax"][2]))
-    keras_h5 = by.get(("h5", "keras"))
+        add("Keras-written Orbax restore / tensorstore read()", "orbax",
+            f"{orbax['load_s'] / orbax['ts_pread_s']:.2f}x ({orbax['load_s']:.2f} vs {orbax['ts_pread_s']:.2f} s; "
+            f"mapped ts {orbax['load_s'] / orbax['ts_read_s']:.2f}x)")
     if h5 and keras_h5:
         ours, theirs = h5["build_s"] + h5["load_s"], keras_h5["build_s"] + keras_h5["load_s"]
-        out.append(("time to a ready model vs Keras (h5)", *ISSUE_27["ready"][:2],
-                    f"{ours / theirs:.2f}x ({ours:.2f} vs {theirs:.2f} s)", ISSUE_27["ready"][2]))
+        add("time to a ready model vs Keras (h5)", "ready", f"{ours / theirs:.2f}x ({ours:.2f} vs {theirs:.2f} s)")
     if out:
         print_then_vs_now(out)
 
