@@ -56,9 +56,9 @@ def test_host_snapshot_is_in_host_memory_in_the_same_sharding():
 def test_auto_takes_the_device_copy_on_cpu_devices():
     # A CPU device's memory is the host's: a host copy costs the same memory
     # and blocks training, so "auto" takes the on-device copy, and says why.
-    keras.distribution.set_distribution(_distribution())
-    model = _model()
-    source = model.get_layer("hidden").kernel.value
+    mesh = jax.sharding.Mesh(np.array(jax.devices()).reshape(2, 4), ("data", "model"))
+    sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(None, "model"))
+    source = jax.device_put(np.arange(24, dtype="float32").reshape(3, 8), sharding)
     assert {d.platform for d in source.sharding.device_set} == {"cpu"} and len(source.sharding.device_set) == 8
     choice = snapshot_lib.choose([source], "auto", 1 << 40)  # however large the margin asked
     assert choice.mode == "device" and choice.reason.startswith("CPU devices: device memory is host memory")
