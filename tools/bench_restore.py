@@ -167,10 +167,13 @@ def fresh_read(path: str) -> float:
 
     `plain_read` reuses one buffer; a restore must fill memory it has never
     touched (the state it returns), and each first touch of a page costs a
-    fault. This reads each file into a new anonymous map of 4 KiB pages, the
-    kind `load_sharded` fills (`shardckpt.dtypes.aligned_empty`).
+    fault. This reads each file into a new buffer made as `load_sharded`
+    makes its own (`shardckpt.dtypes.aligned_empty`: an anonymous map of 4 KiB
+    pages, populated by the map call).
     """
-    import mmap
+    import numpy as np
+
+    from shardckpt.dtypes import aligned_empty
 
     files = _file_bytes(path)
     start = time.perf_counter()
@@ -179,17 +182,14 @@ def fresh_read(path: str) -> float:
         size = os.path.getsize(f)
         if not size:
             continue
-        buffer = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        buffer = aligned_empty((size,), np.uint8)
         with open(f, "rb", buffering=0) as fh:
-            view = memoryview(buffer)
             done = 0
             while done < size:
-                done += fh.readinto(view[done : done + (64 << 20)])
-            view.release()
+                done += fh.readinto(buffer[done : done + (64 << 20)])
         kept.append(buffer)
     seconds = time.perf_counter() - start
-    for buffer in kept:
-        buffer.close()
+    del kept
     return seconds
 
 
