@@ -18,7 +18,7 @@ def test_bench_save_smoke_reports_blocking_and_peak_memory_per_mode():
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = {line.split()[0]: line.split() for line in proc.stdout.splitlines() if line.split()}
     assert "peak above state from RssAnon" in proc.stdout  # CPU: no device memory statistics
-    assert rows["shardckpt_auto"][1] == "host"  # CPU devices report no room: auto copies to host
+    assert rows["shardckpt_auto"][1] == "device"  # CPU devices: their memory is the host's, auto copies on them
     for name in runs.split(","):
         assert rows[name][2] == "2", rows[name]  # 4 steps, a save every 2
         assert "MiB" in rows[name]

@@ -3,6 +3,8 @@ host memory, and "auto"'s choice; each restores bit-exact with its sharding."""
 
 from __future__ import annotations
 
+import logging
+
 import jax
 import keras
 import numpy as np
@@ -41,21 +43,32 @@ def test_host_snapshot_is_in_host_memory_in_the_same_sharding():
     model = _model()
     model.fit(np.ones((16, 6), "float32"), np.ones((16, 1), "float32"), batch_size=8, verbose=0)
     tree, used = snapshot_lib.snapshot_state(model, mode="host", budget_bytes=512)
-    assert used == "host"
+    assert used.mode == "host"
     kernel = tree["trainable_variables"]["hidden"]["kernel"]
     source = model.get_layer("hidden").kernel.value
     assert kernel.sharding.memory_kind == "pinned_host" and source.sharding.memory_kind == "device"
     assert kernel.sharding.spec == source.sharding.spec == jax.sharding.PartitionSpec(None, "model")
     np.testing.assert_array_equal(np.asarray(kernel), np.asarray(source))
     copy, used = snapshot_lib.snapshot_state(model, mode="device")
-    assert used == "device" and copy["trainable_variables"]["hidden"]["kernel"].sharding == source.sharding
-    # CPU devices report no memory statistics: "auto" takes the mode that needs no room.
-    assert jax.devices()[0].memory_stats() is None
-    assert snapshot_lib.choose_mode([source], "auto", 1) == "host"
+    assert used.mode == "device" and copy["trainable_variables"]["hidden"]["kernel"].sharding == source.sharding
 
 
-@pytest.mark.parametrize("mode, expected", [("auto", "host"), ("host", "host"), ("device", "device")])
-def test_each_snapshot_mode_saves_and_resumes_bit_exact(tmp_path, mode, expected):
+def test_auto_takes_the_device_copy_on_cpu_devices():
+    # A CPU device's memory is the host's: a host copy costs the same memory
+    # and blocks training, so "auto" takes the on-device copy, and says why.
+    mesh = jax.sharding.Mesh(np.array(jax.devices()).reshape(2, 4), ("data", "model"))
+    sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(None, "model"))
+    source = jax.device_put(np.arange(24, dtype="float32").reshape(3, 8), sharding)
+    assert {d.platform for d in source.sharding.device_set} == {"cpu"} and len(source.sharding.device_set) == 8
+    choice = snapshot_lib.choose([source], "auto", 1 << 40)  # however large the margin asked
+    assert choice.mode == "device" and choice.reason.startswith("CPU devices: device memory is host memory")
+    assert snapshot_lib.choose_mode([source], "auto", 1) == "device"
+    assert snapshot_lib.choose([source], "host", 1) == ("host", "snapshot='host' was asked for")
+
+
+@pytest.mark.parametrize("mode, expected", [("auto", "device"), ("host", "host"), ("device", "device")])
+def test_each_snapshot_mode_saves_and_resumes_bit_exact(tmp_path, caplog, mode, expected):
+    caplog.set_level(logging.INFO, logger="shardckpt")
     keras.distribution.set_distribution(_distribution())
     model = _model()
     x = np.random.default_rng(1).standard_normal((32, 6)).astype("float32")
@@ -65,6 +78,9 @@ def test_each_snapshot_mode_saves_and_resumes_bit_exact(tmp_path, mode, expected
     model.fit(x, y, batch_size=8, epochs=2, callbacks=[ckpt], verbose=0, shuffle=False)
     ckpt.wait_until_finished()
     assert ckpt.snapshot_modes == [expected] * 4 and ckpt.snapshot_mode_used == expected
+    saves = [r.getMessage() for r in caplog.records if "training blocked" in r.getMessage()]
+    reason = "CPU devices: device memory is host memory" if mode == "auto" else f"snapshot={mode!r} was asked for"
+    assert len(saves) == 4 and all(f"snapshot {expected!r}: {reason}" in m for m in saves), saves
     meta = inspect(str(tmp_path)).metadata
     assert meta["snapshot"] == expected and meta["step"] == 8
     trained = {k: np.asarray(v) for k, v in _values(model).items()}

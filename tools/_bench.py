@@ -196,3 +196,23 @@ def warm_memory(nbytes: int) -> None:
 
     block = np.ones(nbytes, np.uint8)  # np.ones writes every page
     del block
+
+
+THEN = "2026-11-23"
+"""The date of the figures every bench prints its own beside (issue 27's table)."""
+
+
+def print_then_vs_now(rows: Sequence[tuple[str, str, str, str, str]]) -> None:
+    """Prints each figure of this run beside its earlier values and its goal.
+
+    Args:
+        rows: `(figure, 2026-11-23 value, value when issue 27 was filed,
+            this run's value, goal)`, as text; the earlier values are the
+            issue's (2 cores, quiet machine, 1.6 GB model), so they compare
+            with a run at the bench's default size.
+    """
+    header = ("figure", THEN, "issue 27 (11-24)", "this run", "goal")
+    widths = [max(len(str(r[i])) for r in (header, *rows)) for i in range(len(header))]
+    print("\nthen vs now:")
+    for row in (header, *rows):
+        print("  " + "  ".join(str(cell).ljust(width) for cell, width in zip(row, widths)))

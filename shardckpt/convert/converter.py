@@ -414,7 +414,9 @@ def _stream(
                     pending = _commit(txn, pending)
                     txn, staged = writer.transaction(), 0
                 in_batch.append(crc_thread.submit(checksum, item.dst_key, piece))
-                in_batch.append(writer.write(store, txn, box, piece).copy)
+                # Pieces are never changed once staged (views of the read-only
+                # mapping, fresh reads or casts): TensorStore writes from them.
+                in_batch.append(writer.write(store, txn, box, piece, reference=True).copy)
                 staged += piece.nbytes
                 if item.value is None:
                     report.bytes_read += piece.size * item.stored.itemsize

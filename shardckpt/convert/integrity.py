@@ -1,10 +1,11 @@
 """Per-array checksums: computed while converting, checked by `verify`.
 
-A checksum is CRC-32 (zlib) of the array's bytes in C order, as stored (after
-any dtype cast). CRC-32 is several times faster than BLAKE2b or SHA-256
-(figures: CHANGELOG); it is for catching damage (flipped or
-lost bytes), not tampering. Because CRC-32 can be continued piece by piece,
-an array is checksummed in `boxes.c_order_boxes` pieces, never whole.
+A checksum is CRC-32 (zlib's, computed by ISA-L where installed) of the
+array's bytes in C order, as stored (after any dtype cast). CRC-32 is several
+times faster than BLAKE2b or SHA-256 (figures: CHANGELOG); it is for catching
+damage (flipped or lost bytes), not tampering. Because CRC-32 can be
+continued piece by piece, an array is checksummed in `boxes.c_order_boxes`
+pieces, never whole.
 
 The checksums live in the Orbax step's own `custom_metadata` (in
 `_CHECKPOINT_METADATA`) under the key "shardckpt", readable with Orbax's
@@ -21,6 +22,14 @@ from typing import Any
 
 import numpy as np
 
+try:
+    # ISA-L's CRC-32 is zlib's (same polynomial, same values) with carry-less
+    # multiplication: 0.08 s against zlib's 0.53-0.59 s for 256 MiB here, and
+    # it releases the GIL as zlib does. zlib's was 23% of a conversion's CPU.
+    from isal.isal_zlib import crc32 as _crc32
+except ImportError:  # no isal wheel for this platform: zlib, same values, slower
+    _crc32 = zlib.crc32
+
 from shardckpt import budget as budgets
 from shardckpt import storage
 from shardckpt.convert.boxes import c_order_boxes
@@ -36,7 +45,7 @@ ALGORITHM = "crc32"
 
 def crc32(data: np.ndarray, value: int = 0) -> int:
     """Continues CRC-32 `value` over the C-order bytes of `data`."""
-    return zlib.crc32(np.ascontiguousarray(data).view(np.uint8).reshape(-1).data, value)
+    return _crc32(np.ascontiguousarray(data).view(np.uint8).reshape(-1).data, value)
 
 
 def hex32(value: int) -> str:

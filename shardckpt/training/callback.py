@@ -80,7 +80,9 @@ class OrbaxCheckpoint(BestTracking):
             preemption notice (see above).
         snapshot: The copy a background save writes from: "device", "host"
             (pinned host memory, in pieces of `snapshot_budget_bytes`) or
-            "auto" ("device" when `memory_stats()` shows room); see `snapshot`.
+            "auto" ("device" on CPU devices, whose memory is the host's, and on
+            accelerators whose `memory_stats()` show room); see `snapshot`.
+            Each save's log line names the mode and why.
         snapshot_budget_bytes: Host mode's piece size and "auto"'s margin (256 MiB).
         on_process_count_change: On resume, when the step's data-iterator
             positions come from another number of processes: "error" (raise
@@ -298,9 +300,10 @@ class OrbaxCheckpoint(BestTracking):
         self._last_saved_step = step
         self._check_monitor_for_keep_best(logs, self.keep_best)
         model = self.model  # Callback.model syncs the JAX state into the variables
-        tree, self.snapshot_mode_used = snapshot_lib.snapshot_state(
+        tree, choice = snapshot_lib.snapshot_state(
             model, weights_only=self.save_weights_only, mode=self.snapshot, budget_bytes=self.snapshot_budget_bytes)
-        self.snapshot_modes.append(self.snapshot_mode_used)
+        self.snapshot_mode_used = choice.mode
+        self.snapshot_modes.append(choice.mode)
         logs = dict(logs or {})
         user = self.metadata(self._count.epoch, logs) if callable(self.metadata) else self.metadata
         # Counters are read now: training moves them on while the save runs.
@@ -313,7 +316,8 @@ class OrbaxCheckpoint(BestTracking):
         writer.save(step, items, meta, logs, user, self.best)
         self.save_blocking_s.append(time.perf_counter() - start)
         self._say(logging.INFO, f"step {step} {'started' if self.save_on_background else 'written'} in "
-                                f"{self.directory} (training blocked {self.save_blocking_s[-1] * 1e3:.1f} ms).")
+                                f"{self.directory} (training blocked {self.save_blocking_s[-1] * 1e3:.1f} ms; "
+                                f"snapshot {choice.mode!r}: {choice.reason}).")
 
     # ---- resuming ------------------------------------------------------------
 

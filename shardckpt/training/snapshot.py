@@ -16,19 +16,27 @@ therefore write a copy that nobody donates. Two ways to make it (`MODES`):
   above the training state stays within the budget, and the training thread
   waits for the whole copy (the device-to-host transfer time).
 
-"auto" takes "device" only when every local device reports (via
-`Device.memory_stats()`) room for its share of the state plus the budget, and
-"host" otherwise, including where devices report nothing (CPU: there device
-and host memory are the same RAM and the on-device copy has no room to check).
+"auto" (`choose`) takes the cheaper mode that keeps device memory bounded:
+
+* CPU devices: "device". Their memory is the host's RAM, so a "host" copy
+  takes the same extra memory as the on-device one and makes training wait
+  for it besides (measured with `tools/bench_save.py`: README, "Save
+  blocking").
+* accelerators: "device" when every local device reports (via
+  `Device.memory_stats()`) room for its share of the state plus the budget,
+  and "host" otherwise, including where a device reports nothing.
+
+The callback's log line of each save says which mode was used and why.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 
+from shardckpt.progress import format_bytes
 from shardckpt.state import collections
 
 MODES = ("auto", "device", "host")
@@ -70,8 +78,15 @@ def _per_device_bytes(values: list[jax.Array]) -> dict[Any, int]:
     return held
 
 
-def choose_mode(values: list[jax.Array], mode: str, budget_bytes: int) -> str:
-    """Resolves "auto" to "device" or "host" (see the module docstring).
+class Choice(NamedTuple):
+    """The snapshot mode to use and why (the callback logs both)."""
+
+    mode: str
+    reason: str
+
+
+def choose(values: list[jax.Array], mode: str, budget_bytes: int) -> Choice:
+    """Resolves "auto" to "device" or "host", with the reason (see the module docstring).
 
     Args:
         values: The arrays to copy.
@@ -79,18 +94,28 @@ def choose_mode(values: list[jax.Array], mode: str, budget_bytes: int) -> str:
         budget_bytes: Device memory allowed above the state.
 
     Returns:
-        "device" or "host".
+        A `Choice` ("device" or "host", and why).
     """
     if mode != "auto":
-        return mode
-    for device, need in _per_device_bytes(values).items():
+        return Choice(mode, f"snapshot={mode!r} was asked for")
+    held = _per_device_bytes(values)
+    if all(device.platform == "cpu" for device in held):
+        return Choice("device", "CPU devices: device memory is host memory, so a host copy would take "
+                                "the same memory and block training for the copy")
+    for device, need in held.items():
         stats = device.memory_stats()
         if not stats or "bytes_limit" not in stats:
-            return "host"
+            return Choice("host", f"{device} reports no memory statistics to check room for an on-device copy")
         free = int(stats["bytes_limit"]) - int(stats.get("bytes_in_use", 0))
         if need + budget_bytes > free:
-            return "host"
-    return "device"
+            return Choice("host", f"{device} has {format_bytes(free)} free, an on-device copy needs "
+                                  f"{format_bytes(need)} + {format_bytes(budget_bytes)} of margin")
+    return Choice("device", "every device has room for an on-device copy plus the margin")
+
+
+def choose_mode(values: list[jax.Array], mode: str, budget_bytes: int) -> str:
+    """The mode `choose` picks ("device" or "host")."""
+    return choose(values, mode, budget_bytes).mode
 
 
 def _host_kind(value: jax.Array) -> str | None:
@@ -141,8 +166,8 @@ def _to_host(values: list[jax.Array], budget_bytes: int) -> list[Any]:
 
 def snapshot_state(
     model: Any, *, weights_only: bool = False, mode: str = "device", budget_bytes: int = DEFAULT_BUDGET_BYTES,
-) -> tuple[dict[str, Any], str]:
-    """Returns a copy of `model.get_state_tree()` safe from donation, and its mode.
+) -> tuple[dict[str, Any], Choice]:
+    """Returns a copy of `model.get_state_tree()` safe from donation, and its mode with the reason.
 
     The copy keeps every array's sharding. In "device" mode it is dispatched,
     not awaited: the call returns as soon as the copy is enqueued. In "host"
@@ -164,13 +189,14 @@ def snapshot_state(
 
     Returns:
         (`{collection: nested {path part: array}}`, the layout of
-        `Model.get_state_tree()`; the mode used, "device" or "host").
+        `Model.get_state_tree()`; the `Choice`: the mode used, "device" or
+        "host", and why).
     """
     groups = collections(model, weights_only=weights_only)
     variables = [v for group in groups.values() for v in group]
     values = [v.value for v in variables]
-    used = choose_mode(values, mode, budget_bytes)
-    copies = _copy(values) if used == "device" else _to_host(values, budget_bytes)
+    used = choose(values, mode, budget_bytes)
+    copies = _copy(values) if used.mode == "device" else _to_host(values, budget_bytes)
     tree: dict[str, Any] = {}
     start = 0
     for name, group in groups.items():

@@ -174,14 +174,25 @@ class OrbaxStepWriter:
         return ts.Transaction()
 
     @staticmethod
-    def write(store: ts.TensorStore, txn: ts.Transaction, box: Box, data: np.ndarray) -> ts.WriteFutures:
+    def write(
+        store: ts.TensorStore, txn: ts.Transaction, box: Box, data: np.ndarray, *, reference: bool = False
+    ) -> ts.WriteFutures:
         """Stages `data` at `box` of `store` in `txn`.
 
-        TensorStore keeps `data` referenced until `futures.copy` is done; the
-        caller waits for it before counting the bytes as released.
+        By default TensorStore copies `data` into a buffer of its own and
+        keeps `data` referenced until `futures.copy` is done; the caller waits
+        for it before counting the bytes as released.
+
+        With `reference=True` TensorStore keeps `data` itself instead, until
+        the commit has written it, and encodes (checksums, writes) straight
+        from it: the caller must not change `data` until then. For a view of
+        a memory-mapped source this writes from the page cache with no copy
+        at all: converting a 0.8 GB `.weights.h5`, the copy into fresh buffers
+        cost 198,000 page faults and about half of the CPU time (README,
+        "Convert speed").
         """
-        target = store.with_transaction(txn)
-        return target[box].write(data) if box else target.write(data)
+        target = store.with_transaction(txn)[box] if box else store.with_transaction(txn)
+        return target.write(data, can_reference_source_data_indefinitely=reference)
 
     def write_tree_metadata(self) -> None:
         """Writes the item's `_METADATA` (the tree of every array opened)."""
