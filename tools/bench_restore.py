@@ -266,7 +266,6 @@ def run(args) -> None:
         if out.get("load_s", 0) is not None:
             out["load_s"] = time.perf_counter() - start
             out["load_cpu_s"] = cpu_seconds() - cpu
-    out.update({k: v - decoded[k] for k, v in decoded_bytes().items()})
     final = rss_anon()
     out["state_gb"] = sum(int(np.prod(v.shape)) * 4 for v in model.weights) / 1e9
     out["final_over_base_gb"] = (final - base) / 1e9
@@ -279,6 +278,7 @@ def run(args) -> None:
     kernel = next(v for v in model.weights if v.path.endswith("_down/kernel"))
     out["sharding"] = str(getattr(kernel.value.sharding, "spec", kernel.value.sharding))
     out["devices"] = f"{len(jax.devices())} x {jax.devices()[0].device_kind}"
+    out.update({k: v - decoded[k] for k, v in decoded_bytes().items()})  # nothing since the load decoded
     emit(out)
 
 
