@@ -196,7 +196,7 @@ def json_context(*, compression: bool) -> Any:
     would go to the PyTree handler (registered last), which cannot hold None or
     lists of mixed types.
 
-    Arrays are stored in chunks of at most 64 MiB, or 4 MiB with zstd
+    Arrays are stored in chunks of at most 31 MiB, or 4 MiB with zstd
     (Orbax's `chunk_byte_size` splits each device's shard), as `convert`
     writes them. Orbax's default is one chunk per shard: a whole array when
     it was on one device, which a restore decodes on one thread. Measured with
