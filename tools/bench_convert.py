@@ -32,22 +32,10 @@ import time
 
 import _bench as bench
 from _bench import PeakSampler, du, emit, rss_anon, run_child, setup_jax
+from bench_restore import FORMATS, model_options, prepare_h5
 
-H5 = "model.weights.h5"
+H5 = FORMATS["h5"]  # what prepare_h5 writes
 SMOKE = {"blocks": 1, "dim": 64, "repeat": 1}
-
-
-def prepare(args: argparse.Namespace) -> dict:
-    setup_jax(1)
-    import numpy as np
-    from bench_restore import build
-
-    model = build(args.blocks, args.dim)
-    rng = np.random.default_rng(0)
-    for v in model.weights:
-        v.assign(rng.standard_normal(v.shape, dtype=np.float32) * 0.02)
-    model.save_weights(os.path.join(args.workdir, H5))
-    return {"params": int(model.count_params())}
 
 
 def cell(args: argparse.Namespace, mode: str, option: str) -> dict:
@@ -120,13 +108,12 @@ def _best(args: argparse.Namespace, *extra: str) -> dict:
 
 
 def main() -> None:
-    bench.main(__doc__, options=_options, children={"--_prepare": (0, prepare), "--_cell": (2, cell)},
+    bench.main(__doc__, options=_options, children={"--_prepare": (0, prepare_h5), "--_cell": (2, cell)},
                run=_parent, smoke=SMOKE, prefix="bench-convert-", reuse=True)
 
 
 def _options(parser) -> None:
-    parser.add_argument("--blocks", type=int, default=12)
-    parser.add_argument("--dim", type=int, default=2048)
+    model_options(parser)
 
 
 def _parent(args) -> None:
