@@ -1,4 +1,5 @@
-"""Two real `jax.distributed` processes on 127.0.0.1, as the 2-process tests start them."""
+"""Two real `jax.distributed` processes on 127.0.0.1, as the 2-process tests start them
+(`run_pair`), and the first lines of each such worker (`start_worker`)."""
 
 from __future__ import annotations
 
@@ -44,3 +45,20 @@ def run_pair(worker: str, *args: str, timeout: float = 240) -> list[str]:
     for p, out in zip(procs, outputs):
         assert p.returncode == 0, out[-4000:]
     return outputs
+
+
+def start_worker(devices: int = 4) -> tuple[int, str]:
+    """The start of a worker run by `run_pair`: `devices` CPU devices, `jax.distributed` up.
+
+    Call before anything imports jax. Returns the process id and the folder
+    (argv[1] and argv[3]; argv[2] is the coordinator's port).
+    """
+    process_id, port, folder = int(sys.argv[1]), sys.argv[2], sys.argv[3]
+    os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
+    os.environ["KERAS_BACKEND"] = "jax"
+    os.environ["JAX_PLATFORMS"] = "cpu"
+    import jax
+
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    jax.distributed.initialize(f"127.0.0.1:{port}", num_processes=2, process_id=process_id)
+    return process_id, folder

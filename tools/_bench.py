@@ -143,6 +143,7 @@ def main(
     try:
         run(args)
     finally:
+        close_children()  # before the workdir goes: a shared child may hold its files open
         if own:
             shutil.rmtree(args.workdir, ignore_errors=True)
 
