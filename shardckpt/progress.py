@@ -1,8 +1,11 @@
-"""A byte-counting rich progress bar on stderr that can be switched off."""
+"""A byte-counting rich progress bar on stderr that can be switched off, and the
+tally and wording of what a read reported (bytes, rates, lists of keys)."""
 
 from __future__ import annotations
 
+import dataclasses
 import threading
+from collections.abc import Iterable, Sequence
 from types import TracebackType
 
 from rich.console import Console
@@ -14,6 +17,23 @@ from rich.progress import (
     TimeRemainingColumn,
     TransferSpeedColumn,
 )
+
+
+@dataclasses.dataclass(kw_only=True)
+class ReadTally:
+    """What every report of a checkpoint read counts (`LoadReport`, `VerifyReport` extend it).
+
+    Attributes:
+        path: The checkpoint read (for Orbax: the step folder).
+        format: The format's name in `shardckpt.formats.FORMATS` ("h5", "orbax", ...).
+        arrays: Arrays read.
+        bytes_read: Bytes of array data read by this process.
+    """
+
+    path: str
+    format: str
+    arrays: int = 0
+    bytes_read: int = 0
 
 
 class ByteProgress:
@@ -82,3 +102,22 @@ def format_rate(nbytes: float, seconds: float) -> str:
     if seconds <= 0:
         return "- B/s"
     return f"{format_bytes(nbytes / seconds)}/s"
+
+
+def read_line(verb: str, arrays: int, nbytes: int, source: str, seconds: float) -> str:
+    """The first line of a read's report: "Loaded 12 arrays (3.20 MiB) from h5 'm.h5' in 0.50 s (6.40 MiB/s)"."""
+    return f"{verb} {arrays} arrays ({format_bytes(nbytes)}) from {source} in {seconds:.2f} s ({format_rate(nbytes, seconds)})"
+
+
+def key_lines(groups: Iterable[tuple[str, Sequence[str]]], shown: int = 8) -> list[str]:
+    """One indented line per non-empty group of keys: "  label: a, b, ... (12 total)".
+
+    The first `shown` keys are named, so a report stays readable when a
+    whole optimizer state is skipped.
+    """
+    lines = []
+    for label, items in groups:
+        if items:
+            more = f", ... ({len(items)} total)" if len(items) > shown else ""
+            lines.append(f"  {label}: {', '.join(items[:shown])}{more}")
+    return lines

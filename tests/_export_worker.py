@@ -4,17 +4,12 @@ import json
 import os
 import sys
 
-process_id, port, folder = int(sys.argv[1]), sys.argv[2], sys.argv[3]
-os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
-os.environ["KERAS_BACKEND"] = "jax"
-os.environ["JAX_PLATFORMS"] = "cpu"
+from tests.mp import start_worker  # run_pair puts the checkout on PYTHONPATH
+
+process_id, folder = start_worker()
 
 import jax  # noqa: E402
 
-jax.config.update("jax_cpu_collectives_implementation", "gloo")
-jax.distributed.initialize(f"127.0.0.1:{port}", num_processes=2, process_id=process_id)
-
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import shardckpt  # noqa: E402
 
 model = shardckpt.from_preset(os.path.join(folder, "src"), mesh=(2, 4))

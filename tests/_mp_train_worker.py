@@ -7,27 +7,19 @@ each process checks its own shards of the restored model against them.
 
 import json
 import os
-import signal
-import sys
 import time
 
-process_id, port, folder = int(sys.argv[1]), sys.argv[2], sys.argv[3]
-os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
-os.environ["KERAS_BACKEND"] = "jax"
-os.environ["JAX_PLATFORMS"] = "cpu"
+from tests.mp import start_worker  # run_pair puts the checkout on PYTHONPATH
+
+process_id, folder = start_worker()
 
 import jax  # noqa: E402
-
-jax.config.update("jax_cpu_collectives_implementation", "gloo")
-jax.distributed.initialize(f"127.0.0.1:{port}", num_processes=2, process_id=process_id)
-
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
 from jax.experimental import multihost_utils  # noqa: E402
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from shardckpt.training import OrbaxCheckpoint, restore_latest  # noqa: E402
-from tests._train_worker import ShuffledIterator, fresh_model, groups  # noqa: E402
+from tests._train_worker import ShuffledIterator, fresh_model, groups, sigterm_at  # noqa: E402
 
 model, distribution = fresh_model(1234)
 data = ShuffledIterator(seed=10 + process_id)  # each process its own data and position
@@ -65,19 +57,6 @@ result = {
 }
 
 
-class SigtermAt(keras.callbacks.Callback):
-    """Sends this process a SIGTERM at the end of batch `n` (from 1)."""
-
-    def __init__(self, n):
-        super().__init__()
-        self.n, self.seen = n, 0
-
-    def on_train_batch_end(self, batch, logs=None):
-        self.seen += 1
-        if self.seen == self.n:
-            os.kill(os.getpid(), signal.SIGTERM)
-
-
 class SlowAfter(keras.callbacks.Callback):
     """Steps of `seconds` after batch `n`, as real training steps take: JAX's
     preemption notice reaches the other process asynchronously, and these tiny
@@ -108,7 +87,7 @@ model, distribution = fresh_model(1234)
 data = ShuffledIterator(seed=10 + process_id)
 pre = OrbaxCheckpoint(os.path.join(folder, "preempt"), save_freq=5, data_iterator=data, max_to_keep=2)
 count = CountBatches()
-extra = [SigtermAt(3)] if process_id == 0 else []
+extra = [sigterm_at(3)] if process_id == 0 else []
 model.fit(pre.batches(), steps_per_epoch=3, epochs=6, callbacks=[*extra, SlowAfter(3, 0.5), pre, count], verbose=0)
 result["preempt"] = {"step": pre.preempted_step, "batches": count.seen, "mode": pre.preemption_mode,
                      "epochs": model.history.epoch}

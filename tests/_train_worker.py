@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import sys
 
 if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
@@ -146,6 +147,24 @@ def fresh_model(seed: int) -> tuple[keras.Model, keras.distribution.ModelParalle
     keras.distribution.set_distribution(distribution)
     keras.utils.set_random_seed(seed)
     return build_model(), distribution
+
+
+class AtBatch(keras.callbacks.Callback):
+    """Calls `action(model)` at the end of batch `n` of a fit (counted from 1 across epochs)."""
+
+    def __init__(self, n: int, action) -> None:
+        super().__init__()
+        self.n, self.seen, self.action = n, 0, action
+
+    def on_train_batch_end(self, batch, logs=None):
+        self.seen += 1
+        if self.seen == self.n:
+            self.action(self.model)
+
+
+def sigterm_at(n: int) -> AtBatch:
+    """Sends this process a SIGTERM at the end of batch `n` (from 1)."""
+    return AtBatch(n, lambda model: os.kill(os.getpid(), signal.SIGTERM))
 
 
 class Progress(keras.callbacks.Callback):

@@ -28,5 +28,15 @@ def pytest_configure(config):
     assert jax.device_count() == 8, "conftest must set 8 CPU devices before jax import"
 
 
+@pytest.fixture(scope="session")
+def llama_folder(tmp_path_factory):
+    """A tiny Hugging Face Llama folder (tests/hf_fixtures.py), built once; tests only read it."""
+    from tests.hf_fixtures import make_folder
+
+    folder = str(tmp_path_factory.mktemp("llama") / "src")
+    make_folder("llama", folder)
+    return folder
+
+
 # Session fixtures of fake object stores (gcs_server, s3_server, bucket).
 pytest_plugins = ["tests.buckets"]

@@ -176,6 +176,21 @@ def make_folder(name: str, folder: str, *, dtype: str = "float32", shards: int =
     return source
 
 
+def keras_hub_load(folder: str, dtype: Any = None) -> Any:
+    """keras-hub's `Backbone.from_preset(folder)` minus its random initializers:
+    its loader's `load_backbone(load_weights=True)` steps with the build lazy,
+    then its converter reading the safetensors with numpy and assigning."""
+    from keras_hub.src.utils.transformers.safetensor_utils import SafetensorLoader
+
+    loader = hf.preset_loader(folder)
+    with lazy_init():
+        backbone = loader.load_backbone(loader.check_backbone_class(), load_weights=False, dtype=dtype)
+    hf.initialize_states(backbone)
+    with SafetensorLoader(folder) as tensors:
+        loader.converter.convert_weights(backbone, tensors, loader.config)
+    return backbone
+
+
 def _save(folder: str, tensors: dict[str, np.ndarray], shards: int) -> None:
     if shards == 1:
         write_safetensors(os.path.join(folder, "model.safetensors"), tensors)

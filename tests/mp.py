@@ -1,4 +1,5 @@
-"""Two real `jax.distributed` processes on 127.0.0.1, as the 2-process tests start them."""
+"""Two real `jax.distributed` processes on 127.0.0.1, as the 2-process tests start them
+(`run_pair`), and the first lines of each such worker (`start_worker`)."""
 
 from __future__ import annotations
 

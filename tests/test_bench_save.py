@@ -12,7 +12,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 def test_bench_save_smoke_reports_blocking_and_peak_memory_per_mode():
     env = dict(os.environ, PYTHONPATH=ROOT)
     env.pop("XLA_FLAGS", None)
-    runs = "keras_async,shardckpt_auto"  # two fresh processes keep it short (device mode: test_callback_snapshot)
+    runs = "keras_async,shardckpt_auto"  # two runs keep it short (device mode: test_callback_snapshot)
     proc = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "bench_save.py"), "--smoke", "--only", runs],
                           capture_output=True, text=True, timeout=400, env=env, cwd=ROOT, check=False)
     assert proc.returncode == 0, proc.stderr[-3000:]

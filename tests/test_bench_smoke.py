@@ -1,7 +1,9 @@
 """Every benchmark in tools/ runs at its `--smoke` size, in a fresh process, so none can rot.
 
 Smoke sizes are tiny: the figures mean nothing; the scripts' code paths
-(every cell, every loader, the result line) are what is checked.
+(every cell, every loader, the result line) are what is checked. A smoke runs
+its cells in one shared child process (`tools/_bench.py`, `share_children`),
+not one fresh process each as a real run does: one start-up per script.
 """
 
 from __future__ import annotations

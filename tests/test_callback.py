@@ -16,20 +16,15 @@ import pytest
 from shardckpt import errors, load_sharded
 from shardckpt.convert.info import inspect
 from shardckpt.training import OrbaxCheckpoint, restore_latest
-from tests.zoo import CountingIterator
+from tests._train_worker import AtBatch
+from tests.zoo import CountingIterator, small_regressor
 
 STEPS = 4
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _model(seed: int = 3) -> keras.Model:
-    keras.utils.set_random_seed(seed)
-    inputs = keras.Input((6,), name="x")
-    h = keras.layers.Dense(16, activation="relu", name="hidden")(inputs)
-    outputs = keras.layers.Dense(1, name="head")(h)
-    model = keras.Model(inputs, outputs, name="small")
-    model.compile(optimizer="adam", loss="mse", metrics=["mae"])
-    return model
+    return small_regressor(seed, width=16)
 
 
 def _mesh_distribution(shape=(2, 4)) -> keras.distribution.ModelParallel:
@@ -190,7 +185,7 @@ def test_resume_in_process_continues_the_epoch(tmp_path):
     it = CountingIterator()
     ckpt = OrbaxCheckpoint(str(tmp_path / "run"), save_freq=3, data_iterator=it)
     # Stop after 7 batches: the last save is step 6 (epoch 1, batch 2 of 4).
-    part.fit(ckpt.batches(), steps_per_epoch=STEPS, epochs=2, callbacks=[ckpt, _StopAfter(7)], verbose=0)
+    part.fit(ckpt.batches(), steps_per_epoch=STEPS, epochs=2, callbacks=[ckpt, AtBatch(7, _stop)], verbose=0)
     ckpt.wait_until_finished()
 
     keras.backend.clear_session()
@@ -209,15 +204,8 @@ def test_resume_in_process_continues_the_epoch(tmp_path):
     assert it2.get_state() == ref_it.get_state()
 
 
-class _StopAfter(keras.callbacks.Callback):
-    def __init__(self, n: int) -> None:
-        super().__init__()
-        self.n, self.seen = n, 0
-
-    def on_train_batch_end(self, batch, logs=None):
-        self.seen += 1
-        if self.seen >= self.n:
-            self.model.stop_training = True
+def _stop(model: keras.Model) -> None:
+    model.stop_training = True
 
 
 def test_retention_keeps_latest_best_and_periodic_steps(tmp_path):

@@ -171,15 +171,21 @@ def _distributed_model() -> keras.Model:
     return model
 
 
-def test_distributed_checkpoint_functionality(tmp_path):
+def _fit_sharded(tmp_path, seed: int):
+    """Both kernels sharded over all devices; 2 epochs of fit with a checkpoint after each into tmp_path/c."""
     mesh = keras.distribution.DeviceMesh((len(jax.devices()),), axis_names=["data"])
     keras.distribution.set_distribution(
         keras.distribution.ModelParallel(layout_map=_layout_map(mesh, "dense_layer", "output_layer")))
     model = _distributed_model()
-    rng = np.random.default_rng(3)
+    rng = np.random.default_rng(seed)
     x, y = rng.standard_normal((SAMPLES, 10)), rng.standard_normal((SAMPLES, OUT))
     callback = OrbaxCheckpoint(directory=str(tmp_path / "c"), save_freq="epoch")
     model.fit(x, y, epochs=2, callbacks=[callback], verbose=0)
+    return mesh, model, x
+
+
+def test_distributed_checkpoint_functionality(tmp_path):
+    _, model, x = _fit_sharded(tmp_path, seed=3)
     predictions = model.predict(x[:PREDICT], verbose=0)
     loaded = keras.saving.load_model(str(tmp_path / "c"))
     _assert_equal_lists(loaded.get_weights(), model.get_weights())
@@ -194,14 +200,7 @@ def test_distributed_checkpoint_functionality(tmp_path):
 
 
 def test_distributed_checkpoint_resharding(tmp_path):
-    mesh = keras.distribution.DeviceMesh((len(jax.devices()),), axis_names=["data"])
-    keras.distribution.set_distribution(
-        keras.distribution.ModelParallel(layout_map=_layout_map(mesh, "dense_layer", "output_layer")))
-    model = _distributed_model()
-    rng = np.random.default_rng(4)
-    x, y = rng.standard_normal((SAMPLES, 10)), rng.standard_normal((SAMPLES, OUT))
-    callback = OrbaxCheckpoint(directory=str(tmp_path / "c"), save_freq="epoch")
-    model.fit(x, y, epochs=2, callbacks=[callback], verbose=0)
+    mesh, model, x = _fit_sharded(tmp_path, seed=4)
     weights = model.get_weights()
     predictions = model.predict(x[:PREDICT], verbose=0)
     # Layout B: only output_layer sharded.

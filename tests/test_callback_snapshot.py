@@ -13,6 +13,7 @@ import pytest
 from shardckpt.convert.info import inspect
 from shardckpt.training import OrbaxCheckpoint, restore_latest
 from shardckpt.training import snapshot as snapshot_lib
+from tests.zoo import small_regressor
 
 
 def _distribution() -> keras.distribution.ModelParallel:
@@ -24,13 +25,7 @@ def _distribution() -> keras.distribution.ModelParallel:
 
 
 def _model(seed: int = 0) -> keras.Model:
-    keras.utils.set_random_seed(seed)
-    inputs = keras.Input((6,), name="x")
-    h = keras.layers.Dense(32, activation="relu", name="hidden")(inputs)
-    outputs = keras.layers.Dense(1, name="head")(h)
-    model = keras.Model(inputs, outputs, name="small")
-    model.compile(optimizer=keras.optimizers.Adam(name="adam"), loss="mse", metrics=["mae"])
-    return model
+    return small_regressor(seed, width=32, optimizer=keras.optimizers.Adam(name="adam"))
 
 
 def _values(model) -> dict:

@@ -20,6 +20,7 @@ import shardckpt
 from shardckpt import errors
 from shardckpt.convert.integrity import verify
 from shardckpt.training import OrbaxCheckpoint
+from tests.damage import flip_byte_of
 from tests.zoo import build_zoo, saved_zoo_h5
 
 
@@ -28,22 +29,6 @@ def _chunk_codecs(tree: str, name: str) -> list[str]:
     meta = json.loads(kv.read(f"{name}/zarr.json".encode()).result().value)
     [sharding] = [c for c in meta["codecs"] if c["name"] == "sharding_indexed"]
     return [c["name"] for c in sharding["configuration"]["codecs"]]
-
-
-def _flip_byte_of(tree: str, data: np.ndarray) -> None:
-    """Flips one byte in the middle of `data`'s (uncompressed) bytes in the OCDBT data files."""
-    raw = data.tobytes()
-    # Orbax's own saves write per-process stores (`ocdbt.process_0/d/`).
-    files = [os.path.join(folder, n) for folder, _, names in os.walk(tree) for n in names]
-    for path in sorted(f for f in files if os.path.basename(os.path.dirname(f)) == "d"):
-        blob = open(path, "rb").read()
-        at = blob.find(raw)
-        if at >= 0:
-            with open(path, "r+b") as f:
-                f.seek(at + len(raw) // 2)
-                f.write(bytes([blob[at + len(raw) // 2] ^ 0x10]))
-            return
-    raise AssertionError("array bytes not found in the data files")
 
 
 @pytest.mark.parametrize("compression", ["none", "zstd"])
@@ -67,7 +52,7 @@ def test_converted_chunks_are_checked_on_every_restore(tmp_path, compression):
     if compression == "zstd":
         return  # the raw bytes are not findable in compressed chunks
 
-    _flip_byte_of(f"{dst}/pytree", values["head/kernel"])
+    flip_byte_of(f"{dst}/pytree", values["head/kernel"])
     keras.backend.clear_session()
     with shardckpt.lazy_init():
         model = build_zoo()
@@ -96,7 +81,7 @@ def test_callback_saves_carry_chunk_checksums_and_keras_callback_saves_do_not(tm
     [kstep] = [s for s in os.listdir(theirs) if s.isdigit()]
     assert "crc32c" not in _chunk_codecs(f"{theirs}/{kstep}/pytree", "trainable_variables.hidden.kernel")
 
-    _flip_byte_of(f"{ours}/{step}/pytree", kernel)
+    flip_byte_of(f"{ours}/{step}/pytree", kernel)
     keras.backend.clear_session()
     with shardckpt.lazy_init():
         inputs = keras.Input((16,))

@@ -21,27 +21,11 @@ import pytest
 from safetensors.numpy import load_file
 
 import shardckpt
-from shardckpt.presets import hf
 
 keras_hub = pytest.importorskip("keras_hub")
 
 SHARDED_READ_BACK = {"gemma", "gpt2", "mixtral", "bert", "qwen3_moe"}  # one of each family of layouts
 TINY_SHARDS = 20e3 / 1024**3  # GB, as keras-hub's max_shard_size: several files for a tiny model
-
-
-def _keras_hub_load(folder: str) -> keras.Model:
-    """keras-hub's `Backbone.from_preset(folder)` minus its random initializers:
-    its loader's steps with the build lazy, then its converter reading the
-    safetensors with numpy and assigning."""
-    from keras_hub.src.utils.transformers.safetensor_utils import SafetensorLoader
-
-    loader = hf.preset_loader(folder)
-    with shardckpt.lazy_init():
-        backbone = loader.load_backbone(loader.check_backbone_class(), load_weights=False, dtype=None)
-    hf.initialize_states(backbone)
-    with SafetensorLoader(folder) as tensors:
-        loader.converter.convert_weights(backbone, tensors, loader.config)
-    return backbone
 
 
 def _safetensors(folder: str) -> dict[str, np.ndarray]:
@@ -78,7 +62,7 @@ def test_hf_export_reads_back_bit_equal_in_keras_hub(exported):
         index = json.loads((root / "hf" / "model.safetensors.index.json").read_text())
         assert len(set(index["weight_map"].values())) > 2
     keras.backend.clear_session()
-    back = shardckpt.from_preset(str(root / "hf")) if arch in fx.NO_KERAS_HUB_CONVERTER else _keras_hub_load(str(root / "hf"))
+    back = shardckpt.from_preset(str(root / "hf")) if arch in fx.NO_KERAS_HUB_CONVERTER else fx.keras_hub_load(str(root / "hf"))
     assert [v.path for v in back.weights] == list(values)
     for v in back.weights:
         want = values[v.path]

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import hf_fixtures as fx
 import keras
 import numpy as np
 import pytest
@@ -12,13 +11,6 @@ from shardckpt import storage
 from shardckpt.errors import DestinationExistsError
 
 keras_hub = pytest.importorskip("keras_hub")
-
-
-@pytest.fixture(scope="module")
-def llama_folder(tmp_path_factory):
-    folder = str(tmp_path_factory.mktemp("llama") / "src")
-    fx.make_folder("llama", folder)
-    return folder
 
 
 def test_export_into_a_bucket_reads_back_bit_equal(llama_folder, bucket):

@@ -27,16 +27,8 @@ from shardckpt.errors import (
     UnloadedVariableError,
     UnsupportedModelError,
 )
-from tests.test_export import _keras_hub_load
 
 keras_hub = pytest.importorskip("keras_hub")
-
-
-@pytest.fixture(scope="module")
-def llama_folder(tmp_path_factory):
-    folder = str(tmp_path_factory.mktemp("llama") / "src")
-    fx.make_folder("llama", folder)
-    return folder
 
 
 def _load(folder: str) -> keras.Model:
@@ -129,7 +121,7 @@ def test_lora_model_exports_merged_kernels(llama_folder, tmp_path):
     shardckpt.export(model, tmp_path / "hf")
     shardckpt.export(model, tmp_path / "kh", format="keras-hub")
     keras.backend.clear_session()
-    back = _keras_hub_load(str(tmp_path / "hf"))
+    back = fx.keras_hub_load(str(tmp_path / "hf"))
     for v in back.weights:
         if v.path in merged:
             np.testing.assert_array_equal(np.asarray(v.value), merged[v.path], err_msg=v.path)

@@ -113,13 +113,18 @@ def test_from_preset_default_plans_with_auto_layout_on_every_device(llama_preset
         assert v.value.sharding.is_equivalent_to(plan.sharding_for(v), v.ndim), v.path
 
 
-def test_load_sharded_reads_a_preset_folder_into_a_lazy_backbone(llama_presets):
-    root, saved = llama_presets
+def _lazy_under(layout_map, build):
+    """`build()` under `lazy_init`, with `layout_map`'s ModelParallel distribution set; returns it and the distribution."""
     keras.backend.clear_session()
-    dist = keras.distribution.ModelParallel(layout_map=_llama_layout())
+    dist = keras.distribution.ModelParallel(layout_map=layout_map)
     keras.distribution.set_distribution(dist)
     with shardckpt.lazy_init():
-        backbone = keras_hub.models.LlamaBackbone(**LLAMA)
+        return build(), dist
+
+
+def test_load_sharded_reads_a_preset_folder_into_a_lazy_backbone(llama_presets):
+    root, saved = llama_presets
+    backbone, dist = _lazy_under(_llama_layout(), lambda: keras_hub.models.LlamaBackbone(**LLAMA))
     report = shardckpt.load_sharded(backbone, str(root / "sharded"))
     assert report.format == "preset" and report.arrays == len(saved)
     _assert_loaded(backbone, saved, dist)
@@ -168,11 +173,9 @@ def test_from_preset_builds_and_loads_a_task_with_its_task_weights(classifier_pr
 
 def test_load_sharded_on_a_task_preset_reads_task_weights_only_for_a_task(classifier_preset):
     folder, saved = classifier_preset
-    keras.backend.clear_session()
-    dist = keras.distribution.ModelParallel(layout_map=_bert_layout())
-    keras.distribution.set_distribution(dist)
-    with shardckpt.lazy_init():
-        task = keras_hub.models.TextClassifier.from_preset(str(folder), load_weights=False, compile=False)
+    task, dist = _lazy_under(
+        _bert_layout(), lambda: keras_hub.models.TextClassifier.from_preset(str(folder), load_weights=False, compile=False)
+    )
     report = shardckpt.load_sharded(task, str(folder))
     assert report.arrays == len(saved)
     _assert_loaded(task, saved, dist)

@@ -71,20 +71,6 @@ def _expected_spec(dist: keras.distribution.ModelParallel, variable) -> Partitio
     return PartitionSpec(*dist.get_variable_layout(variable).axes)
 
 
-def _keras_hub_load(folder: str, dtype=None) -> keras.Model:
-    """keras-hub's `Backbone.from_preset(folder)` minus its random initializers:
-    its loader's `load_backbone(load_weights=True)` steps, the build lazy."""
-    from keras_hub.src.utils.transformers.safetensor_utils import SafetensorLoader
-
-    loader = hf.preset_loader(folder)
-    with shardckpt.lazy_init():
-        backbone = loader.load_backbone(loader.check_backbone_class(), load_weights=False, dtype=dtype)
-    hf.initialize_states(backbone)
-    with SafetensorLoader(folder) as tensors:
-        loader.converter.convert_weights(backbone, tensors, loader.config)
-    return backbone
-
-
 @pytest.mark.parametrize("arch", fx.ARCHITECTURES)
 def test_folder_loads_bit_equal_to_keras_hub_in_its_sharding(arch, tmp_path):
     folder = str(tmp_path / arch)
@@ -105,7 +91,7 @@ def test_folder_loads_bit_equal_to_keras_hub_in_its_sharding(arch, tmp_path):
     # per tiny model here and are all overwritten. A fresh session names
     # auto-named layers (mixtral_sparse_moe_block) as ours.
     keras.backend.clear_session()
-    reference = _keras_hub_load(folder)
+    reference = fx.keras_hub_load(folder)
     assert [v.path for v in reference.weights] == [v.path for v in model.weights]
     if arch in fx.NO_KERAS_HUB_CONVERTER:
         reference = source  # keras-hub cannot load it: the model whose weights were written
@@ -140,7 +126,7 @@ def test_bfloat16_folder_casts_as_keras_hub(model_dtype, tmp_path):
     keras.backend.clear_session()
     model = hf.build(folder, dtype=model_dtype)
     report = shardckpt.load_sharded(model, folder)
-    reference = _keras_hub_load(folder, dtype=model_dtype)
+    reference = fx.keras_hub_load(folder, dtype=model_dtype)
     assert bool(report.casts) == (model_dtype == "float32")
     for ours, theirs in zip(model.weights, reference.weights):
         assert np.dtype(ours.dtype) == np.dtype(theirs.dtype) == np.dtype(model_dtype)
@@ -297,7 +283,7 @@ def test_from_preset_of_a_folder_plans_and_loads_bit_equal(arch, tmp_path):
     assert any(axis == "model" for p in plan.placements for axis in p.axes)  # tensor-parallel
     keras.distribution.set_distribution(None)
     keras.backend.clear_session()
-    reference = _keras_hub_load(folder)
+    reference = fx.keras_hub_load(folder)
     assert [v.path for v in reference.weights] == [v.path for v in model.weights]
     for ours, theirs in zip(model.weights, reference.weights):
         assert ours.value.sharding.spec == specs[ours.path], ours.path

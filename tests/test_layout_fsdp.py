@@ -14,19 +14,13 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 import shardckpt
 from shardckpt.layout import auto_layout, parallelize
+from tests.reference_fit import fit_twice_started
 
 pytest.importorskip("keras_hub")
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tools"))
 import bench_layout as B  # noqa: E402  (tools/ is put on the path just above)
 
 NAMES = ["Llama3", "GPT-2"]
-
-
-def _perturb(model, seed: int) -> None:
-    rng = np.random.default_rng(seed)
-    for v in model.weights:
-        if v.dtype.startswith("float"):
-            v.assign(np.asarray(v.value) + 0.05 * rng.standard_normal(v.shape).astype("float32"))
 
 
 @pytest.mark.parametrize("name", ["GPT-2"])  # biases, norms, positions: the harder case (Llama 3 passes too)
@@ -39,15 +33,7 @@ def test_fsdp_training_equals_one_device(name):
         history = model.fit(xs, ys, batch_size=8, epochs=2, shuffle=False, verbose=0)
         return history.history["loss"], [np.asarray(v.value) for v in model.variables]
 
-    keras.backend.clear_session()
-    single = B.HUB_BACKBONES[name](1)
-    _perturb(single, 0)
-    weights = single.get_weights()
-    loss_one, after_one = fit(single)
-
-    keras.backend.clear_session()
-    model = B.HUB_BACKBONES[name](1)
-    model.set_weights(weights)
+    model, (loss_one, after_one) = fit_twice_started(lambda: B.HUB_BACKBONES[name](1), fit)
     model.compile(optimizer=keras.optimizers.Adam(1e-3), loss="mse")
     plan = parallelize(model, (2, 4), fsdp=True)
     assert plan.fsdp and plan.balance("adam") < 1.3  # tiny: biases and norms (kept whole) weigh more than at real sizes

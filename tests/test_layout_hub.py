@@ -22,6 +22,7 @@ import shardckpt
 from shardckpt.layout import auto_layout
 from shardckpt.layout.parallel import parallelize
 from shardckpt.lazy import is_unloaded
+from tests.reference_fit import fit_twice_started, perturb
 
 pytest.importorskip("keras_hub")
 
@@ -32,13 +33,6 @@ M = "model"
 # Backbones whose key/value heads (2, or 1) the 8-way axis does not divide.
 FEW_KV_HEADS = {"Llama (GQA, 2 kv heads)", "Mistral (GQA, 2 kv heads)", "Gemma (MQA, 1 kv head)"}
 MOE = {"Mixtral (MoE)", "QwenMoe", "Qwen3Moe", "GPT-OSS (MoE)"}
-
-
-def _perturb(model, seed: int) -> None:
-    """Moves every weight off its initial value (zero biases, unit scales would hide mistakes)."""
-    rng = np.random.default_rng(seed)
-    for v in model.weights:
-        v.assign(np.asarray(v.value) + 0.05 * rng.standard_normal(v.shape).astype("float32"))
 
 
 def _build_lazy(name: str, blocks: int):
@@ -59,7 +53,7 @@ def test_backbone_plan_split_cheap_and_exact(name):
         assert [p.path for p in plan.placements] == [v.path for v in lazy.variables]
         keras.backend.clear_session()
         model = B.HUB_BACKBONES[name](blocks)
-        _perturb(model, blocks)
+        perturb(model, blocks)
         assert auto_layout(model, (1, 8)).placements == plan.placements  # lazy or built: one plan
         xs = B.hub_inputs(model)
         tv, ntv = B.placed_state(model, plan.sharding_for)
@@ -115,14 +109,7 @@ def test_parallelize_then_fit_equals_one_device(name):
         history = model.fit(xs, targets, batch_size=8, epochs=3, shuffle=False, verbose=0)
         return history.history["loss"], [np.asarray(v.value) for v in model.variables]
 
-    keras.backend.clear_session()
-    single = B.HUB_BACKBONES[name](1)
-    _perturb(single, 0)
-    weights = single.get_weights()
-    losses_one, after_one = fit(single)
-    keras.backend.clear_session()
-    model = B.HUB_BACKBONES[name](1)
-    model.set_weights(weights)
+    model, (losses_one, after_one) = fit_twice_started(lambda: B.HUB_BACKBONES[name](1), fit)
     plan = parallelize(model)
     assert plan.sharded_fraction() >= 0.9
     losses_tp, after_tp = fit(model)

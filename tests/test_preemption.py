@@ -15,6 +15,7 @@ import pytest
 
 from shardckpt.convert.info import inspect
 from shardckpt.training import OrbaxCheckpoint, restore_latest
+from tests._train_worker import sigterm_at
 from tests.test_resume_kill import (
     EPOCHS,
     STEPS,
@@ -25,19 +26,6 @@ from tests.test_resume_kill import (
     _progress,
     _wait_for_line,
 )
-
-
-class _SigtermAt(keras.callbacks.Callback):
-    """Sends this process a SIGTERM at the end of batch number `n` (from 1)."""
-
-    def __init__(self, n: int) -> None:
-        super().__init__()
-        self.n, self.seen = n, 0
-
-    def on_train_batch_end(self, batch, logs=None):
-        self.seen += 1
-        if self.seen == self.n:
-            os.kill(os.getpid(), signal.SIGTERM)
 
 
 class _Batches:
@@ -77,7 +65,7 @@ def test_sigterm_saves_commits_and_stops_fit_in_process(tmp_path, save_freq, exp
     previous = signal.getsignal(signal.SIGTERM)
     data = _Batches()
     ckpt = OrbaxCheckpoint(str(tmp_path), save_freq=save_freq, max_to_keep=3, data_iterator=data)
-    sender = _SigtermAt(6)  # before ckpt: the notice is there at ckpt's hook of batch 6
+    sender = sigterm_at(6)  # before ckpt: the notice is there at ckpt's hook of batch 6
     model = _model()
     model.fit(ckpt.batches(), steps_per_epoch=4, epochs=3, callbacks=[sender, ckpt], verbose=0)
     assert sender.seen == 6, "fit must stop at the step boundary after the notice"
@@ -117,7 +105,7 @@ def test_epoch_mode_keeps_the_last_whole_epoch_beside_a_preempted_one(tmp_path):
     kill between the two finds step 0, not an empty folder."""
     ckpt = OrbaxCheckpoint(str(tmp_path), save_freq="epoch", data_iterator=_Batches())
     model = _model()
-    model.fit(ckpt.batches(), steps_per_epoch=4, epochs=3, callbacks=[_SigtermAt(6), ckpt], verbose=0)
+    model.fit(ckpt.batches(), steps_per_epoch=4, epochs=3, callbacks=[sigterm_at(6), ckpt], verbose=0)
     assert ckpt.preempted_step == 1
     assert inspect(str(tmp_path)).steps == [0, 1]
     assert inspect(str(tmp_path / "0")).metadata["epoch_complete"] is True
@@ -154,7 +142,7 @@ def test_sigterm_handler_is_only_installed_during_fit(tmp_path):
         assert seen == [signal.SIGTERM] and ckpt.preempted_step is None
         off = OrbaxCheckpoint(str(tmp_path / "off"), save_on_preemption=False)
         model.fit(np.ones((8, 6), "float32"), np.ones((8, 1), "float32"), epochs=1,
-                  callbacks=[off, _SigtermAt(1)], verbose=0)
+                  callbacks=[off, sigterm_at(1)], verbose=0)
         assert seen == [signal.SIGTERM] * 2 and off.preempted_step is None  # ours never ran
     finally:
         signal.signal(signal.SIGTERM, previous)

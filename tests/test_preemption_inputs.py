@@ -27,7 +27,7 @@ import numpy as np
 import pytest
 
 from shardckpt.training import OrbaxCheckpoint
-from tests.test_preemption import _SigtermAt
+from tests._train_worker import sigterm_at as sigterm_sender
 
 EPOCHS, STEPS, BATCH = 3, 6, 8
 N = STEPS * BATCH
@@ -127,7 +127,7 @@ class _Harness:
         ckpt = OrbaxCheckpoint(directory, save_freq=save_freq, resume=resume, data_iterator=iterator)
         callbacks: list = [ckpt]
         if sigterm_at is not None:
-            sender = _SigtermAt(sigterm_at)
+            sender = sigterm_sender(sigterm_at)
             callbacks = [sender, ckpt] if sender_first else [ckpt, sender]
         fit = self.model.fit
         if kind == "arrays":

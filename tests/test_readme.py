@@ -189,17 +189,21 @@ class Workspace:
 
         self._once("weights", make)
 
-    def llama_preset(self) -> str:
+    def _preset(self, name: str, build: Callable[[Any], keras.Model]) -> str:
+        """`build(keras_hub)` saved by keras-hub as the preset folder `name` (once)."""
+
         def make() -> str:
             import keras_hub
 
             keras.backend.clear_session()
-            backbone = keras_hub.models.LlamaBackbone(**LLAMA)
-            backbone.save_to_preset(self.path("llama_preset"))
+            build(keras_hub).save_to_preset(self.path(name))
             keras.backend.clear_session()
-            return self.path("llama_preset")
+            return self.path(name)
 
-        return self._once("llama_preset", make)
+        return self._once(name, make)
+
+    def llama_preset(self) -> str:
+        return self._preset("llama_preset", lambda keras_hub: keras_hub.models.LlamaBackbone(**LLAMA))
 
     def hf_folder(self) -> str:
         def make() -> str:
@@ -212,20 +216,14 @@ class Workspace:
         return self._once("hf", make)
 
     def classifier_preset(self) -> str:
-        def make() -> str:
-            import keras_hub
-
-            keras.backend.clear_session()
+        def build(keras_hub: Any) -> keras.Model:
             backbone = keras_hub.models.BertBackbone(
                 vocabulary_size=64, num_layers=1, num_heads=8, hidden_dim=32, intermediate_dim=64,
                 max_sequence_length=16,
             )
-            task = keras_hub.models.BertTextClassifier(backbone=backbone, num_classes=4, preprocessor=None)
-            task.save_to_preset(self.path("bert_clf"))
-            keras.backend.clear_session()
-            return self.path("bert_clf")
+            return keras_hub.models.BertTextClassifier(backbone=backbone, num_classes=4, preprocessor=None)
 
-        return self._once("bert_clf", make)
+        return self._preset("bert_clf", build)
 
     def buckets(self) -> None:
         """gs://my-bucket and s3://my-bucket on the fake servers, with a preset and a checkpoint."""

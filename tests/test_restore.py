@@ -14,7 +14,7 @@ import safetensors.numpy as stnp
 
 import shardckpt
 from shardckpt.restore import hostmem
-from tests.zoo import build_zoo, model_parallel, randomize, zoo_layout_map
+from tests.zoo import build_zoo, model_parallel, randomize, save_as, zoo_layout_map
 
 MESHES = {"1x8": (1, 8), "2x4": (2, 4), "8x1": (8, 1)}
 
@@ -33,21 +33,6 @@ def _fresh(build, mesh_shape=None, lazy=False, **kw):
     else:
         model = build(**kw)
     return model, dist
-
-
-def _write(model, tmp_path, fmt):
-    if fmt == "h5":
-        path = tmp_path / "m.weights.h5"
-        model.save_weights(path)
-    elif fmt == "keras":
-        path = tmp_path / "m.keras"
-        model.save(path)
-    elif fmt == "safetensors":
-        path = tmp_path / "m.safetensors"
-        stnp.save_file({v.path: np.asarray(v.value) for v in model.weights}, str(path))
-    else:
-        raise AssertionError(fmt)
-    return str(path)
 
 
 def _assert_same(model, expected_values, dist):
@@ -76,7 +61,7 @@ def _keras_loaded(path, dtype="float32", **kw):
 def test_formats_bit_exact_on_1x8(tmp_path, fmt):
     src, _ = _fresh(build_zoo)
     randomize(src)
-    path = _write(src, tmp_path, fmt)
+    path = save_as(src, tmp_path, fmt)
     want = [np.asarray(v.value) for v in src.weights]
     if fmt != "safetensors":
         for a, b in zip(_keras_loaded(path), want):
@@ -94,7 +79,7 @@ def test_formats_bit_exact_on_1x8(tmp_path, fmt):
 def test_meshes_and_dtypes_h5(tmp_path, mesh, dtype):
     src, _ = _fresh(build_zoo, dtype=dtype)
     randomize(src, seed=3)
-    path = _write(src, tmp_path, "h5")
+    path = save_as(src, tmp_path, "h5")
     want = _keras_loaded(path, dtype)
     model, dist = _fresh(build_zoo, MESHES.get(mesh), lazy=True, dtype=dtype)
     shardckpt.load_sharded(model, path)
@@ -117,7 +102,7 @@ def test_meshes_and_dtypes_h5(tmp_path, mesh, dtype):
 def test_cast_float32_checkpoint_into_bfloat16_model_like_keras(tmp_path):
     src, _ = _fresh(build_zoo, rnn=False)
     randomize(src, seed=5)
-    path = _write(src, tmp_path, "h5")
+    path = save_as(src, tmp_path, "h5")
     want = _keras_loaded(path, "bfloat16", rnn=False)
     model, dist = _fresh(build_zoo, MESHES["2x4"], lazy=True, dtype="bfloat16", rnn=False)
     report = shardckpt.load_sharded(model, path)
@@ -129,7 +114,7 @@ def test_cast_float32_checkpoint_into_bfloat16_model_like_keras(tmp_path):
 def test_normally_built_model_is_replaced_in_its_sharding(tmp_path):
     src, _ = _fresh(build_zoo)
     randomize(src, seed=7)
-    path = _write(src, tmp_path, "keras")
+    path = save_as(src, tmp_path, "keras")
     want = [np.asarray(v.value) for v in src.weights]
     model, dist = _fresh(build_zoo, MESHES["2x4"], lazy=False)
     before = {v.path: np.asarray(v.value) for v in model.weights}
@@ -158,7 +143,7 @@ def test_normally_built_model_gives_its_old_values_back(tmp_path):
 
     src, _ = _fresh(build)
     randomize(src, seed=31)
-    path = _write(src, tmp_path, "h5")
+    path = save_as(src, tmp_path, "h5")
     want = [np.asarray(v.value) for v in src.weights]
     model_bytes = sum(w.nbytes for w in want)  # 256 MiB, split over the devices
     del src
@@ -178,7 +163,7 @@ def test_normally_built_model_gives_its_old_values_back(tmp_path):
 def test_explicit_layout_map_without_distribution(tmp_path):
     src, _ = _fresh(build_zoo)
     randomize(src, seed=9)
-    path = _write(src, tmp_path, "safetensors")
+    path = save_as(src, tmp_path, "safetensors")
     model, _ = _fresh(build_zoo, lazy=True)
     mesh = keras.distribution.DeviceMesh((2, 4), ["data", "model"])
     layout_map = zoo_layout_map(mesh)
@@ -190,7 +175,7 @@ def test_explicit_layout_map_without_distribution(tmp_path):
 def test_small_inflight_budget_gives_same_result(tmp_path):
     src, _ = _fresh(build_zoo)
     randomize(src, seed=11)
-    path = _write(src, tmp_path, "h5")
+    path = save_as(src, tmp_path, "h5")
     model, dist = _fresh(build_zoo, MESHES["1x8"], lazy=True)
     shardckpt.load_sharded(model, path, max_inflight_bytes=64)  # one row at a time
     _assert_same(model, [np.asarray(v.value) for v in src.weights], dist)
@@ -220,7 +205,7 @@ def test_strict_false_initialises_missing_variables_in_their_sharding(tmp_path):
 
 def test_progress_bar_runs(tmp_path, capsys, monkeypatch):
     src, _ = _fresh(build_zoo)
-    path = _write(src, tmp_path, "h5")
+    path = save_as(src, tmp_path, "h5")
     model, _ = _fresh(build_zoo, MESHES["1x8"], lazy=True)
     monkeypatch.setenv("FORCE_COLOR", "1")  # rich draws on captured stderr as on a terminal
     report = shardckpt.load_sharded(model, path, progress=True)
@@ -239,7 +224,7 @@ def test_training_after_load_matches_keras_load(tmp_path, mesh):
     """Restored buffers are owned per device: donated train steps stay exact."""
     src, _ = _fresh(build_zoo, rnn=False)
     randomize(src, seed=17)
-    path = _write(src, tmp_path, "h5")
+    path = save_as(src, tmp_path, "h5")
     x = np.arange(64, dtype="int32").reshape(8, 8) % 32
     y = np.linspace(-1, 1, 8 * 8 * 32, dtype="float32").reshape(8, 8, 32)
 
@@ -343,7 +328,7 @@ def test_readers_declare_their_capabilities(tmp_path):
         assert (MappedReader in cls.__mro__) is mapped and (ChunkedReader in cls.__mro__) is chunked, cls
     src, _ = _fresh(build_zoo)
     for fmt in ("h5", "keras", "safetensors"):
-        reader = open_reader(_write(src, tmp_path, fmt))
+        reader = open_reader(save_as(src, tmp_path, fmt))
         try:
             assert isinstance(reader, Reader) and isinstance(reader, MappedReader) and not isinstance(reader, ChunkedReader)
             key = reader.keys()[0]
@@ -360,7 +345,7 @@ def test_load_into_a_model_on_one_device_then_fit_builds_its_optimizer(tmp_path)
     slots from the loaded variables (their recorded layout once broke that)."""
     src, _ = _fresh(build_zoo, rnn=False)
     randomize(src)
-    path = _write(src, tmp_path, "h5")
+    path = save_as(src, tmp_path, "h5")
     model, _ = _fresh(build_zoo, rnn=False)
     model.compile(optimizer="adam", loss="mse")
     shardckpt.load_sharded(model, path)

@@ -12,9 +12,9 @@ from __future__ import annotations
 import keras
 import numpy as np
 import pytest
-import safetensors.numpy as stnp
 
 import shardckpt
+from tests.zoo import save_as
 
 X = np.linspace(-1, 1, 8 * 4, dtype="float32").reshape(8, 4)
 Y = np.linspace(1, -1, 8 * 16, dtype="float32").reshape(8, 16)
@@ -79,31 +79,20 @@ def _trained(tmp_path, fmt):
     model.fit(X, Y, batch_size=4, epochs=1, verbose=0, shuffle=False)
     want = _state(model)
     assert int(model.optimizer.iterations) == 2 and np.asarray(model.optimizer.iterations.value).shape == ()
-    if fmt == "h5":
-        path = tmp_path / "m.weights.h5"
-        model.save_weights(path)
-    elif fmt == "keras":
-        path = tmp_path / "m.keras"
-        model.save(path)
-    elif fmt == "h5-sharded":
-        path = tmp_path / "m.weights.json"
-        model.save_weights(path, max_shard_size=1e-6)  # a file per variable group
-    elif fmt == "orbax":
+    if fmt == "orbax":
         callback = keras.callbacks.OrbaxCheckpoint(str(tmp_path / "ckpt"), save_freq="epoch", save_weights_only=False)
         keras.backend.clear_session()
         model = _build(empty=False)
         model.fit(X, Y, batch_size=4, epochs=1, verbose=0, shuffle=False, callbacks=[callback])
         callback.wait_until_finished()
         want = _state(model)
-        path = tmp_path / "ckpt"
-    elif fmt == "safetensors":  # weights only: the format holds no optimizer state
-        path = tmp_path / "m.safetensors"
-        stnp.save_file({v.path: np.asarray(v.value) for v in model.weights}, str(path))
-        want = {v.path: want[v.path] for v in model.weights}
+        path = str(tmp_path / "ckpt")
     else:
-        raise AssertionError(fmt)
+        path = save_as(model, tmp_path, fmt)  # h5-sharded: a file per variable group
+        if fmt == "safetensors":  # weights only: the format holds no optimizer state
+            want = {v.path: want[v.path] for v in model.weights}
     keras.backend.clear_session()
-    return str(path), want
+    return path, want
 
 
 @pytest.mark.parametrize("lazy", [True, False], ids=["lazy", "built"])

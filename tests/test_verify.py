@@ -17,6 +17,7 @@ from shardckpt.cli import main
 from shardckpt.convert import integrity
 from shardckpt.convert.converter import convert
 from shardckpt.convert.integrity import read_checksums, verify
+from tests.damage import flip_byte_of
 from tests.zoo import build_zoo, randomize, saved_zoo_h5
 
 
@@ -39,22 +40,6 @@ def _converted(tmp_path):
     return dst, values
 
 
-def _flip_byte_of(dst: str, data: np.ndarray) -> None:
-    """Flips one byte in the middle of `data`'s bytes inside the OCDBT data files."""
-    raw = data.tobytes()
-    folder = os.path.join(dst, "pytree", "d")
-    for name in os.listdir(folder):
-        path = os.path.join(folder, name)
-        blob = open(path, "rb").read()
-        at = blob.find(raw)
-        if at >= 0:
-            with open(path, "r+b") as f:
-                f.seek(at + len(raw) // 2)
-                f.write(bytes([blob[at + len(raw) // 2] ^ 0x10]))
-            return
-    raise AssertionError("array bytes not found in the data files")
-
-
 def test_intact_checkpoint_verifies_with_every_checksum(tmp_path):
     dst, expected = _converted(tmp_path)
     report = verify(dst)
@@ -65,7 +50,7 @@ def test_intact_checkpoint_verifies_with_every_checksum(tmp_path):
 
 def test_flipped_byte_is_named(tmp_path, capsys):
     dst, expected = _converted(tmp_path)
-    _flip_byte_of(dst, expected["head/kernel"])
+    flip_byte_of(os.path.join(dst, "pytree"), expected["head/kernel"])
     report = verify(dst)
     assert len(report.damaged) == 1
     # The chunk's crc32c fails as tensorstore decodes it, before the array's CRC-32 is compared.

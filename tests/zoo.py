@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import os
+
 import keras
 import numpy as np
+import safetensors.numpy as stnp
 from keras import layers
 
 
@@ -161,3 +164,35 @@ def lazy_zoo(dtype: str = "float32", mesh_shape: tuple[int, ...] | None = None, 
     with shardckpt.lazy_init():
         model = build_zoo(dtype=dtype, **kw)
     return model, dist
+
+
+SAVED_NAMES = {"h5": "m.weights.h5", "keras": "m.keras", "h5-sharded": "m.weights.json", "safetensors": "m.safetensors"}
+
+
+def save_as(model: keras.Model, folder, fmt: str) -> str:
+    """Writes `model` into `folder` as users write `fmt` (a key of `SAVED_NAMES`); returns the path.
+
+    Keras' own `save_weights` / `save` (h5-sharded: a file per variable
+    group), or safetensors' `save_file` keyed by variable path (weights only).
+    """
+    path = os.path.join(str(folder), SAVED_NAMES[fmt])
+    if fmt == "keras":
+        model.save(path)
+    elif fmt == "safetensors":
+        stnp.save_file({v.path: np.asarray(v.value) for v in model.weights}, path)
+    elif fmt == "h5-sharded":
+        model.save_weights(path, max_shard_size=1e-6)
+    else:
+        model.save_weights(path)
+    return path
+
+
+def small_regressor(seed: int, width: int, optimizer: str | keras.optimizers.Optimizer = "adam") -> keras.Model:
+    """x (6) -> hidden (Dense `width`, relu) -> head (Dense 1), named "small", compiled (mse, mae), seeded."""
+    keras.utils.set_random_seed(seed)
+    inputs = keras.Input((6,), name="x")
+    h = layers.Dense(width, activation="relu", name="hidden")(inputs)
+    outputs = layers.Dense(1, name="head")(h)
+    model = keras.Model(inputs, outputs, name="small")
+    model.compile(optimizer=optimizer, loss="mse", metrics=["mae"])
+    return model

@@ -4,12 +4,17 @@ Memory is `RssAnon` from /proc/self/status: pages of memory-mapped checkpoint
 files are reclaimable page cache and would inflate plain RSS.
 
 Every bench has a `--smoke` size that `tests/test_bench_smoke.py` runs, so
-the scripts cannot rot; smoke figures mean nothing.
+the scripts cannot rot; smoke figures mean nothing. A smoke runs its cells
+(`run_child`) one after another in one shared child process per script
+(`share_children`), so a smoke pays one Python, JAX and Keras start-up
+instead of one per cell; the real bench runs each cell in a fresh process.
 """
 
 from __future__ import annotations
 
 import argparse
+import atexit
+import importlib.util
 import json
 import os
 import resource
@@ -19,12 +24,45 @@ import sys
 import tempfile
 import threading
 import time
+import traceback
 from collections.abc import Callable, Sequence
 from typing import Any
 
 TOOLS = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(TOOLS)
 RESULT = "RESULT "  # a child's last line starting with this holds its JSON result
+DONE = "CHILD-DONE "  # a shared child's line after each command: its exit status
+SHARED_DEVICES = 8  # CPU devices of a shared child: the most any bench's cell asks for
+_shared: dict[str, subprocess.Popen] = {}  # script -> its shared child (`share_children`)
+_sharing = False
+
+# The Llama 3 backbone that bench_preset and bench_export measure:
+# option -> (keras-hub's LlamaBackbone argument, default, --smoke value).
+LLAMA_SIZE = {
+    "layers": ("num_layers", 6, 1),
+    "hidden": ("hidden_dim", 2048, 64),
+    "intermediate": ("intermediate_dim", 5632, 128),
+    "heads": ("num_query_heads", 16, 8),
+    "kv_heads": ("num_key_value_heads", 4, 2),
+    "vocab": ("vocabulary_size", 32000, 128),
+}
+LLAMA_SMOKE = {name: smoke for name, (_, _, smoke) in LLAMA_SIZE.items()}
+
+
+def llama_options(parser: argparse.ArgumentParser) -> None:
+    """Adds the Llama size options (`LLAMA_SIZE`): --layers, --hidden, ..."""
+    for name, (_, default, _) in LLAMA_SIZE.items():
+        parser.add_argument("--" + name.replace("_", "-"), type=int, default=default)
+
+
+def llama_argv(args: argparse.Namespace) -> list[str]:
+    """The Llama size options of `args`, as a child's command line."""
+    return [word for name in LLAMA_SIZE for word in ("--" + name.replace("_", "-"), str(getattr(args, name)))]
+
+
+def llama_config(args: argparse.Namespace) -> dict[str, int]:
+    """keras-hub's `LlamaBackbone` arguments for the Llama size options of `args`."""
+    return {argument: getattr(args, name) for name, (argument, _, _) in LLAMA_SIZE.items()}
 
 
 def setup_jax(devices: int, *, cpu_only: bool = True) -> None:
@@ -85,6 +123,7 @@ def main(
             parser.add_argument(flag, nargs=nargs, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.smoke:
+        share_children()
         if callable(smoke):
             smoke(args)
         else:
@@ -104,6 +143,7 @@ def main(
     try:
         run(args)
     finally:
+        close_children()  # before the workdir goes: a shared child may hold its files open
         if own:
             shutil.rmtree(args.workdir, ignore_errors=True)
 
@@ -117,19 +157,94 @@ def run_child(script: str, *args: str) -> dict[str, Any]:
     """Runs `python script *args` in a fresh process and returns what it `emit`ted.
 
     Dirty pages of earlier cells are flushed first, so that no cell pays for
-    another's writeback.
+    another's writeback. After `share_children`, the command runs in the
+    script's shared child instead.
 
     Raises:
         SystemExit: the child failed (its output's tail is shown).
     """
     os.sync()
-    proc = subprocess.run([sys.executable, script, *args], capture_output=True, text=True)
-    if proc.returncode != 0:
-        raise SystemExit(f"child {args} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
-    lines = [line for line in proc.stdout.splitlines() if line.startswith(RESULT)]
+    if _sharing:
+        status, out, err = _run_shared(script, args)
+    else:
+        proc = subprocess.run([sys.executable, script, *args], capture_output=True, text=True)
+        status, out, err = proc.returncode, proc.stdout, proc.stderr
+    if status != 0:
+        raise SystemExit(f"child {args} failed:\n{out[-3000:]}\n{err[-3000:]}")
+    lines = [line for line in out.splitlines() if line.startswith(RESULT)]
     if not lines:
-        raise SystemExit(f"child {args} printed no result:\n{proc.stdout[-3000:]}")
+        raise SystemExit(f"child {args} printed no result:\n{out[-3000:]}")
     return json.loads(lines[-1][len(RESULT):])
+
+
+def share_children() -> None:
+    """From now on `run_child` runs every command of a script in one child process (`--smoke`).
+
+    Each command still runs through the script's own `main` with its own
+    arguments, after Keras' global state is reset, so every cell's code runs;
+    the child has `SHARED_DEVICES` CPU devices (a cell that asks for fewer
+    runs on device 0 of them). Figures of shared cells are not comparable.
+    """
+    global _sharing
+    if not _sharing:
+        _sharing = True
+        atexit.register(close_children)
+
+
+def close_children() -> None:
+    """Ends the shared children (end of input makes each return)."""
+    while _shared:
+        _, proc = _shared.popitem()
+        if proc.stdin is not None:
+            proc.stdin.close()
+        proc.wait()
+
+
+def _run_shared(script: str, args: Sequence[str]) -> tuple[int, str, str]:
+    proc = _shared.get(script)
+    if proc is None:
+        env = dict(os.environ)  # as set now: a bench may have set endpoints for its children
+        flags = env.get("XLA_FLAGS", "")
+        if "xla_force_host_platform_device_count" not in flags:
+            env["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={SHARED_DEVICES}".strip()
+        proc = subprocess.Popen([sys.executable, os.path.abspath(__file__), "--serve", script], env=env,
+                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        _shared[script] = proc
+    assert proc.stdin is not None and proc.stdout is not None
+    proc.stdin.write(json.dumps(list(args)) + "\n")
+    proc.stdin.flush()
+    out = []
+    for line in proc.stdout:
+        if line.startswith(DONE):
+            return int(line[len(DONE):]), "".join(out), ""
+        out.append(line)
+    del _shared[script]
+    return proc.wait() or 1, "".join(out), "the shared child ended (its stderr is above)"
+
+
+def _serve(script: str) -> None:
+    """The shared child: runs `script`'s `main` once per line of JSON arguments on stdin."""
+    spec = importlib.util.spec_from_file_location("bench_child", script)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    for line in sys.stdin:
+        if "keras" in sys.modules:  # no distribution, names or graphs left by the previous cell
+            keras = sys.modules["keras"]
+            keras.distribution.set_distribution(None)
+            keras.backend.clear_session()
+        sys.argv = [script, *json.loads(line)]
+        try:
+            module.main()
+            status = 0
+        except SystemExit as e:
+            status = e.code if isinstance(e.code, int) else 0 if e.code is None else 1
+            if e.code is not None and not isinstance(e.code, int):
+                print(e.code, flush=True)
+        except Exception:
+            traceback.print_exc(file=sys.stdout)
+            status = 1
+        print(f"{DONE}{status}", flush=True)
 
 
 def du(path: str) -> int:
@@ -216,3 +331,7 @@ def print_then_vs_now(rows: Sequence[tuple[str, str, str, str, str]]) -> None:
     print("\nthen vs now:")
     for row in (header, *rows):
         print("  " + "  ".join(str(cell).ljust(width) for cell, width in zip(row, widths)))
+
+
+if __name__ == "__main__" and sys.argv[1:2] == ["--serve"]:
+    _serve(sys.argv[2])

@@ -42,8 +42,9 @@ import time
 
 import _bench as bench
 from _bench import ROOT, cpu_seconds, du, emit, run_child, setup_jax
+from bench_restore import FORMATS, model_options, prepare_h5
 
-H5 = "model.weights.h5"
+H5 = FORMATS["h5"]  # what prepare_h5 writes
 WRITERS = ("convert", "callback")
 COMPRESSIONS = ("none", "zstd")
 SMOKE = {"blocks": 1, "dim": 64, "repeat": 1, "keras_repeat": 1, "chunks": "shard,1", "compressions": "zstd"}
@@ -53,19 +54,6 @@ MIB = 2**20
 def chunk_bytes(label: str) -> int | None:
     """"shard" -> None (one chunk per written block); "4" -> 4 MiB."""
     return None if label == "shard" else int(float(label) * MIB)
-
-
-def prepare(args: argparse.Namespace) -> dict:
-    setup_jax(1)
-    import numpy as np
-    from bench_restore import build
-
-    model = build(args.blocks, args.dim)
-    rng = np.random.default_rng(0)
-    for v in model.weights:
-        v.assign(rng.standard_normal(v.shape, dtype=np.float32) * 0.02)
-    model.save_weights(os.path.join(args.workdir, H5))
-    return {"params": int(model.count_params())}
 
 
 def save(args: argparse.Namespace, writer: str, chunks: str, compression: str) -> dict:
@@ -165,13 +153,12 @@ def _spread(values: list[float]) -> str:
 def main() -> None:
     bench.main(
         __doc__, options=_options, run=_parent, smoke=SMOKE, prefix="bench-chunks-", repeat=3,
-        children={"--_prepare": (0, prepare), "--_save": (3, save), "--_restore": (2, restore)},
+        children={"--_prepare": (0, prepare_h5), "--_save": (3, save), "--_restore": (2, restore)},
     )
 
 
 def _options(parser) -> None:
-    parser.add_argument("--blocks", type=int, default=12)
-    parser.add_argument("--dim", type=int, default=2048)
+    model_options(parser)
     parser.add_argument("--devices", type=int, default=8)
     parser.add_argument("--keras-repeat", type=int, default=1, help="Keras restores per configuration (0: none)")
     parser.add_argument("--writers", default=",".join(WRITERS))

@@ -33,24 +33,12 @@ import time
 
 import _bench as bench
 from _bench import PeakSampler, cpu_seconds, du, emit, print_then_vs_now, rss_anon, run_child, setup_jax
+from bench_restore import FORMATS, model_options, prepare_h5
 
-H5 = "model.weights.h5"
+H5 = FORMATS["h5"]  # what prepare_h5 writes
 SMOKE = {"blocks": 1, "dim": 64, "repeat": 1}
 # Issue 27's figures for `convert` (none) over Keras' build + load + save, 1.6 GB model, quiet machine.
 CONVERT_THEN, CONVERT_ISSUE, CONVERT_GOAL = "4.2 s = 0.29x", "5.5-5.9 s = 0.42-0.44x", "<= 0.25x"
-
-
-def prepare(args: argparse.Namespace) -> dict:
-    setup_jax(1)
-    import numpy as np
-    from bench_restore import build
-
-    model = build(args.blocks, args.dim)
-    rng = np.random.default_rng(0)
-    for v in model.weights:
-        v.assign(rng.standard_normal(v.shape, dtype=np.float32) * 0.02)
-    model.save_weights(os.path.join(args.workdir, H5))
-    return {"params": int(model.count_params())}
 
 
 def cell(args: argparse.Namespace, mode: str, option: str) -> dict:
@@ -126,13 +114,12 @@ def _best(args: argparse.Namespace, *extra: str) -> dict:
 
 
 def main() -> None:
-    bench.main(__doc__, options=_options, children={"--_prepare": (0, prepare), "--_cell": (2, cell)},
+    bench.main(__doc__, options=_options, children={"--_prepare": (0, prepare_h5), "--_cell": (2, cell)},
                run=_parent, smoke=SMOKE, prefix="bench-convert-", reuse=True)
 
 
 def _options(parser) -> None:
-    parser.add_argument("--blocks", type=int, default=12)
-    parser.add_argument("--dim", type=int, default=2048)
+    model_options(parser)
 
 
 def _parent(args) -> None:

@@ -31,17 +31,14 @@ import shutil
 import tempfile
 import time
 
+import _bench as bench
 from _bench import PeakSampler, du, emit, rss_anon, run_child, setup_jax
 
 CELLS = ("shardckpt-hf", "keras-hub-hf", "shardckpt-preset", "keras-hub-preset")
 
 
 def config(args) -> dict:
-    return dict(
-        vocabulary_size=args.vocab, num_layers=args.layers, num_query_heads=args.heads,
-        num_key_value_heads=args.kv_heads, hidden_dim=args.hidden, intermediate_dim=args.intermediate,
-        tie_word_embeddings=False,
-    )
+    return {**bench.llama_config(args), "tie_word_embeddings": False}
 
 
 def prepare(args) -> None:
@@ -97,27 +94,22 @@ def _child(args, *extra: str) -> dict:
 
 
 def _size_args(args) -> list[str]:
-    return ["--layers", str(args.layers), "--hidden", str(args.hidden), "--intermediate", str(args.intermediate),
-            "--heads", str(args.heads), "--kv-heads", str(args.kv_heads), "--vocab", str(args.vocab)]
+    return bench.llama_argv(args)
 
 
-SMOKE = dict(layers=1, hidden=64, intermediate=128, heads=8, kv_heads=2, vocab=128)
+SMOKE = bench.LLAMA_SMOKE
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--layers", type=int, default=6)
-    parser.add_argument("--hidden", type=int, default=2048)
-    parser.add_argument("--intermediate", type=int, default=5632)
-    parser.add_argument("--heads", type=int, default=16)
-    parser.add_argument("--kv-heads", type=int, default=4)
-    parser.add_argument("--vocab", type=int, default=32000)
+    bench.llama_options(parser)
     parser.add_argument("--workdir", default=None)
     parser.add_argument("--smoke", action="store_true", help="a tiny model: checks the bench runs")
     parser.add_argument("--_prepare", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--_run", metavar="CELL", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.smoke:
+        bench.share_children()
         for key, value in SMOKE.items():
             setattr(args, key, value)
     if args._prepare:

@@ -45,14 +45,7 @@ MODES = ("keras-hub", "shardckpt", "shardckpt-auto")
 
 
 def config(args) -> dict:
-    return dict(
-        vocabulary_size=args.vocab,
-        num_layers=args.layers,
-        num_query_heads=args.heads,
-        num_key_value_heads=args.kv_heads,
-        hidden_dim=args.hidden,
-        intermediate_dim=args.intermediate,
-    )
+    return bench.llama_config(args)
 
 
 def prepare(args) -> None:
@@ -121,14 +114,10 @@ def _child(args, *extra: str) -> dict:
 
 
 def _size_args(args) -> list[str]:
-    return [
-        "--layers", str(args.layers), "--hidden", str(args.hidden), "--intermediate", str(args.intermediate),
-        "--heads", str(args.heads), "--kv-heads", str(args.kv_heads), "--vocab", str(args.vocab),
-        "--shard-gb", str(args.shard_gb),
-    ]
+    return [*bench.llama_argv(args), "--shard-gb", str(args.shard_gb)]
 
 
-SMOKE = dict(layers=1, hidden=64, intermediate=128, heads=8, kv_heads=2, vocab=128, shard_gb=5e-5)
+SMOKE = {**bench.LLAMA_SMOKE, "shard_gb": 5e-5}
 
 
 def main() -> None:
@@ -137,12 +126,7 @@ def main() -> None:
 
 
 def _options(parser) -> None:
-    parser.add_argument("--layers", type=int, default=6)
-    parser.add_argument("--hidden", type=int, default=2048)
-    parser.add_argument("--intermediate", type=int, default=5632)
-    parser.add_argument("--heads", type=int, default=16)
-    parser.add_argument("--kv-heads", type=int, default=4)
-    parser.add_argument("--vocab", type=int, default=32000)
+    bench.llama_options(parser)
     parser.add_argument("--shard-gb", type=float, default=0.25, help="max_shard_size of the sharded preset (GB)")
 
 

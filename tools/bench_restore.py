@@ -108,16 +108,38 @@ def distribution():
     return keras.distribution.ModelParallel(layout_map=layout_map)
 
 
+def model_options(parser) -> None:
+    """--blocks and --dim of `build`'s model (bench_convert and bench_chunks measure it too)."""
+    parser.add_argument("--blocks", type=int, default=12)
+    parser.add_argument("--dim", type=int, default=2048)
+
+
+def random_model(args):
+    """`build(args.blocks, args.dim)` with seeded N(0, 0.02) weights."""
+    import numpy as np
+
+    model = build(args.blocks, args.dim)
+    rng = np.random.default_rng(0)
+    for v in model.weights:
+        v.assign(rng.standard_normal(v.shape, dtype=np.float32) * 0.02)
+    return model
+
+
+def prepare_h5(args) -> dict:
+    """Child of bench_convert and bench_chunks: `random_model` saved by Keras as `--workdir`/model.weights.h5."""
+    setup_jax(1)
+    model = random_model(args)
+    model.save_weights(os.path.join(args.workdir, FORMATS["h5"]))
+    return {"params": int(model.count_params())}
+
+
 def prepare(args) -> None:
     _setup_jax(8)
     import keras
     import numpy as np
     import safetensors.numpy as stnp
 
-    model = build(args.blocks, args.dim)
-    rng = np.random.default_rng(0)
-    for v in model.weights:
-        v.assign(rng.standard_normal(v.shape, dtype=np.float32) * 0.02)
+    model = random_model(args)
     model.save_weights(os.path.join(args.workdir, FORMATS["h5"]))
     stnp.save_file(
         {v.path: np.asarray(v.value) for v in model.weights},
@@ -335,8 +357,7 @@ def main() -> None:
 
 
 def _options(parser) -> None:
-    parser.add_argument("--blocks", type=int, default=12)
-    parser.add_argument("--dim", type=int, default=2048)
+    model_options(parser)
     parser.add_argument("--formats", default="h5,orbax,safetensors")
     parser.add_argument("--warm", action="store_true",
                         help="touch and free memory before each timed section (see _bench.warm_memory)")

@@ -52,7 +52,7 @@ from shardckpt.formats.orbax import writer as orbax_writer
 from shardckpt.formats.orbax.writer import COMPRESSIONS, DEFAULT_COMPRESSION, OrbaxStepWriter
 from shardckpt.layout.auto import auto_layout
 from shardckpt.lazy import is_unloaded, original_initializer
-from shardckpt.progress import ByteProgress, format_bytes, format_rate
+from shardckpt.progress import ByteProgress, format_bytes, key_lines, read_line
 from shardckpt.restore import keys as naming
 from shardckpt.restore.targets import resolve_layout
 from shardckpt.types import DType, Layout, Mesh, Model
@@ -92,19 +92,17 @@ class ConvertReport:
     initialized: list[str] = dataclasses.field(default_factory=list)
 
     def __str__(self) -> str:
+        source = f"{self.format} {self.src!r} to Orbax {self.dst!r}"
         lines = [
-            f"Converted {self.arrays} arrays ({format_bytes(self.bytes_read)}) from {self.format} "
-            f"{self.src!r} to Orbax {self.dst!r} in {self.seconds:.2f} s "
-            f"({format_rate(self.bytes_read, self.seconds)}); "
+            f"{read_line('Converted', self.arrays, self.bytes_read, source, self.seconds)}; "
             f"{format_bytes(self.bytes_on_disk)} on disk, compression {self.compression}, "
             f"{integrity.ALGORITHM} checksum per array."
         ]
-        if self.skipped:
-            lines.append(f"  skipped (optimizer state; output holds weights only): {len(self.skipped)} arrays")
-        if self.casts:
-            lines.append(f"  cast: {len(self.casts)} arrays ({self.casts[0]}, ...)")
-        if self.initialized:
-            lines.append(f"  initial values (not in the source format): {', '.join(self.initialized)}")
+        lines += key_lines((
+            ("skipped (optimizer state; output holds weights only)", self.skipped),
+            ("cast", self.casts),
+            ("initial values (not in the source format)", self.initialized),
+        ))
         return "\n".join(lines)
 
 

@@ -37,7 +37,7 @@ from shardckpt.errors import ChecksumMismatchError, CorruptCheckpointError
 from shardckpt.formats import open_reader
 from shardckpt.formats.orbax import ondisk
 from shardckpt.natsort import natural_sorted
-from shardckpt.progress import format_bytes
+from shardckpt.progress import ReadTally, format_bytes
 
 METADATA_KEY = "shardckpt"
 ALGORITHM = "crc32"
@@ -87,22 +87,16 @@ def read_checksums(step_dir: str) -> dict[str, dict[str, Any]] | None:
 
 
 @dataclasses.dataclass(kw_only=True)
-class VerifyReport:
+class VerifyReport(ReadTally):
     """What `verify` found.
 
     Attributes:
-        path: The checkpoint checked (for Orbax: the step folder).
-        format: The format's name in `shardckpt.formats.FORMATS` ("h5", "orbax", ...).
-        arrays: Arrays read back.
-        bytes_read: Bytes of array data read.
+        path, format, arrays, bytes_read: What was read back (see
+            `shardckpt.progress.ReadTally`).
         checksummed: Arrays whose checksum was compared (0: none stored).
         damaged: One line per damaged array: key, what was expected, found.
     """
 
-    path: str
-    format: str
-    arrays: int = 0
-    bytes_read: int = 0
     checksummed: int = 0
     damaged: list[str] = dataclasses.field(default_factory=list)
 

@@ -28,7 +28,7 @@ from shardckpt import budget as budgets
 from shardckpt.errors import IndivisibleLayoutError
 from shardckpt.formats import Reader, open_reader
 from shardckpt.lazy import is_unloaded, original_initializer
-from shardckpt.progress import ByteProgress, format_bytes, format_rate
+from shardckpt.progress import ByteProgress, ReadTally, key_lines, read_line
 from shardckpt.restore import hostmem
 from shardckpt.restore import keys as naming
 from shardckpt.restore.strategies import Budget, Job, load_variable
@@ -41,14 +41,12 @@ _WORKERS = min(8, max(2, (os.cpu_count() or 2)))
 
 
 @dataclasses.dataclass(kw_only=True)
-class LoadReport:
+class LoadReport(ReadTally):
     """What `load_sharded` did.
 
     Attributes:
-        path: The checkpoint read (for Orbax: the step folder).
-        format: The format's name in `shardckpt.formats.FORMATS` ("h5", "orbax", ...).
+        path, format, bytes_read: See `shardckpt.progress.ReadTally`.
         arrays: Variables that received a value from the checkpoint.
-        bytes_read: Bytes of array data read by this process.
         seconds: Wall time of the whole load.
         missing: Variable paths with no array in the checkpoint.
         unexpected: Checkpoint keys matching no variable.
@@ -63,10 +61,6 @@ class LoadReport:
             when none was given).
     """
 
-    path: str
-    format: str
-    arrays: int = 0
-    bytes_read: int = 0
     seconds: float = 0.0
     missing: list[str] = dataclasses.field(default_factory=list)
     unexpected: list[str] = dataclasses.field(default_factory=list)
@@ -76,21 +70,14 @@ class LoadReport:
     max_inflight_bytes: int = 0
 
     def __str__(self) -> str:
-        lines = [
-            f"Loaded {self.arrays} arrays ({format_bytes(self.bytes_read)}) from "
-            f"{self.format} {self.path!r} in {self.seconds:.2f} s "
-            f"({format_rate(self.bytes_read, self.seconds)})."
-        ]
-        for label, items in (
+        lines = [read_line("Loaded", self.arrays, self.bytes_read, f"{self.format} {self.path!r}", self.seconds) + "."]
+        lines += key_lines((
             ("missing", self.missing),
             ("unexpected", self.unexpected),
             ("skipped (model has no such variables)", self.skipped),
             ("cast", self.casts),
             ("initialised (not in checkpoint)", self.initialized),
-        ):
-            if items:
-                shown = ", ".join(items[:8]) + (f", ... ({len(items)} total)" if len(items) > 8 else "")
-                lines.append(f"  {label}: {shown}")
+        ))
         return "\n".join(lines)
 
 

@@ -16,6 +16,12 @@ from shardckpt.storage.location import Location
 from shardckpt.storage.objectstore import ObjectStore
 
 DEFAULT_ENDPOINT = "https://storage.googleapis.com"
+CREDENTIALS = (
+    "run `gcloud auth application-default login`, or set GOOGLE_APPLICATION_CREDENTIALS "
+    "to a service-account key file; on Google Cloud machines the attached service "
+    "account is used (check its access scopes)"
+)
+"""Where GCS credentials come from, for the fix of every credentials error."""
 
 
 class Gcs(ObjectStore):
@@ -25,11 +31,7 @@ class Gcs(ObjectStore):
     driver = "gcs"
     cloud = "GCS"
     ls_command = "gcloud storage ls"
-    credential_hint = (
-        "run `gcloud auth application-default login`, or set GOOGLE_APPLICATION_CREDENTIALS "
-        "to a service-account key file; on Google Cloud machines the attached service "
-        "account is used (check its access scopes)"
-    )
+    credential_hint = CREDENTIALS
     read_permission = "roles/storage.objectViewer on the bucket"
     write_permission = "roles/storage.objectAdmin on the bucket"
     version_label = "generation"
@@ -73,7 +75,6 @@ def _check_key_file(location: Location) -> None:
     if key_file and not os.environ.get("GOOGLE_AUTH_TOKEN_FOR_TESTING") and not os.path.isfile(key_file):
         raise StorageCredentialsError(
             f"GOOGLE_APPLICATION_CREDENTIALS={key_file!r} names no file, so there are no GCS "
-            f"credentials for {location.url!r}. Fix: point it at a service-account key file, or "
-            "unset it and run `gcloud auth application-default login` (on Google Cloud machines "
-            "the attached service account is used)."
+            f"credentials for {location.url!r}. Fix: point it at a service-account key file that "
+            f"exists, or unset it; GCS credentials: {CREDENTIALS}."
         )
