@@ -37,6 +37,7 @@ from shardckpt import budget as _budget
 from shardckpt import storage
 from shardckpt.errors import DestinationExistsError, UnsupportedURLError
 from shardckpt.export import model as _model
+from shardckpt.export.assemble import BLOCK_BYTES, Writer
 from shardckpt.export.pieces import Identity, write_value
 from shardckpt.formats import h5_writer, safetensors_writer
 from shardckpt.formats.base import ArraySpec
@@ -364,8 +365,10 @@ def export(
         slots = _slots(plan, partial)
     getters = _model.value_getters(model)
     limit = _budget.resolve(max_inflight_bytes)
-    budget = _budget.Budget(limit)
     mapped = MappedFiles(partial, slots)
+    # Two block buffers (`export.assemble`) take half the budget at most; pieces written one by one the rest.
+    writer = Writer(min(BLOCK_BYTES, limit // 4), mapped.pwrite)
+    budget = _budget.Budget(limit - 2 * writer.block_bytes)
     total = sum(s.nbytes for s in plan.specs.values())
     written = 0
     show = sys.stderr.isatty() if progress is None else progress
@@ -377,12 +380,14 @@ def export(
                     continue  # zero-sized
                 itemsize = plan.specs[keys[0]].dtype.itemsize
                 value = _model.value_of(variable, getters)
-                n = write_value(value, remap, mapped, budget, salt=ordinal)
+                n = write_value(value, remap, mapped, budget, salt=ordinal, writer=writer)
                 stored = n // max(1, np.dtype(value.dtype).itemsize) * itemsize
                 written += stored
                 bar.advance(stored)
+        writer.close()
         mapped.flush()
     finally:
+        writer.close()
         mapped.close()
     _barrier(f"shardckpt-export-written:{dst}")
     if process == 0:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import math
 import mmap
 import os
+import threading
 from collections.abc import Mapping
 
 import numpy as np
@@ -39,8 +40,13 @@ class MappedFiles:
         self._slots = dict(slots)
         self._maps: dict[str, tuple[int, mmap.mmap]] = {}
         self._folder = folder
+        self._lock = threading.Lock()  # `pwrite` runs in a writer thread too
 
     def _map(self, name: str) -> mmap.mmap:
+        with self._lock:
+            return self._open(name)
+
+    def _open(self, name: str) -> mmap.mmap:
         entry = self._maps.get(name)
         if entry is None:
             fd = os.open(os.path.join(self._folder, name), os.O_RDWR)
@@ -105,6 +111,18 @@ class MappedFiles:
         for n, index in enumerate(np.ndindex(*[shape[a] for a in outer])):
             element = first + sum(i * strides[a] for i, a in zip(index, outer, strict=True))
             os.pwrite(fd, flat[n * run_bytes : (n + 1) * run_bytes], slot.offset + element * item)
+
+    def dtype(self, key: str) -> np.dtype:
+        """The stored dtype of `key`."""
+        return self._slots[key].spec.dtype
+
+    def pwrite(self, key: str, first: int, data: memoryview) -> None:
+        """Writes `data` (bytes in the stored dtype) from element `first` of `key` on."""
+        slot = self._slots[key]
+        fd, position = self._fd(slot.file), slot.offset + first * slot.spec.dtype.itemsize
+        while len(data):  # pwrite may write less than asked (a signal, 2 GiB)
+            n = os.pwrite(fd, data, position)
+            data, position = data[n:], position + n
 
     def _fd(self, name: str) -> int:
         self._map(name)
