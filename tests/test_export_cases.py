@@ -97,8 +97,10 @@ def test_refusals_happen_before_anything_is_written(llama_folder, tmp_path):
     plain = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3)])
     with pytest.raises(UnsupportedModelError, match="Sequential.*format='keras-hub'|Sequential.*format='safetensors'"):
         shardckpt.export(plain, tmp_path / "a")
-    with pytest.raises(ValueError, match="format must be one of"):
+    with pytest.raises(ValueError, match="format must be one of safetensors, orbax, keras-hub, hf. Received: format='onnx'"):
         shardckpt.export(plain, tmp_path / "b", format="onnx")
+    with pytest.raises(ValueError, match="Received: format='h5'"):  # a format shardckpt only reads
+        shardckpt.export(plain, tmp_path / "b", format="h5")
 
     model = _load(llama_folder)
     keras.distribution.set_distribution(None)
@@ -112,6 +114,16 @@ def test_refusals_happen_before_anything_is_written(llama_folder, tmp_path):
     with pytest.raises(UnloadedVariableError, match="token_embedding"):
         shardckpt.export(unloaded, tmp_path / "d")
     assert os.listdir(tmp_path) == []  # not even a partial folder
+
+
+def test_export_formats_are_the_writers_of_the_format_table():
+    """One table of formats: export's writers fill its `writer` slots (formats cannot import export)."""
+    from shardckpt.formats import registry
+
+    writers = {name: fmt.writer for name, fmt in registry.FORMATS.items() if fmt.writer is not None}
+    assert sorted(writers) == ["hf", "orbax", "preset", "safetensors"]
+    assert registry.writer_for("keras-hub") is writers["preset"]
+    assert registry.writer_for("hf") is writers["hf"] and registry.writer_for("orbax") is writers["orbax"]
 
 
 def test_lora_model_exports_merged_kernels(llama_folder, tmp_path):
