@@ -64,6 +64,26 @@ def test_tiny_budget_writes_in_row_blocks_bit_equal(llama_folder, tmp_path):
         assert stored[key].tobytes() == source[key].tobytes(), key
 
 
+def test_assembled_blocks_synced_and_dropped_as_they_go_bit_equal(llama_folder, tmp_path, monkeypatch):
+    """4 KiB blocks assembled from the (2, 4) pieces, each written back and dropped from the page cache."""
+    from shardckpt.export import api
+    from shardckpt.formats import mapped_writer
+
+    drops = []
+    monkeypatch.setattr(api, "BLOCK_BYTES", 4096)
+    monkeypatch.setattr(mapped_writer, "WRITEBACK_BYTES", 1)
+    fadvise = os.posix_fadvise
+    monkeypatch.setattr(mapped_writer.os, "posix_fadvise", lambda *a: (drops.append(a[3]), fadvise(*a)))
+    model = _load(llama_folder)
+    report = shardckpt.export(model, tmp_path / "out")
+    assert report.bytes_written == report.bytes_total
+    assert len(drops) > report.bytes_total // 4096 // 2 and set(drops) == {os.POSIX_FADV_DONTNEED}
+    stored, source = load_file(str(tmp_path / "out" / "model.safetensors")), load_file(os.path.join(llama_folder, "model.safetensors"))
+    assert sorted(stored) == sorted(source)
+    for key in source:
+        assert stored[key].tobytes() == source[key].tobytes(), key
+
+
 def test_safetensors_format_keys_are_variable_paths_and_load_back(llama_folder, tmp_path):
     model = _load(llama_folder)
     shardckpt.export(model, tmp_path / "st", format="safetensors", max_shard_size="10KB")
