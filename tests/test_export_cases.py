@@ -56,6 +56,26 @@ def test_tiny_budget_writes_in_row_blocks_bit_equal(llama_folder, tmp_path):
         assert stored[key].tobytes() == source[key].tobytes(), key
 
 
+def test_assembled_blocks_synced_and_dropped_as_they_go_bit_equal(llama_folder, tmp_path, monkeypatch):
+    """4 KiB blocks assembled from the (2, 4) pieces, each written back and dropped from the page cache."""
+    from shardckpt.export import api
+    from shardckpt.formats import mapped_writer
+
+    drops = []
+    monkeypatch.setattr(api, "BLOCK_BYTES", 4096)
+    monkeypatch.setattr(mapped_writer, "WRITEBACK_BYTES", 1)
+    fadvise = os.posix_fadvise
+    monkeypatch.setattr(mapped_writer.os, "posix_fadvise", lambda *a: (drops.append(a[3]), fadvise(*a)))
+    model = _load(llama_folder)
+    report = shardckpt.export(model, tmp_path / "out")
+    assert report.bytes_written == report.bytes_total
+    assert len(drops) > report.bytes_total // 4096 // 2 and set(drops) == {os.POSIX_FADV_DONTNEED}
+    stored, source = load_file(str(tmp_path / "out" / "model.safetensors")), load_file(os.path.join(llama_folder, "model.safetensors"))
+    assert sorted(stored) == sorted(source)
+    for key in source:
+        assert stored[key].tobytes() == source[key].tobytes(), key
+
+
 def test_safetensors_format_keys_are_variable_paths_and_load_back(llama_folder, tmp_path):
     model = _load(llama_folder)
     shardckpt.export(model, tmp_path / "st", format="safetensors", max_shard_size="10KB")
@@ -89,8 +109,10 @@ def test_refusals_happen_before_anything_is_written(llama_folder, tmp_path):
     plain = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3)])
     with pytest.raises(UnsupportedModelError, match="Sequential.*format='keras-hub'|Sequential.*format='safetensors'"):
         shardckpt.export(plain, tmp_path / "a")
-    with pytest.raises(ValueError, match="format must be one of"):
+    with pytest.raises(ValueError, match="format must be one of safetensors, orbax, keras-hub, hf. Received: format='onnx'"):
         shardckpt.export(plain, tmp_path / "b", format="onnx")
+    with pytest.raises(ValueError, match="Received: format='h5'"):  # a format shardckpt only reads
+        shardckpt.export(plain, tmp_path / "b", format="h5")
 
     model = _load(llama_folder)
     keras.distribution.set_distribution(None)
@@ -104,6 +126,16 @@ def test_refusals_happen_before_anything_is_written(llama_folder, tmp_path):
     with pytest.raises(UnloadedVariableError, match="token_embedding"):
         shardckpt.export(unloaded, tmp_path / "d")
     assert os.listdir(tmp_path) == []  # not even a partial folder
+
+
+def test_export_formats_are_the_writers_of_the_format_table():
+    """One table of formats: export's writers fill its `writer` slots (formats cannot import export)."""
+    from shardckpt.formats import registry
+
+    writers = {name: fmt.writer for name, fmt in registry.FORMATS.items() if fmt.writer is not None}
+    assert sorted(writers) == ["hf", "orbax", "preset", "safetensors"]
+    assert registry.writer_for("keras-hub") is writers["preset"]
+    assert registry.writer_for("hf") is writers["hf"] and registry.writer_for("orbax") is writers["orbax"]
 
 
 def test_lora_model_exports_merged_kernels(llama_folder, tmp_path):

@@ -23,8 +23,8 @@ Order of work, the same in every process:
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
-import re
 import shutil
 import sys
 import time
@@ -37,15 +37,14 @@ from shardckpt import budget as _budget
 from shardckpt import storage
 from shardckpt.errors import DestinationExistsError, UnsupportedURLError
 from shardckpt.export import model as _model
-from shardckpt.export.pieces import Identity, write_value
-from shardckpt.formats import h5_writer, safetensors_writer
-from shardckpt.formats.base import ArraySpec
-from shardckpt.formats.hf_remap import Tensor
+from shardckpt.export import plans
+from shardckpt.export.assemble import BLOCK_BYTES, Writer
+from shardckpt.export.pieces import write_value
+from shardckpt.formats import h5_writer, registry, safetensors_writer
 from shardckpt.formats.mapped_writer import MappedFiles
 from shardckpt.progress import ByteProgress
 from shardckpt.types import DType, Model
 
-FORMATS = ("hf", "keras-hub", "safetensors", "orbax")
 PARTIAL_SUFFIX = ".shardckpt-partial"
 
 
@@ -80,114 +79,6 @@ class ExportReport:
         )
 
 
-@dataclasses.dataclass(kw_only=True)
-class _Plan:
-    kind: str  # "safetensors" or "h5" files
-    specs: dict[str, ArraySpec]
-    files: dict[str, list[str]]
-    writes: list[tuple[Any, Tensor]]  # (variable, remap)
-    groups: dict[str, dict[str, str]] = dataclasses.field(default_factory=dict)
-    index: str | None = None
-    small_files: Callable[[str], None] | None = None
-
-
-def max_shard_bytes(max_shard_size: Any) -> int | None:
-    """`max_shard_size` in bytes: a number is GB (keras-hub's and Keras' unit), or "5GB", "500MB"."""
-    if max_shard_size is None:
-        return None
-    if isinstance(max_shard_size, str):
-        m = re.fullmatch(r"\s*([\d.]+)\s*([KMG]i?B|B)\s*", max_shard_size, re.IGNORECASE)
-        if not m:
-            raise ValueError(f"max_shard_size must be a number of GB or a size like '5GB'. Received: {max_shard_size!r}")
-        unit = m.group(2).upper()
-        scale = {"B": 1, "KB": 1e3, "MB": 1e6, "GB": 1e9, "KIB": 1024, "MIB": 1024**2, "GIB": 1024**3}[unit]
-        return max(1, int(float(m.group(1)) * scale))
-    if isinstance(max_shard_size, (int, float)) and not isinstance(max_shard_size, bool) and max_shard_size > 0:
-        return max(1, int(max_shard_size * 1024**3))  # keras-hub: GB as 1024**3 bytes
-    raise ValueError(f"max_shard_size must be a positive number of GB or a size like '5GB'. Received: {max_shard_size!r}")
-
-
-def _plan_hf(model: Any, dtype: Any, shard: int | None) -> _Plan:
-    from shardckpt import _keras_hub
-    from shardckpt.errors import UnsupportedModelError
-    from shardckpt.export import hf
-    from shardckpt.restore.keys import is_task
-
-    task = is_task(model)
-    backbone = model.backbone if task else model
-    plan = hf.plan(backbone, dtype)
-    tokenizer = getattr(getattr(model, "preprocessor", None), "tokenizer", None) if task else None
-    if tokenizer is not None and not _keras_hub.exports_tokenizer(tokenizer):
-        raise UnsupportedModelError(
-            f"{type(model).__name__}: keras-hub has no Hugging Face export of {type(tokenizer).__name__}. "
-            "Fix: export the backbone (model.backbone) and convert the tokenizer separately."
-        )
-    config = dict(plan.config)
-    if task:
-        from shardckpt.export.hf_config import task_architectures
-
-        architectures = task_architectures(config, model)
-        if architectures is not None:
-            config["architectures"] = architectures
-    if tokenizer is not None:  # as keras-hub's export_backbone does
-        for key, token in (("bos_token_id", tokenizer.start_token), ("eos_token_id", tokenizer.end_token)):
-            if token is not None:
-                config[key] = tokenizer.token_to_id(token)
-
-    def small_files(folder: str) -> None:
-        import json
-
-        with open(os.path.join(folder, "config.json"), "w", encoding="utf-8") as f:
-            json.dump(config, f, indent=2)
-        if tokenizer is not None:
-            _keras_hub.export_tokenizer(tokenizer, folder)
-
-    return _Plan(kind="safetensors", specs=plan.specs, files=safetensors_writer.plan_files(plan.specs, shard),
-                 writes=plan.remaps, small_files=small_files)
-
-
-def _plan_keras_hub(model: Any, dtype: Any, shard: int | None) -> _Plan:
-    from shardckpt import _keras_hub
-    from shardckpt.export import kerashub
-    from shardckpt.restore.keys import is_task
-
-    specs: dict[str, ArraySpec] = {}
-    files: dict[str, list[str]] = {}
-    groups: dict[str, dict[str, str]] = {}
-    writes: list[tuple[Any, Tensor]] = []
-    index = None
-    for stem, keys, file_groups in kerashub.weight_files(model):
-        prefixed = {f"{stem}:{k}": v for k, v in keys.items()}  # one namespace for both files
-        for key, v in prefixed.items():
-            specs[key] = kerashub.spec_of(v, dtype)
-            writes.append((v, Identity(key, specs[key].shape, specs[key].dtype)))
-        groups.update({f"{stem}:{g}": a for g, a in file_groups.items()})
-        own = {k: specs[k] for k in prefixed}
-        if stem == "model" and shard is not None and sum(s.nbytes for s in own.values()) > shard:
-            files.update(h5_writer.plan_files(own, shard, stem=stem))
-            index = "model.weights.json"
-        else:
-            files[f"{stem}.weights.h5"] = list(own)
-    task = is_task(model)
-
-    def small_files(folder: str) -> None:
-        _keras_hub.save_preset_configs(model, folder, task=task)
-
-    return _Plan(kind="h5", specs=specs, files=files, writes=writes, groups=groups, index=index,
-                 small_files=small_files)
-
-
-def _plan_safetensors(model: Any, dtype: Any, shard: int | None) -> _Plan:
-    from shardckpt.export.kerashub import spec_of
-
-    specs: dict[str, ArraySpec] = {}
-    writes: list[tuple[Any, Tensor]] = []
-    for v in model.weights:
-        specs[v.path] = spec_of(v, dtype)
-        writes.append((v, Identity(v.path, specs[v.path].shape, specs[v.path].dtype)))
-    return _Plan(kind="safetensors", specs=specs, files=safetensors_writer.plan_files(specs, shard), writes=writes)
-
-
 def _barrier(name: str) -> None:
     import jax
 
@@ -197,7 +88,7 @@ def _barrier(name: str) -> None:
         multihost_utils.sync_global_devices(name)
 
 
-def _lay_out(plan: _Plan, folder: str) -> dict[str, safetensors_writer.TensorSlot]:
+def _lay_out(plan: plans.Plan, folder: str) -> dict[str, safetensors_writer.TensorSlot]:
     if plan.kind == "safetensors":
         return safetensors_writer.create_folder(folder, plan.specs, plan.files)
     slots: dict[str, safetensors_writer.TensorSlot] = {}
@@ -213,7 +104,7 @@ def _lay_out(plan: _Plan, folder: str) -> dict[str, safetensors_writer.TensorSlo
     return slots
 
 
-def _slots(plan: _Plan, folder: str) -> dict[str, safetensors_writer.TensorSlot]:
+def _slots(plan: plans.Plan, folder: str) -> dict[str, safetensors_writer.TensorSlot]:
     """Every key's slot, read back from the laid-out files (processes other than 0)."""
     if plan.kind == "safetensors":
         out = {}
@@ -258,8 +149,10 @@ def _commit(partial: str, dst: str) -> None:
         shutil.rmtree(old)
 
 
-def _export_orbax(model: Any, dst: str, *, dtype: Any, max_inflight_bytes: int | None, overwrite: bool,
+def _export_orbax(model: Any, dst: str, *, format: str, dtype: Any, shard: int | None,  # noqa: A002
+                  max_inflight_bytes: int | None, progress: bool | None, overwrite: bool,
                   start: float) -> ExportReport:
+    """The orbax writer (`formats.registry`): one Orbax step of the weights, one process."""
     from shardckpt.export.orbax import export_orbax
 
     _check_destination(dst, overwrite)
@@ -267,7 +160,7 @@ def _export_orbax(model: Any, dst: str, *, dtype: Any, max_inflight_bytes: int |
     arrays, total = export_orbax(model, partial, dtype=dtype,
                                  budget=_budget.Budget(_budget.resolve(max_inflight_bytes)))
     _commit(partial, dst)
-    return ExportReport(path=dst, format="orbax", files=[], arrays=arrays, bytes_total=total, bytes_written=total,
+    return ExportReport(path=dst, format=format, files=[], arrays=arrays, bytes_total=total, bytes_written=total,
                         seconds=time.perf_counter() - start, process_index=0)
 
 
@@ -326,14 +219,11 @@ def export(
             architecture, or a quantized model (before anything is written).
         UnloadedVariableError: a variable holds no value.
     """
-    import jax
-
     start = time.perf_counter()
-    if format not in FORMATS:
-        raise ValueError(f"format must be one of {', '.join(FORMATS)}. Received: format={format!r}")
+    write = registry.writer_for(format)  # an unknown format is refused first
     location = storage.parse(dst, what="dst")  # an unsupported scheme:// is refused here
     _model.check_exportable(model)
-    shard = max_shard_bytes(max_shard_size)
+    shard = plans.max_shard_bytes(max_shard_size)
     if location.is_remote and format == "orbax":
         raise UnsupportedURLError(
             f"dst={location.url!r}: format='orbax' writes local folders. Fix: export format='safetensors' or "
@@ -347,11 +237,18 @@ def export(
             location, export, model, shard=shard or _budget.resolve(max_inflight_bytes), overwrite=overwrite,
             format=format, dtype=dtype, max_inflight_bytes=max_inflight_bytes, progress=progress,
         )
-    dst = location.path
-    if format == "orbax":
-        return _export_orbax(model, dst, dtype=dtype, max_inflight_bytes=max_inflight_bytes, overwrite=overwrite,
-                             start=start)
-    plan = {"hf": _plan_hf, "keras-hub": _plan_keras_hub, "safetensors": _plan_safetensors}[format](model, dtype, shard)
+    return write(model, location.path, format=format, dtype=dtype, shard=shard,
+                 max_inflight_bytes=max_inflight_bytes, progress=progress, overwrite=overwrite, start=start)
+
+
+def _export_files(planner: Callable[[Any, Any, int | None], plans.Plan], model: Any, dst: str, *,
+                  format: str, dtype: Any, shard: int | None,  # noqa: A002
+                  max_inflight_bytes: int | None, progress: bool | None, overwrite: bool,
+                  start: float) -> ExportReport:
+    """The writer of a file-based format (`formats.registry`): plan, lay out, fill, commit."""
+    import jax
+
+    plan = planner(model, dtype, shard)
     _check_destination(dst, overwrite)
     partial = dst.rstrip("/") + PARTIAL_SUFFIX
     process = jax.process_index()
@@ -364,8 +261,10 @@ def export(
         slots = _slots(plan, partial)
     getters = _model.value_getters(model)
     limit = _budget.resolve(max_inflight_bytes)
-    budget = _budget.Budget(limit)
     mapped = MappedFiles(partial, slots)
+    # Two block buffers (`export.assemble`) take half the budget at most; pieces written one by one the rest.
+    writer = Writer(min(BLOCK_BYTES, limit // 4), mapped.pwrite)
+    budget = _budget.Budget(limit - 2 * writer.block_bytes)
     total = sum(s.nbytes for s in plan.specs.values())
     written = 0
     show = sys.stderr.isatty() if progress is None else progress
@@ -377,12 +276,14 @@ def export(
                     continue  # zero-sized
                 itemsize = plan.specs[keys[0]].dtype.itemsize
                 value = _model.value_of(variable, getters)
-                n = write_value(value, remap, mapped, budget, salt=ordinal)
+                n = write_value(value, remap, mapped, budget, salt=ordinal, writer=writer)
                 stored = n // max(1, np.dtype(value.dtype).itemsize) * itemsize
                 written += stored
                 bar.advance(stored)
+        writer.close()
         mapped.flush()
     finally:
+        writer.close()
         mapped.close()
     _barrier(f"shardckpt-export-written:{dst}")
     if process == 0:
@@ -394,3 +295,13 @@ def export(
         path=dst, format=format, files=sorted(plan.files), arrays=len(plan.specs), bytes_total=total,
         bytes_written=written, seconds=time.perf_counter() - start, process_index=process,
     )
+
+
+# export's formats, in the one table of formats (formats cannot import export: the slots are filled here).
+for _name, _writer in (
+    ("hf", functools.partial(_export_files, plans.plan_hf)),
+    ("preset", functools.partial(_export_files, plans.plan_keras_hub)),  # format="keras-hub"
+    ("safetensors", functools.partial(_export_files, plans.plan_safetensors)),
+    ("orbax", _export_orbax),
+):
+    registry.provide(_name, writer=_writer)

@@ -29,6 +29,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from shardckpt.budget import Budget
+from shardckpt.export.assemble import Writer, contiguous, leaves, owns_all
 from shardckpt.formats.hf_remap import Box, Cast, Concat, Strided, Tensor
 
 
@@ -49,6 +50,10 @@ class Target(Protocol):
 
     def put(self, key: str, first: int, strides: tuple[int, ...], value: np.ndarray) -> None:
         """Writes `value` at elements `first + i . strides` of the stored tensor `key`."""
+        ...
+
+    def dtype(self, key: str) -> np.dtype:
+        """The stored dtype of `key`."""
         ...
 
 
@@ -122,13 +127,57 @@ def _on_host(data: Any) -> bool:
     return all(d.platform == "cpu" for d in devices())
 
 
-def write_value(value: Any, remap: Tensor, target: Target, budget: Budget, *, salt: int = 0) -> int:
-    """Writes this process's pieces of `value`; returns the bytes written (in `value`'s dtype)."""
+def _host(data: Any, index: tuple[slice, ...]) -> np.ndarray:
+    """`data[index]` on the host: a view of a CPU device's buffer, else copied from the device."""
+    return np.asarray(data)[index] if _on_host(data) else np.asarray(data[index])
+
+
+def write_value(value: Any, remap: Tensor, target: Target, budget: Budget, *, salt: int = 0,
+                writer: Writer | None = None) -> int:
+    """Writes this process's pieces of `value`; returns the bytes written (in `value`'s dtype).
+
+    With a `writer`, each stored range this process writes whole is
+    assembled block by block (`export.assemble`); the rest piece by piece.
+    """
+    pieces = [(box, data) for box, data in owned_pieces(value, salt) if all(b.stop > b.start for b in box)]
+    shape = tuple(value.shape)
+    if writer is None or not shape or not pieces:
+        return _write_pieces(pieces, remap, target, budget)
+    itemsize = np.dtype(value.dtype).itemsize
     written = 0
-    for box, data in owned_pieces(value, salt):
-        shape = tuple(b.stop - b.start for b in box)
-        if math.prod(shape) == 0:
+    for leaf in leaves(remap, shape, _c_strides):
+        region, shift, key, first, strides = leaf
+        mine = [(box, data) for box, data in pieces if _overlap(box, region)]
+        if not mine:
             continue
+        order = contiguous(tuple(r.stop - r.start for r in region), strides)
+        if order is not None and owns_all(region, mine):
+            n = writer.write(leaf, order, target.dtype(key), mine, _host)
+            if n:
+                written += n * itemsize
+                continue
+        # This part piece by piece: the pieces' overlaps with it, through the part's own view.
+        base = first + sum((r.start - s) * st for r, s, st in zip(region, shift, strides, strict=True))
+        part = Strided(key, target.dtype(key), tuple(r.stop - r.start for r in region), strides, base)
+        clipped = []
+        for box, data in mine:
+            inter = tuple(slice(max(b.start, r.start), min(b.stop, r.stop)) for b, r in zip(box, region, strict=True))
+            local = tuple(slice(i.start - b.start, i.stop - b.start) for i, b in zip(inter, box, strict=True))
+            clipped.append((tuple(slice(i.start - r.start, i.stop - r.start) for i, r in zip(inter, region, strict=True)),
+                            data if local == tuple(slice(0, b.stop - b.start) for b in box) else data[local]))
+        written += _write_pieces(clipped, part, target, budget)
+    return written
+
+
+def _overlap(a: Box, b: Box) -> bool:
+    return all(max(x.start, y.start) < min(x.stop, y.stop) for x, y in zip(a, b, strict=True))
+
+
+def _write_pieces(pieces: list[tuple[Box, Any]], remap: Tensor, target: Target, budget: Budget) -> int:
+    """Each piece in row blocks within the budget; returns the bytes written (in the pieces' dtype)."""
+    written = 0
+    for box, data in pieces:
+        shape = tuple(b.stop - b.start for b in box)
         if not shape:  # a scalar
             with budget.holding(data.dtype.itemsize):
                 write_box(remap, box, np.asarray(data), target)

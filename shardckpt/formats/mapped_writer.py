@@ -8,7 +8,8 @@ piece of a transposed kernel whose rows are split between devices)
 through a shared writable map of the file. Written pages belong to the
 page cache (file-backed, not the process's anonymous memory). Several processes may map one file on a
 shared disk and write disjoint pieces; each flushes (`msync`) and `fsync`s
-its own writes before the commit.
+its own writes before the commit. Whole blocks written with `MappedFiles.pwrite`
+are synced and dropped from the page cache every `WRITEBACK_BYTES`.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from __future__ import annotations
 import math
 import mmap
 import os
+import threading
 from collections.abc import Mapping
 
 import numpy as np
@@ -25,6 +27,13 @@ from shardckpt.formats.safetensors_writer import TensorSlot
 
 MIN_RUN_BYTES = 4096
 """Runs of at least a page are written with `pwrite`; shorter ones through the map."""
+
+WRITEBACK_BYTES = 64 * 1024 * 1024
+"""After this many bytes `pwrite` into a file, they are synced and dropped from the page cache."""
+
+
+def _datasync(fd: int) -> None:
+    (getattr(os, "fdatasync", None) or os.fsync)(fd)
 
 
 class MappedFiles:
@@ -39,8 +48,14 @@ class MappedFiles:
         self._slots = dict(slots)
         self._maps: dict[str, tuple[int, mmap.mmap]] = {}
         self._folder = folder
+        self._lock = threading.Lock()  # `pwrite` runs in a writer thread too
+        self._unsynced: dict[int, int] = {}
 
     def _map(self, name: str) -> mmap.mmap:
+        with self._lock:
+            return self._open(name)
+
+    def _open(self, name: str) -> mmap.mmap:
         entry = self._maps.get(name)
         if entry is None:
             fd = os.open(os.path.join(self._folder, name), os.O_RDWR)
@@ -105,6 +120,28 @@ class MappedFiles:
         for n, index in enumerate(np.ndindex(*[shape[a] for a in outer])):
             element = first + sum(i * strides[a] for i, a in zip(index, outer, strict=True))
             os.pwrite(fd, flat[n * run_bytes : (n + 1) * run_bytes], slot.offset + element * item)
+
+    def dtype(self, key: str) -> np.dtype:
+        """The stored dtype of `key`."""
+        return self._slots[key].spec.dtype
+
+    def pwrite(self, key: str, first: int, data: memoryview) -> None:
+        """Writes `data` (bytes in the stored dtype) from element `first` of `key` on."""
+        slot = self._slots[key]
+        fd, position = self._fd(slot.file), slot.offset + first * slot.spec.dtype.itemsize
+        while len(data):  # pwrite may write less than asked (a signal, 2 GiB)
+            n = os.pwrite(fd, data, position)
+            data, position = data[n:], position + n
+            self._unsynced[fd] = self._unsynced.get(fd, 0) + n
+        if self._unsynced[fd] >= WRITEBACK_BYTES:
+            # Written back and dropped as it goes: the page cache then recycles a
+            # few warm pages instead of taking a fresh one for every page of the
+            # export (a first touch costs a host fault on VMs that reclaim free
+            # memory), and the final fsync has little left to do.
+            _datasync(fd)
+            if hasattr(os, "posix_fadvise"):
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            self._unsynced[fd] = 0
 
     def _fd(self, name: str) -> int:
         self._map(name)

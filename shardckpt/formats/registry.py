@@ -6,7 +6,8 @@ shardckpt reads use this one table, for local paths and buckets alike.
 Adding a format: write its `Reader` (see `base`), then add one `Format` to
 `FORMATS` in detection order. A reader that needs something from above this
 layer (Hugging Face names need keras-hub's converters) is `provide`d there
-at import; so is a writer (the export package fills the `writer` slots).
+at import; so is a writer (the export package fills the `writer` slots:
+`shardckpt.export` looks its formats up here, `writer_for`).
 """
 
 from __future__ import annotations
@@ -37,7 +38,10 @@ class Format:
             this format after all (a `.json` index); for folders, the only test.
         reader: `(location, *, cache_bytes, model, task) -> Reader`; None until
             `provide`d.
-        writer: The writer, once one exists (`provide`d by the export package).
+        writer: `(model, dst, *, format, dtype, shard, max_inflight_bytes,
+            progress, overwrite, start) -> ExportReport`, once one exists
+            (`provide`d by the export package, `shardckpt.export.api`).
+        aliases: Other names `writer_for` takes (`export(format=...)`'s).
         architecture: `(path) -> keras.Model` for formats that name their model
             (a Hugging Face config), built lazily; None otherwise.
         keys: Which key naming the checkpoint's keys follow
@@ -53,6 +57,7 @@ class Format:
     detect: Callable[[storage.Location], bool] | None = None
     reader: Callable[..., Any] | None = None
     writer: Callable[..., Any] | None = None
+    aliases: tuple[str, ...] = ()
     architecture: Callable[..., Any] | None = None
     keys: str = ""
     folder: bool = False
@@ -98,6 +103,7 @@ _TABLE = (
     Format(
         name="preset",
         description="keras-hub preset folders",
+        aliases=("keras-hub",),
         detect=is_preset_dir,
         reader=lambda location, *, task=None, **_: PresetReader(location, task=task),
         keys="preset",
@@ -127,6 +133,24 @@ def provide(name: str, **slots: Callable[..., Any]) -> None:
     if unknown:
         raise TypeError(f"Formats have no slot {sorted(unknown)}. Received: {sorted(slots)}")
     FORMATS[name] = dataclasses.replace(FORMATS[name], **slots)  # type: ignore[arg-type]
+
+
+def writer_for(name: str) -> Callable[..., Any]:
+    """The writer of format `name` (or of the format `name` is an alias of).
+
+    Raises:
+        ValueError: no such format, or one shardckpt only reads.
+    """
+    for fmt in FORMATS.values():
+        if name == fmt.name or name in fmt.aliases:
+            if fmt.writer is not None:
+                return fmt.writer
+    raise ValueError(f"format must be one of {', '.join(writable())}. Received: format={name!r}")
+
+
+def writable() -> list[str]:
+    """The names `writer_for` takes: a format's own, or its first alias where it has one."""
+    return [(fmt.aliases or (fmt.name,))[0] for fmt in FORMATS.values() if fmt.writer is not None]
 
 
 def supported() -> str:

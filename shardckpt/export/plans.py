@@ -1,0 +1,127 @@
+"""What each file-based export format writes: its tensors, files, and how the variables fill them.
+
+A planner `(model, dtype, shard) -> Plan` computes everything before a
+byte is written (every refusal happens here); `export.api` lays the files
+out from the plan and fills them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+from collections.abc import Callable
+from typing import Any
+
+from shardckpt.export.pieces import Identity
+from shardckpt.formats import h5_writer, safetensors_writer
+from shardckpt.formats.base import ArraySpec
+from shardckpt.formats.hf_remap import Tensor
+
+
+@dataclasses.dataclass(kw_only=True)
+class Plan:
+    kind: str  # "safetensors" or "h5" files
+    specs: dict[str, ArraySpec]
+    files: dict[str, list[str]]
+    writes: list[tuple[Any, Tensor]]  # (variable, remap)
+    groups: dict[str, dict[str, str]] = dataclasses.field(default_factory=dict)
+    index: str | None = None
+    small_files: Callable[[str], None] | None = None
+
+
+def max_shard_bytes(max_shard_size: Any) -> int | None:
+    """`max_shard_size` in bytes: a number is GB (keras-hub's and Keras' unit), or "5GB", "500MB"."""
+    if max_shard_size is None:
+        return None
+    if isinstance(max_shard_size, str):
+        m = re.fullmatch(r"\s*([\d.]+)\s*([KMG]i?B|B)\s*", max_shard_size, re.IGNORECASE)
+        if not m:
+            raise ValueError(f"max_shard_size must be a number of GB or a size like '5GB'. Received: {max_shard_size!r}")
+        unit = m.group(2).upper()
+        scale = {"B": 1, "KB": 1e3, "MB": 1e6, "GB": 1e9, "KIB": 1024, "MIB": 1024**2, "GIB": 1024**3}[unit]
+        return max(1, int(float(m.group(1)) * scale))
+    if isinstance(max_shard_size, (int, float)) and not isinstance(max_shard_size, bool) and max_shard_size > 0:
+        return max(1, int(max_shard_size * 1024**3))  # keras-hub: GB as 1024**3 bytes
+    raise ValueError(f"max_shard_size must be a positive number of GB or a size like '5GB'. Received: {max_shard_size!r}")
+
+
+def plan_hf(model: Any, dtype: Any, shard: int | None) -> Plan:
+    from shardckpt import _keras_hub
+    from shardckpt.errors import UnsupportedModelError
+    from shardckpt.export import hf
+    from shardckpt.restore.keys import is_task
+
+    task = is_task(model)
+    backbone = model.backbone if task else model
+    plan = hf.plan(backbone, dtype)
+    tokenizer = getattr(getattr(model, "preprocessor", None), "tokenizer", None) if task else None
+    if tokenizer is not None and not _keras_hub.exports_tokenizer(tokenizer):
+        raise UnsupportedModelError(
+            f"{type(model).__name__}: keras-hub has no Hugging Face export of {type(tokenizer).__name__}. "
+            "Fix: export the backbone (model.backbone) and convert the tokenizer separately."
+        )
+    config = dict(plan.config)
+    if task:
+        from shardckpt.export.hf_config import task_architectures
+
+        architectures = task_architectures(config, model)
+        if architectures is not None:
+            config["architectures"] = architectures
+    if tokenizer is not None:  # as keras-hub's export_backbone does
+        for key, token in (("bos_token_id", tokenizer.start_token), ("eos_token_id", tokenizer.end_token)):
+            if token is not None:
+                config[key] = tokenizer.token_to_id(token)
+
+    def small_files(folder: str) -> None:
+        import json
+
+        with open(os.path.join(folder, "config.json"), "w", encoding="utf-8") as f:
+            json.dump(config, f, indent=2)
+        if tokenizer is not None:
+            _keras_hub.export_tokenizer(tokenizer, folder)
+
+    return Plan(kind="safetensors", specs=plan.specs, files=safetensors_writer.plan_files(plan.specs, shard),
+                 writes=plan.remaps, small_files=small_files)
+
+
+def plan_keras_hub(model: Any, dtype: Any, shard: int | None) -> Plan:
+    from shardckpt import _keras_hub
+    from shardckpt.export import kerashub
+    from shardckpt.restore.keys import is_task
+
+    specs: dict[str, ArraySpec] = {}
+    files: dict[str, list[str]] = {}
+    groups: dict[str, dict[str, str]] = {}
+    writes: list[tuple[Any, Tensor]] = []
+    index = None
+    for stem, keys, file_groups in kerashub.weight_files(model):
+        prefixed = {f"{stem}:{k}": v for k, v in keys.items()}  # one namespace for both files
+        for key, v in prefixed.items():
+            specs[key] = kerashub.spec_of(v, dtype)
+            writes.append((v, Identity(key, specs[key].shape, specs[key].dtype)))
+        groups.update({f"{stem}:{g}": a for g, a in file_groups.items()})
+        own = {k: specs[k] for k in prefixed}
+        if stem == "model" and shard is not None and sum(s.nbytes for s in own.values()) > shard:
+            files.update(h5_writer.plan_files(own, shard, stem=stem))
+            index = "model.weights.json"
+        else:
+            files[f"{stem}.weights.h5"] = list(own)
+    task = is_task(model)
+
+    def small_files(folder: str) -> None:
+        _keras_hub.save_preset_configs(model, folder, task=task)
+
+    return Plan(kind="h5", specs=specs, files=files, writes=writes, groups=groups, index=index,
+                 small_files=small_files)
+
+
+def plan_safetensors(model: Any, dtype: Any, shard: int | None) -> Plan:
+    from shardckpt.export.kerashub import spec_of
+
+    specs: dict[str, ArraySpec] = {}
+    writes: list[tuple[Any, Tensor]] = []
+    for v in model.weights:
+        specs[v.path] = spec_of(v, dtype)
+        writes.append((v, Identity(v.path, specs[v.path].shape, specs[v.path].dtype)))
+    return Plan(kind="safetensors", specs=specs, files=safetensors_writer.plan_files(specs, shard), writes=writes)
