@@ -95,30 +95,21 @@ ALIGNMENT = 64
 # matters more than the best.
 _MAPPED_MIN_BYTES = 4 * 1024 * 1024
 
-# Every such buffer is filled right after it is made (a restore's pieces), so
-# its pages are made present by the map call itself (MAP_POPULATE, Linux):
-# one system call per buffer instead of a fault per 4 KiB page as the copy
-# first touches them. Filling 12 x 64 MiB such buffers from a mapped file, 8
-# alternated rounds on the loaded 2-core machine: CPU seconds median 0.66 ->
-# 0.43, wall median 2.73 -> 1.66 s (CHANGELOG, issue 27).
-_POPULATE = getattr(mmap, "MAP_POPULATE", 0)
-
 
 def aligned_empty(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
     """An uninitialised C-contiguous array whose data starts on `ALIGNMENT` bytes.
 
     `jax.device_put` onto a CPU device aliases such a buffer instead of
     copying it, which saves a full pass over the restored state. Large
-    buffers are page-aligned anonymous maps (see `_MAPPED_MIN_BYTES`), their
-    pages made present at once (`_POPULATE`: callers fill them right away),
-    freed when the last array using them is.
+    buffers are page-aligned anonymous maps (see `_MAPPED_MIN_BYTES`), freed
+    when the last array using them is.
     """
     dtype = np.dtype(dtype)
     nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
     if nbytes >= _MAPPED_MIN_BYTES and hasattr(mmap, "MAP_PRIVATE"):
         # Private, not mmap's default shared map: shared anonymous memory is
         # shmem (a tmpfs file), accounted and swapped as such.
-        region = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | _POPULATE)
+        region = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
         return np.frombuffer(region, dtype, count=nbytes // dtype.itemsize).reshape(shape)
     raw = np.empty(nbytes + ALIGNMENT, np.uint8)
     start = (-raw.ctypes.data) % ALIGNMENT
