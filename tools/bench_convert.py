@@ -6,13 +6,15 @@ The model is `tools/bench_restore.py`'s MLP stack (default 12 blocks x 2048:
 process:
 
 - shardckpt: build the architecture under `lazy_init()`, `convert(h5, dst)`
-  (once per compression: none, zstd);
+  (once per compression: none, zstd); it drops what it wrote from the page
+  cache as it goes (`OrbaxStepWriter.release`);
 - keras: build the model (random init), `model.load_weights(h5)`, save the
   weights-only state tree with Orbax as Keras' OrbaxCheckpoint does
   (`ocp.save_checkpointables(dst, {"pytree": state})`);
 - restore: `load_sharded` of each converted checkpoint into a lazily built
   model on 8 simulated CPU devices under ModelParallel (up kernels column-,
-  down kernels row-sharded), and a concurrent TensorStore read of every array.
+  down kernels row-sharded), and a concurrent TensorStore read of every array,
+  both with the checkpoint's files read into the page cache first.
 
 Printed: seconds, CPU seconds (user + system, all threads), peak anonymous memory over a bare `import shardckpt`
 (sampled RssAnon), ratios to Keras' path, size on disk and restore seconds per
@@ -85,9 +87,12 @@ def cell(args: argparse.Namespace, mode: str, option: str) -> dict:
     else:  # restore
         import jax
         import keras
-        from bench_restore import tensorstore_read
+        from bench_restore import plain_read, tensorstore_read
 
         path = os.path.join(args.workdir, f"orbax-{option}")
+        # convert drops what it wrote from the page cache; read it in first,
+        # as every bench_restore cell does, so both rows read from memory.
+        plain_read(path)
         out["ts_read_s"], _ = tensorstore_read(path, memmap=True, warm=0)
         keras.distribution.set_distribution(distribution())
         with PeakSampler() as sampler:

@@ -409,7 +409,7 @@ def _stream(
                     piece = piece.astype(item.target)
                 if staged and staged + piece.nbytes > batch_bytes:
                     _drain(in_batch)  # the batch's pieces are copied and checksummed
-                    pending = _commit(txn, pending)
+                    pending = _commit(txn, pending, writer)
                     txn, staged = writer.transaction(), 0
                 in_batch.append(crc_thread.submit(checksum, item.dst_key, piece))
                 # Pieces are never changed once staged (views of the read-only
@@ -422,8 +422,9 @@ def _stream(
                 del piece
             report.arrays += 1
         _drain(in_batch)
-        pending = _commit(txn, pending)
+        pending = _commit(txn, pending, writer)
         pending.result()
+        writer.release(writer.committed_files())
     return {
         item.dst_key: {
             integrity.ALGORITHM: integrity.hex32(crcs.get(item.dst_key, 0)),
@@ -440,10 +441,14 @@ def _drain(futures: list[Any]) -> None:
     futures.clear()
 
 
-def _commit(txn: Any, pending: Any) -> Any:
-    """Waits for the previous commit, then starts committing `txn`."""
+def _commit(txn: Any, pending: Any, writer: OrbaxStepWriter) -> Any:
+    """Waits for the previous commit, starts committing `txn`, then drops the previous one's pages."""
+    done: list[str] = []
     if pending is not None:
         pending.result()
-    return txn.commit_async()
+        done = writer.committed_files()  # listed between commits: every one is complete
+    future = txn.commit_async()
+    writer.release(done)  # while `txn` commits
+    return future
 
 

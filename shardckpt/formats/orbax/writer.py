@@ -76,6 +76,10 @@ medians of 3-5; README "Chunking and compression"):
 """
 
 
+_OCDBT_DATA_DIR = "d"
+"""Where an OCDBT store keeps its data files (immutable once committed)."""
+
+
 class OrbaxStepWriter:
     """Writes one Orbax step folder holding a `pytree` item of arrays.
 
@@ -126,6 +130,7 @@ class OrbaxStepWriter:
         self._keys: list[tuple[str, ...]] = []
         self._shardings: dict[tuple[str, ...], tuple[Any, tuple[int, ...]]] = {}
         self._init_ns = time.time_ns()
+        self._released: set[str] = set()  # data files dropped from the page cache
 
     def open_arrays(
         self, arrays: list[tuple[str, tuple[int, ...], np.dtype, tuple[int, ...]]]
@@ -199,6 +204,42 @@ class OrbaxStepWriter:
         """
         target = store.with_transaction(txn)[box] if box else store.with_transaction(txn)
         return target.write(data, can_reference_source_data_indefinitely=reference)
+
+    def committed_files(self) -> list[str]:
+        """The data files of a local store not yet released (`release`); call it between commits.
+
+        OCDBT never rewrites a data file once its commit is done, so every
+        file listed while no commit is in flight is complete for good.
+        """
+        data = storage.parse(self.store_dir).local_path
+        if data is None:  # object stores have no page cache here
+            return []
+        data = os.path.join(data, _OCDBT_DATA_DIR)
+        try:
+            names = os.listdir(data)
+        except FileNotFoundError:  # nothing committed yet
+            return []
+        return [path for path in (os.path.join(data, name) for name in names) if path not in self._released]
+
+    def release(self, files: list[str]) -> None:
+        """Syncs `files` (from `committed_files`) and drops them from the page cache.
+
+        A streaming writer (`convert`) then recycles the same few warm pages
+        of page cache instead of taking a fresh page for every page it
+        writes: on VMs that take freed memory back (this project's), each
+        first touch costs a host fault, and a 1.6 GB conversion took 4.3-5.3 s
+        instead of 1.5-1.9 s (CHANGELOG, issue 27). A later read of the
+        checkpoint comes from disk instead of memory.
+        """
+        for path in files:
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                os.fdatasync(fd)  # only clean pages can be dropped
+                if hasattr(os, "posix_fadvise"):
+                    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
+            self._released.add(path)
 
     def write_tree_metadata(self) -> None:
         """Writes the item's `_METADATA` (the tree of every array opened)."""
