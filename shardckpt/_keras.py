@@ -120,6 +120,14 @@ def current_value(variable: Any) -> Any:
     return variable._value
 
 
+def layout_map_of(distribution: Any) -> Any:
+    """The `LayoutMap` a `ModelParallel` distribution was built with, or None.
+
+    Keras keeps it as `_layout_map` with no public accessor.
+    """
+    return getattr(distribution, "_layout_map", None)
+
+
 def current_layout(variable: Any) -> Any:
     """The layout Keras re-places assigned values on (a `TensorLayout`, a sharding or None)."""
     return variable._layout

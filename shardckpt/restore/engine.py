@@ -32,7 +32,7 @@ from shardckpt.progress import ByteProgress, ReadTally, key_lines, read_line
 from shardckpt.restore import hostmem
 from shardckpt.restore import keys as naming
 from shardckpt.restore.strategies import Budget, Job, load_variable
-from shardckpt.restore.targets import TargetLayout, check_mesh, resolve_layout
+from shardckpt.restore.targets import TargetLayout, check_mesh, resolve_layout, warn_unmatched_keys
 from shardckpt.types import Layout, Model, PlanLike
 
 # Reads run on a few threads: numpy copies, h5 page faults and tensorstore
@@ -167,6 +167,8 @@ def load_sharded(
         # generated layer names that differ from the planned model's do not
         # matter, and a variable it does not know is refused (never replicated).
         layout = layout.bind(model)
+    else:
+        warn_unmatched_keys(layout, model)
     check_mesh(layout, allow_other_mesh=allow_other_mesh)
     reader = open_reader(
         os.fspath(path), cache_bytes=budgets.chunk_cache_bytes(max_inflight_bytes), model=model, task=naming.is_task(model)

@@ -10,6 +10,8 @@ from `shardckpt.auto_layout`).
 from __future__ import annotations
 
 import dataclasses
+import re
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -123,6 +125,45 @@ def check_mesh(layout: Layout, *, allow_other_mesh: bool = False) -> None:
             "(keras.distribution.DeviceMesh(shape, axes) with a shape whose product is "
             f"{jax.device_count()}), or pass allow_other_mesh=True to use only these on purpose."
         )
+
+
+_warned_unmatched: set[tuple[str, ...]] = set()
+
+
+def warn_unmatched_keys(layout: Layout, model: Any) -> list[str]:
+    """Warns once when keys of a user's `LayoutMap` match no variable of `model`.
+
+    Keras looks a variable's path up in a `LayoutMap` exactly, then as
+    `re.fullmatch` of each key: `"dense/kernel"` matches no variable of a
+    `Sequential` model (its paths are `"sequential/dense/kernel"`), and Keras
+    replicates every variable it finds no layout for, without a word. A key
+    that places nothing is almost always such a mistake, so it is said.
+
+    Args:
+        layout: The `layout=` value; None reads the active distribution's map.
+        model: The model being loaded.
+
+    Returns:
+        The keys that match no variable (warned about the first time only).
+    """
+    if layout is None:
+        layout = kd.distribution()
+    layout_map = layout if isinstance(layout, kd.LayoutMap) else _keras.layout_map_of(layout)
+    if not isinstance(layout_map, kd.LayoutMap):
+        return []
+    paths = [v.path for v in model.variables]
+    unmatched = [key for key in layout_map if not any(p == key or re.fullmatch(key, p) for p in paths)]
+    if unmatched and tuple(unmatched) not in _warned_unmatched:
+        _warned_unmatched.add(tuple(unmatched))
+        shown = ", ".join(repr(k) for k in unmatched[:8]) + (f" and {len(unmatched) - 8} more" if len(unmatched) > 8 else "")
+        warnings.warn(
+            f"LayoutMap key(s) {shown} match no variable of model {model.name!r}: Keras matches a key against "
+            f"the whole variable path (re.fullmatch), and replicates the variables it meant on every device. "
+            f"This model's paths look like {paths[0]!r}. Fix: write the whole path, or a pattern such as "
+            f"'.*{unmatched[0]}'.",
+            stacklevel=3,
+        )
+    return unmatched
 
 
 def _current(variable: Any) -> TargetLayout:
