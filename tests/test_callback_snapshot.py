@@ -99,3 +99,28 @@ def test_bad_snapshot_arguments(tmp_path):
         OrbaxCheckpoint(str(tmp_path), snapshot="gpu")
     with pytest.raises(ValueError, match="snapshot_budget_bytes"):
         OrbaxCheckpoint(str(tmp_path), snapshot_budget_bytes=0)
+
+
+def _copy_compiles(model, caplog) -> list[str]:
+    """Messages of the compiles a device snapshot of `model` triggers."""
+    caplog.clear()
+    with jax.log_compiles(True), caplog.at_level(logging.DEBUG):
+        tree, _ = snapshot_lib.snapshot_state(model, mode="device")
+        jax.block_until_ready(tree)
+    return [r.getMessage() for r in caplog.records if "_copy_leaves" in r.getMessage() and "ompil" in r.getMessage()]
+
+
+def test_prepare_compiles_the_copy_so_the_first_save_compiles_nothing(caplog):
+    # Widths no other test uses: jit's cache lives as long as the process.
+    keras.distribution.set_distribution(_distribution())
+    model = small_regressor(0, width=37 * 8, optimizer=keras.optimizers.Adam(name="adam"))
+    model.fit(np.ones((16, 6), "float32"), np.ones((16, 1), "float32"), batch_size=8, verbose=0)
+    assert _copy_compiles(model, caplog)  # unprepared: the snapshot compiles its copy itself
+    keras.backend.clear_session()
+    model = small_regressor(1, width=41 * 8, optimizer=keras.optimizers.Adam(name="adam"))
+    model.fit(np.ones((16, 6), "float32"), np.ones((16, 1), "float32"), batch_size=8, verbose=0)
+    compiled = snapshot_lib.prepare(model, mode="auto")
+    assert compiled is not None  # "auto" is "device" on CPU devices
+    compiled.result()
+    assert _copy_compiles(model, caplog) == []
+    assert snapshot_lib.prepare(model, mode="host") is None  # nothing to compile for a host copy

@@ -145,6 +145,7 @@ class OrbaxCheckpoint(BestTracking):
         self._watch = preemption.PreemptionWatch()
         self._context = saving.json_context(compression=compression)
         self._writer: saving.StepWriter | None = None
+        self._copy_compiled: Any = None  # snapshot_lib.prepare's future, until the first save
         self._iterator_restored_from: str | None = None
         self._resume_dir: str | None = None  # the step this fit resumed from, once decided
         self._resume_decided = False
@@ -221,6 +222,9 @@ class OrbaxCheckpoint(BestTracking):
         if self.resume:
             self._resume(tracked)
         self._resume_decided = True
+        self._copy_compiled = snapshot_lib.prepare(  # after the resume: the arrays the saves will copy
+            self._model, weights_only=self.save_weights_only, mode=self.snapshot,
+            budget_bytes=self.snapshot_budget_bytes)
         quiet.start()  # after the resume: a failed one never reaches on_train_end to stop it
         self.preempted_step = None
         if self.save_on_preemption:
@@ -300,6 +304,9 @@ class OrbaxCheckpoint(BestTracking):
         self._last_saved_step = step
         self._check_monitor_for_keep_best(logs, self.keep_best)
         model = self.model  # Callback.model syncs the JAX state into the variables
+        if self._copy_compiled is not None:
+            self._copy_compiled.result()  # raises what the compile raised, as the copy itself would
+            self._copy_compiled = None
         tree, choice = snapshot_lib.snapshot_state(
             model, weights_only=self.save_weights_only, mode=self.snapshot, budget_bytes=self.snapshot_budget_bytes)
         self.snapshot_mode_used = choice.mode

@@ -76,6 +76,9 @@ class StepWriter:
         self._executor: concurrent.futures.ThreadPoolExecutor | None = None
         if background and (jax.process_count() == 1 or location.is_remote):
             self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="shardckpt-save")
+            # Start the worker now: started by the first save's submit, its
+            # start-up was part of the time that save blocked training.
+            self._executor.submit(lambda: None).result()
         self._pending: Any = None  # a Future (worker) or an Orbax AsyncResponse
         self._pending_step: int | None = None
         self._pending_since = 0.0

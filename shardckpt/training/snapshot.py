@@ -31,6 +31,8 @@ The callback's log line of each save says which mode was used and why.
 
 from __future__ import annotations
 
+import concurrent.futures
+import threading
 from typing import Any, NamedTuple
 
 import jax
@@ -162,6 +164,46 @@ def _to_host(values: list[jax.Array], budget_bytes: int) -> list[Any]:
         size += nbytes
     flush()
     return out
+
+
+def prepare(
+    model: Any, *, weights_only: bool = False, mode: str = "device", budget_bytes: int = DEFAULT_BUDGET_BYTES,
+) -> concurrent.futures.Future | None:
+    """Compiles the "device" copy program on a thread, ahead of the first `snapshot_state`.
+
+    Compiling it inside the first save made that save block training
+    for the compile too (about 60 ms for 76 arrays on 8 CPU devices, more
+    than the copy's own dispatch). Compiled for the state's arrays while
+    `fit` starts, the first save finds it in jit's cache. Lowering reads
+    only their shapes, dtypes and shardings, so the training step may
+    donate them meanwhile. (Lowered from `ShapeDtypeStruct`s instead, the
+    first save compiled again: tests/test_callback_snapshot.py.)
+
+    Args:
+        model: The model about to train (its state built).
+        weights_only: As for `snapshot_state`.
+        mode: As for `snapshot_state`; nothing is compiled unless it resolves to "device".
+        budget_bytes: As for `snapshot_state`.
+
+    Returns:
+        A future to wait for before the first save (it raises what the
+        compile raised), or None when there is nothing to compile.
+    """
+    values = [v.value for group in collections(model, weights_only=weights_only).values() for v in group]
+    if not values or choose(values, mode, budget_bytes).mode != "device":
+        return None
+    done: concurrent.futures.Future = concurrent.futures.Future()
+
+    def compile_copy() -> None:
+        try:
+            _copy.lower(values).compile()
+        except BaseException as e:  # handed to whoever waits on `done`
+            done.set_exception(e)
+        else:
+            done.set_result(None)
+
+    threading.Thread(target=compile_copy, name="shardckpt-copy-compile", daemon=True).start()
+    return done
 
 
 def snapshot_state(
