@@ -35,6 +35,7 @@ import keras  # noqa: E402
 import numpy as np  # noqa: E402
 from jax.experimental import multihost_utils  # noqa: E402
 
+from shardckpt._jax import distributed_client  # noqa: E402
 from shardckpt.training import OrbaxCheckpoint, agreement, restore_latest  # noqa: E402
 from tests._train_worker import ShuffledIterator, fresh_model, groups  # noqa: E402
 from tests.buckets import download, start_denying  # noqa: E402
@@ -90,6 +91,8 @@ def train(url, scheme):
     out = {}
     model, _, _, data = fit(f"{url}/run")
     trained = values(model)
+    # Coordination keys left behind by the 3 saves and the root's opening.
+    out["agreement_keys"] = sorted(k for k, _ in distributed_client().key_value_dir_get("shardckpt/bucket_save/"))
     if process_id == 0:
         np.savez(os.path.join(folder, f"expected_{scheme}.npz"), **trained)
     # Restore on the same 2 processes into a model with other values.

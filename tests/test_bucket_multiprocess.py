@@ -45,6 +45,10 @@ def test_two_processes_save_into_buckets_and_restore_on_two_and_on_one(tmp_path,
             assert r["restored"]["step"] == 6 and r["restored"]["shards"] > 0, r
             assert r["restored"]["iterator"][0] == r["restored"]["iterator"][1], (i, r)
             assert r["keras"]["shards"] > 0, r
+        # Process 0 deleted the coordination keys of every earlier save: the last one's are left.
+        for r in got:
+            saves = {k.split("/")[2] for k in r["agreement_keys"]}
+            assert len(saves) == 1 and any(k.endswith("/commit/verdict") for k in r["agreement_keys"]), r
         # One step layout: each process's own OCDBT store, merged into pytree/'s.
         keys = storage.list_keys(storage.parse(f"{run}/6/pytree"))
         assert any(k.startswith("ocdbt.process_0/") for k in keys) and any(k.startswith("ocdbt.process_1/") for k in keys)

@@ -13,7 +13,10 @@ the save with `ProcessSaveError` rather than wait forever. A failure on one
 process fails the save on all of them at once, with its message.
 
 Keys are unique per save: every process makes the same saves in the same
-order, so the n-th save has the same number everywhere.
+order, so the n-th save has the same number everywhere. Process 0 deletes the
+keys of earlier saves once every process has answered a phase of a later one
+(each has then read all it needed of them), so a long run leaves the keys of
+one save behind, not of every save.
 """
 
 from __future__ import annotations
@@ -33,6 +36,8 @@ WAIT_S = 3600.0
 that process's share of the state)."""
 
 _sequence = itertools.count()
+_ended: list[str] = []  # key prefixes of this process's earlier agreements (process 0 deletes them)
+_latest: list[str] = []  # the newest agreement's prefix
 
 
 def wait_s() -> float:
@@ -53,6 +58,8 @@ class Agreement:
         self.index, self.count = jax.process_index(), jax.process_count()
         self.prefix = f"shardckpt/bucket_save/{next(_sequence)}"
         self.client: Any = _jax.distributed_client() if self.count > 1 else None
+        _ended.extend(_latest)  # saves run one after another: the previous one has ended here
+        _latest[:] = [self.prefix]
 
     def settle(self, phase: str, error: Exception | None, *, everyone: bool) -> None:
         """Shares this process's outcome of `phase`; raises on every process if any failed.
@@ -79,6 +86,11 @@ class Agreement:
                 said = self._get(f"{base}/{i}", i, phase)
                 if said is not None:
                     failures[i] = said
+            if everyone and not failures:
+                # Every process answered a phase of this save, so each has
+                # finished the earlier ones and read their keys for good.
+                while _ended:
+                    self.client.key_value_delete(_ended.pop())
             self.client.key_value_set(f"{base}/verdict", json.dumps(failures))
         else:
             if everyone:
