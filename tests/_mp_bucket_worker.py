@@ -145,12 +145,16 @@ def train(url, scheme):
 def preempt(url):
     """Only process 0 gets a SIGTERM (after its 3rd batch); JAX's preemption service tells process 1.
 
-    Run once per process, last: JAX's preemption notice stays raised afterwards.
+    Then a second `fit` in the same processes: JAX's preemption service never
+    forgets the notice, so that fit must not stop at the same step count.
     """
     calls = [At(3, lambda: os.kill(os.getpid(), signal.SIGTERM), slow=0.5)] if process_id == 0 else [
         At(3, lambda: None, slow=0.5)]
     model, _, ckpt, _ = fit(f"{url}/preempt", callbacks=calls, epochs=6, save_freq=5)
-    return {"step": ckpt.preempted_step, "mode": ckpt.preemption_mode, "epochs": model.history.epoch}
+    out = {"step": ckpt.preempted_step, "mode": ckpt.preemption_mode, "epochs": model.history.epoch}
+    model, _, ckpt, _ = fit(f"{url}/after_preempt", epochs=4, save_freq=5)
+    out["after"] = {"step": ckpt.preempted_step, "epochs": model.history.epoch}
+    return out
 
 
 def kill(url, scheme):

@@ -98,6 +98,8 @@ def test_two_processes_save_into_buckets_and_restore_on_two_and_on_one(tmp_path,
     assert pre[0]["epochs"] == pre[1]["epochs"], pre
     preempt = shardckpt.inspect(f"{buckets['s3']}/preempt")
     assert preempt.step == pre[0]["step"] and preempt.incomplete == []
+    # A later fit in the same processes runs to its end: the old notice stops nothing.
+    assert [p["after"] for p in pre] == [{"step": None, "epochs": [0, 1, 2, 3]}] * 2, pre
 
 
 def test_sigkill_of_one_process_mid_save_into_a_bucket_resumes_bit_exact(tmp_path, gcs_server):

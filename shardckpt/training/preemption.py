@@ -36,6 +36,15 @@ from shardckpt import _jax
 _log = logging.getLogger("shardckpt")
 
 
+_jax_steps_used = 0
+"""Steps this process has passed to JAX's sync manager in earlier `fit`s.
+
+JAX's manager never forgets a notice: it answers True again whenever it is
+asked about the step it agreed on. Each `fit` counts its steps on from where
+the previous one stopped, so a later `fit` in the same process never meets
+that step again (every process runs the same `fit`s, so the counts agree)."""
+
+
 def _jax_sync_manager() -> Any:
     """JAX's preemption sync manager, or None when this run has none."""
     if jax.process_count() == 1:
@@ -69,6 +78,7 @@ class PreemptionWatch:
         self.notice = threading.Event()
         self._previous: dict[int, Any] = {}
         self._jax: Any = None  # JAX's (untyped, private) preemption sync manager while attached
+        self._jax_base = 0  # `_jax_steps_used` when this fit started
         self.mode = "off"
 
     def start(self) -> None:
@@ -77,6 +87,7 @@ class PreemptionWatch:
         self._jax = _jax_sync_manager()
         if self._jax is not None:
             self.mode = "jax"
+            self._jax_base = _jax_steps_used
             return
         if threading.current_thread() is not threading.main_thread():
             # Python only lets the main thread install signal handlers.
@@ -119,6 +130,9 @@ class PreemptionWatch:
         if self._jax is not None:
             from jax.experimental import multihost_utils
 
+            global _jax_steps_used
+            step += self._jax_base
+            _jax_steps_used = max(_jax_steps_used, step + 1)
             return bool(multihost_utils.reached_preemption_sync_point(step))
         if self.mode == "signal+allgather":
             from jax.experimental import multihost_utils
