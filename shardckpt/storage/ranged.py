@@ -157,6 +157,7 @@ class RemoteObject:
         """
         if self._generation is None:
             return
+        TRAFFIC.add(1)
         try:
             result = deadlines.wait(self._store.read(self._key, byte_range=slice(0, 1)))
         except (ValueError, TimeoutError):
