@@ -38,6 +38,8 @@ for name, path, mesh_shape in [
             checked += 1
     total = sum(int(a.nbytes) for a in expected.values())
     results[name] = {"bytes_read": report.bytes_read, "total": total, "shards": checked}
+# mesh="auto" over both processes' devices: each process plans it (asking its own devices' memory).
+results["auto_mesh"] = list(shardckpt.auto_layout(model, mesh="auto").mesh.shape)
 with open(os.path.join(folder, f"result{process_id}.json"), "w") as f:
     json.dump(results, f)
 jax.distributed.shutdown()

@@ -9,13 +9,14 @@ import keras
 import numpy as np
 import pytest
 
+import shardckpt
 from tests.mp import run_pair
 from tests.zoo import build_zoo, randomize, zoo_layout_map
 
 pytestmark = pytest.mark.multiprocess
 
 
-def test_two_processes_restore_h5_sharded_index_and_resharded_orbax(tmp_path):
+def test_two_processes_restore_h5_sharded_index_and_resharded_orbax_and_agree_on_the_auto_mesh(tmp_path):
     keras.backend.clear_session()
     # The Orbax checkpoint is written by Keras on an 8x1 mesh in this process;
     # the workers restore it on a 2x4 mesh spanning two processes.
@@ -31,6 +32,7 @@ def test_two_processes_restore_h5_sharded_index_and_resharded_orbax(tmp_path):
     # Keras' sharded form of the same weights: an index and ~5 KiB shard files.
     model.save_weights(tmp_path / "m.weights.json", max_shard_size=5e-6)
     assert len([n for n in os.listdir(tmp_path) if n.startswith("m_0")]) >= 3
+    auto_mesh = list(shardckpt.auto_layout(model, mesh="auto").mesh.shape)  # 8 devices of one process
     np.savez(tmp_path / "expected.npz", **{v.path: np.asarray(v.value) for v in model.weights})
 
     run_pair("_restore_worker.py", str(tmp_path))
@@ -41,5 +43,6 @@ def test_two_processes_restore_h5_sharded_index_and_resharded_orbax(tmp_path):
         for name in ("h5", "sharded"):
             assert r[name]["bytes_read"] < 0.75 * r[name]["total"], r
         assert r["h5"]["shards"] > 0 and r["sharded"]["shards"] > 0 and r["orbax"]["shards"] > 0
+    assert [r["auto_mesh"] for r in results] == [auto_mesh, auto_mesh]
     for name in ("h5", "sharded"):
         assert results[0][name]["bytes_read"] + results[1][name]["bytes_read"] < 1.5 * results[0][name]["total"]

@@ -123,3 +123,16 @@ def test_object_replaced_in_the_middle_of_a_load_raises_never_mixes(proxied, fmt
     for key, value in after.items():
         assert np.array_equal(value, old[key]) or np.array_equal(value, before[key]), key
         assert not np.array_equal(value, new[key]) or np.array_equal(new[key], old[key]), key
+
+
+def test_object_replaced_by_a_shorter_one_mid_load_raises_object_changed_not_truncated(proxied, tmp_path):
+    """A later range past the new, shorter version's end is the replacement, not a truncated upload."""
+    server, proxy = proxied
+    target = storage.parse(server.new_bucket()).join("m.safetensors")
+    safetensors.numpy.save_file(_values(_model(1)), str(tmp_path / "old.safetensors"))
+    safetensors.numpy.save_file({"x": np.zeros(4, np.float32)}, str(tmp_path / "new.safetensors"))
+    _upload(tmp_path / "old.safetensors", target)
+    _replace_after(proxy, 3, target.name, lambda: _upload(tmp_path / "new.safetensors", target))
+    with pytest.raises(ObjectChangedError, match="replaced while it was being read") as info:
+        load_sharded(_model(3), target.url, max_inflight_bytes=_ONE_KERNEL, progress=False)
+    assert info.value.expected and info.value.found and info.value.expected != info.value.found

@@ -32,6 +32,14 @@ WRITEBACK_BYTES = 64 * 1024 * 1024
 """After this many bytes `pwrite` into a file, they are synced and dropped from the page cache."""
 
 
+def _pwrite_all(fd: int, data: memoryview, position: int) -> None:
+    """Writes all of `data` at `position`: `pwrite` may write less than asked (over 2 GiB, a
+    signal, the file size limit), and the rest is written (or its error raised) by another call."""
+    while len(data):
+        n = os.pwrite(fd, data, position)
+        data, position = data[n:], position + n
+
+
 def _datasync(fd: int) -> None:
     (getattr(os, "fdatasync", None) or os.fsync)(fd)
 
@@ -119,7 +127,7 @@ class MappedFiles:
         run_bytes = run * item
         for n, index in enumerate(np.ndindex(*[shape[a] for a in outer])):
             element = first + sum(i * strides[a] for i, a in zip(index, outer, strict=True))
-            os.pwrite(fd, flat[n * run_bytes : (n + 1) * run_bytes], slot.offset + element * item)
+            _pwrite_all(fd, flat[n * run_bytes : (n + 1) * run_bytes], slot.offset + element * item)
 
     def dtype(self, key: str) -> np.dtype:
         """The stored dtype of `key`."""
@@ -129,10 +137,8 @@ class MappedFiles:
         """Writes `data` (bytes in the stored dtype) from element `first` of `key` on."""
         slot = self._slots[key]
         fd, position = self._fd(slot.file), slot.offset + first * slot.spec.dtype.itemsize
-        while len(data):  # pwrite may write less than asked (a signal, 2 GiB)
-            n = os.pwrite(fd, data, position)
-            data, position = data[n:], position + n
-            self._unsynced[fd] = self._unsynced.get(fd, 0) + n
+        _pwrite_all(fd, data, position)
+        self._unsynced[fd] = self._unsynced.get(fd, 0) + len(data)
         if self._unsynced[fd] >= WRITEBACK_BYTES:
             # Written back and dropped as it goes: the page cache then recycles a
             # few warm pages instead of taking a fresh one for every page of the

@@ -52,8 +52,18 @@ def extra_collectives(plan: LayoutPlan) -> int:
 
 
 def device_limit(devices: Sequence[Any]) -> int | None:
-    """One device's memory as its runtime reports it (`bytes_limit`), or None (CPU devices report none)."""
-    stats = devices[0].memory_stats() if hasattr(devices[0], "memory_stats") else None
+    """One device's memory as its runtime reports it (`bytes_limit`), or None (CPU devices report none).
+
+    Asked of a device of this process: in a multi-process run the runtime
+    refuses `memory_stats()` of another process's device (`devices[0]` is
+    process 0's), so each process asks its own (the same hardware).
+    """
+    import jax
+
+    own = [d for d in devices if getattr(d, "process_index", 0) == jax.process_index()]
+    if not own:
+        return None
+    stats = own[0].memory_stats() if hasattr(own[0], "memory_stats") else None
     limit = (stats or {}).get("bytes_limit")
     return int(limit) if limit else None
 

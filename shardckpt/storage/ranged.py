@@ -128,6 +128,8 @@ class RemoteObject:
         try:
             result = deadlines.wait(future)
         except (ValueError, TimeoutError) as e:
+            if "OUT_OF_RANGE" in str(e):
+                self._check_unchanged()  # a shorter version replaced the one this load read
             raise self._error(e, start, stop) from e
         if result.state == "missing":
             raise self.missing()
@@ -146,6 +148,22 @@ class RemoteObject:
             expected = self._generation
         if generation != expected:
             raise self._backend.replaced(self.location, expected, generation)
+
+    def _check_unchanged(self) -> None:
+        """Raises `ObjectChangedError` when the object is no longer the version pinned (one byte is read).
+
+        A range past the end of a pinned object is then the replacement, not a
+        truncated upload. Any failure of this probe leaves the caller's error to be raised.
+        """
+        if self._generation is None:
+            return
+        TRAFFIC.add(1)
+        try:
+            result = deadlines.wait(self._store.read(self._key, byte_range=slice(0, 1)))
+        except (ValueError, TimeoutError):
+            return  # (an empty new version, or the store failing): the range's own error is raised
+        if result.state != "missing":
+            self._pin(result.stamp.generation)
 
     def missing(self) -> BaseException:
         """The error for "no such object": `BucketNotFoundError` when the bucket is missing."""
