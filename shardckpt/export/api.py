@@ -283,8 +283,10 @@ def _export_files(planner: Callable[[Any, Any, int | None], plans.Plan], model: 
         writer.close()
         mapped.flush()
     finally:
-        writer.close()
-        mapped.close()
+        try:
+            writer.close()  # raises a failed block write, if the body did not already
+        finally:
+            mapped.close()  # the maps and descriptors go either way
     _barrier(f"shardckpt-export-written:{dst}")
     if process == 0:
         if plan.small_files is not None:
