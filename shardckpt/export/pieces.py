@@ -164,7 +164,9 @@ def write_value(value: Any, remap: Tensor, target: Target, budget: Budget, *, sa
             inter = tuple(slice(max(b.start, r.start), min(b.stop, r.stop)) for b, r in zip(box, region, strict=True))
             local = tuple(slice(i.start - b.start, i.stop - b.start) for i, b in zip(inter, box, strict=True))
             clipped.append((tuple(slice(i.start - r.start, i.stop - r.start) for i, r in zip(inter, region, strict=True)),
-                            data if local == tuple(slice(0, b.stop - b.start) for b in box) else data[local]))
+                            data if local == tuple(slice(0, b.stop - b.start) for b in box)
+                            # a view where the data is in host memory; a device slice otherwise
+                            else np.asarray(data)[local] if _on_host(data) else data[local]))
         written += _write_pieces(clipped, part, target, budget)
     return written
 
