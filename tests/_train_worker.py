@@ -25,8 +25,10 @@ import sys
 
 if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
     # (The 2-process test imports this module after choosing 4 devices.)
+    from tests.mp import FAST_COMPILE  # imports no jax
+
     os.environ["XLA_FLAGS"] = (
-        os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+        os.environ.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count=8 {FAST_COMPILE}"
     ).strip()
 os.environ["KERAS_BACKEND"] = "jax"
 os.environ.setdefault("JAX_PLATFORMS", "cpu")

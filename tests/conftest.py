@@ -2,9 +2,11 @@
 
 import os
 
+from tests.mp import FAST_COMPILE  # noqa: E402  (imports no jax)
+
 # Must happen before the first `import jax` anywhere in the test session.
 os.environ["XLA_FLAGS"] = (
-    os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+    os.environ.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count=8 {FAST_COMPILE}"
 ).strip()
 os.environ["KERAS_BACKEND"] = "jax"
 os.environ.setdefault("JAX_PLATFORMS", "cpu")

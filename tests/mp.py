@@ -10,6 +10,12 @@ import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
+# XLA's CPU code generation without LLVM's optimizations: a compile takes about
+# 40% of the time (tests compile hundreds of tiny programs and run each a few
+# times). XLA's HLO passes (SPMD partitioning, the collectives the layout tests
+# count) are not affected; only the machine code is less optimized.
+FAST_COMPILE = "--xla_backend_optimization_level=0"
+
 
 def free_port() -> int:
     """A TCP port free on 127.0.0.1 now (for JAX's coordination service)."""
@@ -58,7 +64,7 @@ def run_pair(worker: str, *args: str, timeout: float = 240) -> list[str]:
 def join(process_id: int, port: str, devices: int = 4) -> None:
     """In a worker: `devices` CPU devices, gloo collectives, then this process joins the pair's
     `jax.distributed` run. Call before anything imports jax."""
-    os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
+    os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices} {FAST_COMPILE}"
     os.environ["KERAS_BACKEND"] = "jax"
     os.environ["JAX_PLATFORMS"] = "cpu"
     import jax
