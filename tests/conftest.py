@@ -26,6 +26,19 @@ def _clean_keras_state():
     keras.backend.clear_session()
 
 
+# The longest files (`--durations`, 2 workers), started first: `--dist loadfile` hands files out
+# in collection order, and a long file handed out last leaves the other worker idle at the end.
+LONG_FILES = (
+    "test_layout_hub.py", "test_restore.py", "test_bucket_multiprocess.py", "test_preemption_inputs.py",
+    "test_resume_kill.py", "test_storage_pinning.py", "test_export.py", "test_bench_smoke.py",
+)
+
+
+def pytest_collection_modifyitems(config, items):
+    rank = {name: i for i, name in enumerate(LONG_FILES)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: the rest keep their order
+
+
 def pytest_configure(config):
     assert jax.device_count() == 8, "conftest must set 8 CPU devices before jax import"
 
