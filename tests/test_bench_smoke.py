@@ -94,6 +94,7 @@ def _check_restore(result: dict) -> None:
 def _check_convert(result: dict) -> None:
     assert set(result["convert"]) == set(result["restore"]) == {"none", "zstd"}
     assert result["keras"]["seconds"] > 0 and result["h5_bytes"] > 0
+    assert result["cli"]["seconds"] > 0 and result["cli"]["disk_bytes"] > 0
     for compression in ("none", "zstd"):
         assert result["convert"][compression]["disk_bytes"] > 0
         assert result["restore"][compression]["seconds"] > 0

@@ -5,6 +5,9 @@ The model is `tools/bench_restore.py`'s MLP stack (default 12 blocks x 2048:
 ~400M parameters, a 1.6 GB float32 `.weights.h5`). Each cell runs in a fresh
 process:
 
+- shardckpt CLI: `shardckpt convert model.weights.h5 dst --model bench_convert:cli_model`
+  through `shardckpt.cli.main.main` (the figure issue 27 defines: the CLI, its imports
+  excluded), compression none;
 - shardckpt: build the architecture under `lazy_init()`, `convert(h5, dst)`
   (once per compression: none, zstd); it drops what it wrote from the page
   cache as it goes (`OrbaxStepWriter.release`);
@@ -43,6 +46,14 @@ SMOKE = {"blocks": 1, "dim": 64, "repeat": 1}
 CONVERT_THEN, CONVERT_ISSUE, CONVERT_GOAL = "4.2 s = 0.29x", "5.5-5.9 s = 0.42-0.44x", "<= 0.25x"
 
 
+def cli_model():
+    """The bench model for `shardckpt convert --model bench_convert:cli_model` (size from the environment)."""
+    from bench_restore import build
+
+    blocks, dim = map(int, os.environ["BENCH_CONVERT_SHAPE"].split("x"))
+    return build(blocks, dim)
+
+
 def cell(args: argparse.Namespace, mode: str, option: str) -> dict:
     setup_jax(8 if mode == "restore" else 1)
     from bench_restore import build, distribution
@@ -65,6 +76,20 @@ def cell(args: argparse.Namespace, mode: str, option: str) -> dict:
             out["seconds"] = time.perf_counter() - start
             out["cpu_s"] = cpu_seconds() - cpu
         out["disk_bytes"] = report.bytes_on_disk
+    elif mode == "cli":
+        from shardckpt.cli.main import main as cli  # imported before the clock starts
+
+        dst = os.path.join(args.workdir, "orbax-cli")
+        shutil.rmtree(dst, ignore_errors=True)
+        os.environ["BENCH_CONVERT_SHAPE"] = f"{args.blocks}x{args.dim}"
+        argv = ["convert", src, dst, "--model", "bench_convert:cli_model", "--compression", option, "--quiet"]
+        with PeakSampler() as sampler:
+            start, cpu = time.perf_counter(), cpu_seconds()
+            code = cli(argv)
+            out["seconds"] = time.perf_counter() - start
+            out["cpu_s"] = cpu_seconds() - cpu
+        assert code == 0, code
+        out["disk_bytes"] = du(dst)
     elif mode == "keras":
         import jax
         import keras
@@ -134,13 +159,14 @@ def _parent(args) -> None:
     size = os.path.getsize(os.path.join(args.workdir, H5))
     print(f".weights.h5: {size / 1e9:.2f} GB  ({os.cpu_count()} CPUs)")
     keras_row = _best(args, "--_cell", "keras", "-")
+    cli_row = _best(args, "--_cell", "cli", "none")
     rows = {c: _best(args, "--_cell", "convert", c) for c in ("none", "zstd")}
     restores = {c: _best(args, "--_cell", "restore", c) for c in ("none", "zstd")}
     print(f"\n{'path':<28}{'seconds':>9}{'CPU s':>8}{'x keras':>9}{'peak anon GB':>14}{'on disk GB':>12}")
     print(f"{'keras build+load+save':<28}{keras_row['seconds']:>9.2f}{keras_row['cpu_s']:>8.2f}{1.0:>9.2f}"
           f"{keras_row['peak_over_import_gb']:>14.2f}{keras_row['disk_bytes'] / 1e9:>12.2f}")
-    for c, row in rows.items():
-        print(f"{'shardckpt convert ' + c:<28}{row['seconds']:>9.2f}{row['cpu_s']:>8.2f}"
+    for label, row in [("shardckpt convert CLI none", cli_row), *((f"convert() {c}", r) for c, r in rows.items())]:
+        print(f"{label:<28}{row['seconds']:>9.2f}{row['cpu_s']:>8.2f}"
               f"{row['seconds'] / keras_row['seconds']:>9.2f}"
               f"{row['peak_over_import_gb']:>14.2f}{row['disk_bytes'] / 1e9:>12.2f}")
     print(f"\n{'restore (load_sharded, 1x8)':<28}{'seconds':>9}{'CPU s':>8}{'ts read s':>11}{'peak anon GB':>14}"
@@ -148,12 +174,11 @@ def _parent(args) -> None:
     for c, row in restores.items():
         print(f"{'compression ' + c:<28}{row['seconds']:>9.2f}{row['cpu_s']:>8.2f}{row['ts_read_s']:>11.2f}"
               f"{row['peak_over_import_gb']:>14.2f}{rows[c]['disk_bytes'] / 1e9:>12.2f}")
-    none = rows["none"]
     print_then_vs_now([(
-        "convert none (import excluded) vs keras build+load+save", CONVERT_THEN, CONVERT_ISSUE,
-        f"{none['seconds']:.2f} s = {none['seconds'] / keras_row['seconds']:.2f}x", CONVERT_GOAL,
+        "CLI convert none (import excluded) vs keras build+load+save", CONVERT_THEN, CONVERT_ISSUE,
+        f"{cli_row['seconds']:.2f} s = {cli_row['seconds'] / keras_row['seconds']:.2f}x", CONVERT_GOAL,
     )])
-    emit({"keras": keras_row, "convert": rows, "restore": restores, "h5_bytes": size})
+    emit({"keras": keras_row, "cli": cli_row, "convert": rows, "restore": restores, "h5_bytes": size})
 
 
 if __name__ == "__main__":
