@@ -109,15 +109,15 @@ def read_line(verb: str, arrays: int, nbytes: int, source: str, seconds: float) 
     return f"{verb} {arrays} arrays ({format_bytes(nbytes)}) from {source} in {seconds:.2f} s ({format_rate(nbytes, seconds)})"
 
 
-def key_lines(groups: Iterable[tuple[str, Sequence[str]]], shown: int = 8) -> list[str]:
-    """One indented line per non-empty group of keys: "  label: a, b, ... (12 total)".
+def some(items: Sequence[str], shown: int = 8) -> str:
+    """The first `shown` items, then the count: "a, b, ... (12 total)".
 
-    The first `shown` keys are named, so a report stays readable when a
-    whole optimizer state is skipped.
+    Reports and messages stay readable when a whole optimizer state is named.
     """
-    lines = []
-    for label, items in groups:
-        if items:
-            more = f", ... ({len(items)} total)" if len(items) > shown else ""
-            lines.append(f"  {label}: {', '.join(items[:shown])}{more}")
-    return lines
+    more = f", ... ({len(items)} total)" if len(items) > shown else ""
+    return f"{', '.join(items[:shown])}{more}"
+
+
+def key_lines(groups: Iterable[tuple[str, Sequence[str]]], shown: int = 8) -> list[str]:
+    """One indented line per non-empty group of keys: "  label: a, b, ... (12 total)" (`some`)."""
+    return [f"  {label}: {some(items, shown)}" for label, items in groups if items]

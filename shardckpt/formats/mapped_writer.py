@@ -22,6 +22,7 @@ from collections.abc import Mapping
 
 import numpy as np
 
+from shardckpt import storage
 from shardckpt.formats.base import copy_into
 from shardckpt.formats.safetensors_writer import TensorSlot
 
@@ -38,10 +39,6 @@ def _pwrite_all(fd: int, data: memoryview, position: int) -> None:
     while len(data):
         n = os.pwrite(fd, data, position)
         data, position = data[n:], position + n
-
-
-def _datasync(fd: int) -> None:
-    (getattr(os, "fdatasync", None) or os.fsync)(fd)
 
 
 class MappedFiles:
@@ -140,13 +137,9 @@ class MappedFiles:
         _pwrite_all(fd, data, position)
         self._unsynced[fd] = self._unsynced.get(fd, 0) + len(data)
         if self._unsynced[fd] >= WRITEBACK_BYTES:
-            # Written back and dropped as it goes: the page cache then recycles a
-            # few warm pages instead of taking a fresh one for every page of the
-            # export (a first touch costs a host fault on VMs that reclaim free
-            # memory), and the final fsync has little left to do.
-            _datasync(fd)
-            if hasattr(os, "posix_fadvise"):
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            # Written back and dropped as it goes (see `sync_and_drop`); the
+            # final fsync then has little left to do.
+            storage.sync_and_drop(fd)
             self._unsynced[fd] = 0
 
     def _fd(self, name: str) -> int:

@@ -21,6 +21,7 @@ from keras import distribution as kd
 
 from shardckpt import _keras
 from shardckpt.errors import MeshMismatchError
+from shardckpt.progress import some
 from shardckpt.types import Layout
 
 
@@ -155,9 +156,8 @@ def warn_unmatched_keys(layout: Layout, model: Any) -> list[str]:
     unmatched = [key for key in layout_map if not any(p == key or re.fullmatch(key, p) for p in paths)]
     if unmatched and tuple(unmatched) not in _warned_unmatched:
         _warned_unmatched.add(tuple(unmatched))
-        shown = ", ".join(repr(k) for k in unmatched[:8]) + (f" and {len(unmatched) - 8} more" if len(unmatched) > 8 else "")
         warnings.warn(
-            f"LayoutMap key(s) {shown} match no variable of model {model.name!r}: Keras matches a key against "
+            f"LayoutMap key(s) {some([repr(k) for k in unmatched])} match no variable of model {model.name!r}: Keras matches a key against "
             f"the whole variable path (re.fullmatch), and replicates the variables it meant on every device. "
             f"This model's paths look like {paths[0]!r}. Fix: write the whole path, or a pattern such as "
             f"'.*{unmatched[0]}'.",

@@ -22,7 +22,7 @@ from shardckpt.storage import deadlines
 from shardckpt.storage.backend import Backend
 from shardckpt.storage.deadlines import Deadline, deadline
 from shardckpt.storage.gcs import Gcs
-from shardckpt.storage.local import Local
+from shardckpt.storage.local import Local, sync_and_drop
 from shardckpt.storage.location import LOCAL, Location
 from shardckpt.storage.s3 import S3
 
@@ -36,6 +36,7 @@ __all__ = [
     "deadlines",
     "parse",
     "read_json",
+    "sync_and_drop",
 ]
 
 BACKENDS: dict[str, Backend] = {
