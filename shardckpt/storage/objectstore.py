@@ -127,9 +127,7 @@ class ObjectStore:
 
     def read(self, location: Location) -> bytes | None:
         """The bytes of one object, or None if it does not exist."""
-        store = self.open(location.parent)
-        result = self.wait(store.read(location.name.encode()), location, "reading")
-        return None if result.state == "missing" else bytes(result.value)
+        return self.read_version(location)[0]
 
     def read_version(self, location: Location) -> tuple[bytes | None, bytes]:
         """The bytes of one object (None if it does not exist) and the version they are of.
