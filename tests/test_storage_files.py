@@ -19,7 +19,7 @@ import pytest
 import shardckpt
 from shardckpt import errors, storage
 from shardckpt.budget import Budget
-from shardckpt.formats import open_reader
+from shardckpt.formats import containers, open_reader
 from shardckpt.storage import ranged as remote
 from tests.zoo import build_zoo, lazy_zoo, randomize, saved_zoo_h5
 
@@ -245,7 +245,7 @@ def test_remote_file_reads_what_the_local_file_holds(tmp_path, bucket):
         data = f.read()
     url = _upload(path, f"{bucket}/t.weights.h5")
     location = storage.parse(url)
-    obj = storage.backend(location).ranged(location)
+    obj = containers.open_container(location)
     assert obj.size == len(data)  # from the HDF5 superblock, checked against the object
     remote.TRAFFIC.reset()
     with obj.open() as f:
@@ -265,7 +265,7 @@ def test_remote_file_reads_what_the_local_file_holds(tmp_path, bucket):
     with open(archive, "rb") as f:
         zipped = f.read()
     keras_object = storage.parse(_upload(archive, f"{bucket}/a.keras"))
-    assert storage.backend(keras_object).ranged(keras_object).size == len(zipped)  # from the zip's end record
+    assert containers.open_container(keras_object).size == len(zipped)  # from the zip's end record
 
 
 def test_convert_inspect_and_verify_read_a_bucket_file(tmp_path, gcs_bucket, zoo_h5):

@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import importlib
 import json
-import os
 import zipfile
 from typing import Any
 
 from shardckpt import storage
 from shardckpt.errors import CheckpointNotFoundError, CorruptCheckpointError, ModelRequiredError
+from shardckpt.formats import containers
 from shardckpt.lazy import lazy_init
 
 
@@ -33,17 +33,21 @@ def load_architecture(spec: str) -> Any:
 
     if spec.endswith(".keras"):
         location = storage.parse(spec)
-        if location.local_path is not None and not os.path.isfile(location.local_path):
-            raise CheckpointNotFoundError(f"No .keras file at {spec!r}. Fix: check the --model path.")
+        try:
+            source = containers.open_container(location)
+        except CheckpointNotFoundError as e:
+            raise CheckpointNotFoundError(f"No .keras file at {spec!r}. Fix: check the --model path.") from e
         try:
             # In a bucket: the zip directory and config.json by byte ranges.
-            with storage.open_binary(location) as source, zipfile.ZipFile(source) as archive:
+            with source.open() as file, zipfile.ZipFile(file) as archive:
                 config = json.loads(archive.read("config.json"))
         except (zipfile.BadZipFile, KeyError, json.JSONDecodeError) as e:
             raise CorruptCheckpointError(
                 f"{spec!r} holds no readable config.json ({e}); it is not a Keras 3 .keras file "
                 "or it is damaged. Fix: pass a file written by model.save(...)."
             ) from e
+        finally:
+            source.close()
         # The compile config would build an optimizer, whose variables cannot
         # be created lazily; only the weights' architecture is needed.
         config.pop("compile_config", None)

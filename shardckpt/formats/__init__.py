@@ -16,7 +16,6 @@ from shardckpt.formats.orbax import OrbaxReader
 from shardckpt.formats.preset import PresetReader
 from shardckpt.formats.registry import FORMATS, Format, provide, supported
 from shardckpt.formats.safetensors import SafetensorsReader
-from shardckpt.formats.unmapped import Unmapped
 
 __all__ = [
     "FORMATS",
@@ -113,14 +112,10 @@ def open_reader(
         # model=, which neither of them takes).
         tensors = open_tensors(location)
         tensors.format = fmt.name
-        return tensors if storage.backend(location).mappable else Unmapped(tensors)
+        return tensors
     if fmt.reader is None:
         raise UnknownFormatError(
             f"{location.url!r} is a checkpoint of format {fmt.name!r}, and no reader of it is loaded. Fix: "
             "import shardckpt (its presets package provides the reader)."
         )
-    reader = fmt.reader(location, cache_bytes=cache_bytes, model=model, task=task)
-    if not storage.backend(location).mappable and fmt.name != "orbax":
-        # Objects are read by byte ranges, not mapped: a plain Reader.
-        return Unmapped(reader)
-    return reader
+    return fmt.reader(location, cache_bytes=cache_bytes, model=model, task=task)

@@ -96,12 +96,18 @@ class Reader(Protocol):
 
 @runtime_checkable
 class MappedReader(Reader, Protocol):
-    """A reader whose arrays are byte ranges of memory-mapped files.
+    """A reader whose arrays are byte ranges of files (`storage.ByteSource`).
 
     Restore reads such a format through `view` in slabs of whole rows and
     copies each device's part straight into its buffer (one copy in all);
-    convert streams views into the writer. No budget is held for a view.
+    convert streams views into the writer. Where the file is memory-mapped
+    (`is_mapped`), a view holds no memory and no budget is held for it; in a
+    bucket, a view is a fresh read of just its bytes, held like any read.
     """
+
+    def is_mapped(self, key: str) -> bool:
+        """True when `view` of `key` is a view of a memory map (no bytes read, no memory held)."""
+        ...
 
     def view(self, key: str, box: Box) -> np.ndarray:
         """Returns `box` of `key`, a read-only view of the mapping where possible.

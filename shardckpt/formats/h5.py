@@ -3,7 +3,8 @@
 Keras writes every variable as its own contiguous, uncompressed HDF5 dataset
 (bfloat16 as 2-byte opaque data tagged `dtype="bfloat16"`). A contiguous
 dataset is a plain run of bytes at `dataset.id.get_offset()`, so the reader
-memory-maps the file once and serves any box as a numpy slice of that run
+serves any box from the file's `storage.ByteSource`: a numpy slice of the
+memory map of a local file, the box's byte runs read by ranges from a bucket
 (strided h5py hyperslab reads are several times slower). Chunked or
 compressed datasets, which other writers may produce, go through h5py.
 
@@ -13,8 +14,6 @@ uncompressed, so the same memory map works at the member's data offset.
 
 from __future__ import annotations
 
-import mmap
-import os
 import struct
 import zipfile
 from typing import Any
@@ -24,8 +23,9 @@ import ml_dtypes
 import numpy as np
 
 from shardckpt import storage
-from shardckpt.errors import CheckpointNotFoundError, CorruptCheckpointError, ShardckptError
-from shardckpt.formats.base import ArraySpec, Box, MappedReader, region
+from shardckpt.errors import CorruptCheckpointError, ShardckptError
+from shardckpt.formats import containers
+from shardckpt.formats.base import ArraySpec, Box, MappedReader
 
 _KERAS_WEIGHTS_MEMBER = "model.weights.h5"
 _ZIP_LOCAL_HEADER = struct.Struct("<IHHHHHIIIHH")  # zip local file header, 30 bytes
@@ -43,7 +43,7 @@ class _Dataset:
     def __init__(self, dataset: h5py.Dataset, spec: ArraySpec, offset: int | None):
         self.dataset = dataset
         self.spec = spec
-        self.offset = offset  # absolute byte offset in the mapped file, or None
+        self.offset = offset  # absolute byte offset of a contiguous dataset in the file, or None
 
 
 class H5Reader(MappedReader):
@@ -63,35 +63,30 @@ class H5Reader(MappedReader):
 
     def __init__(self, path: str | storage.Location) -> None:
         location = storage.parse(path)
-        # An object in a store is read by byte ranges (`storage.ranged`): h5py
-        # and zipfile see a file object over it, arrays are read box by box.
-        local = location.local_path
-        self._remote = None if local is not None else storage.backend(location).ranged(location)
-        self.path = location.url if local is None or isinstance(path, storage.Location) else os.fspath(path)
+        self.path = storage.shown(path, location)
         self._zip: zipfile.ZipFile | None = None
         self._member = None
+        # A memory map locally, ranged reads in a bucket: h5py and zipfile see
+        # a file object over it, arrays are read box by box.
+        self._source = containers.open_container(location)
         self._file: Any = None
-        self._map: mmap.mmap | None = None
-        if self._remote is not None:
-            size = self._remote.size  # the first request: a missing object raises here
-            self._file = self._remote.open()
-            source: Any = self._file
-        else:
-            if not os.path.isfile(self.path):
-                raise CheckpointNotFoundError(f"No checkpoint file at {self.path!r}.")
-            size = os.path.getsize(self.path)
-            source = self.path
+        try:
+            size = self._source.size  # in a bucket, the first request: a missing object raises here
+            self._file = self._source.open()
+        except BaseException:
+            self._source.close()
+            raise
         base = 0
         try:
-            if zipfile.is_zipfile(source):
+            if zipfile.is_zipfile(self._file):
                 self.format = "keras"
-                self._zip = zipfile.ZipFile(source)
+                self._zip = zipfile.ZipFile(self._file)
                 info = self._zip.getinfo(_KERAS_WEIGHTS_MEMBER)
                 base = self._member_data_offset(info)
                 self._member = self._zip.open(info)
                 self._h5 = h5py.File(self._member, "r")
             else:
-                self._h5 = h5py.File(source, "r")
+                self._h5 = h5py.File(self._file, "r")
         except ShardckptError:  # a bucket's refusal while reading the header
             self._close_files()
             raise
@@ -108,9 +103,6 @@ class H5Reader(MappedReader):
                 f"Cannot open {self.path!r} as HDF5 / .keras: {e}. The file is "
                 "truncated or damaged. Fix: re-create it from its source."
             ) from e
-        if self._remote is None:
-            self._file = open(self.path, "rb")
-            self._map = mmap.mmap(self._file.fileno(), 0, access=mmap.ACCESS_READ) if size else None
         self._datasets: dict[str, _Dataset] = {}
         try:
             self._h5.visititems(lambda name, obj: self._add(name, obj, base, size))
@@ -123,17 +115,12 @@ class H5Reader(MappedReader):
                 f"The HDF5 structure of {self.path!r} cannot be read: {type(e).__name__}: {e}. "
                 "Its header or an object header is damaged. Fix: re-create it from its source."
             ) from e
-        if self._remote is not None:
-            # Metadata is read: the many shards of a sharded preset keep no
-            # cached blocks while their arrays are read by ranges.
-            self._file.raw.drop_cache()
+        # Metadata is read: the many shards of a sharded preset keep no cached
+        # metadata blocks while their arrays are read.
+        self._source.drop_cache()
 
     def _read_at(self, offset: int, n: int) -> bytes:
-        if self._remote is not None:
-            return self._remote.read(offset, offset + n)
-        with open(self.path, "rb") as f:
-            f.seek(offset)
-            return f.read(n)
+        return self._source.read(offset, offset + n)
 
     def _member_data_offset(self, info: zipfile.ZipInfo) -> int:
         if info.compress_type != zipfile.ZIP_STORED:
@@ -167,27 +154,23 @@ class H5Reader(MappedReader):
     def spec(self, key: str) -> ArraySpec:
         return self._datasets[key].spec
 
-    def view(self, key: str, box: Box) -> np.ndarray:
-        """`box` of `key` without a copy where the dataset is memory-mapped.
+    def is_mapped(self, key: str) -> bool:
+        """True when `view` of `key` is a view of a memory map (no bytes read, no memory held)."""
+        return self._source.mappable and self._datasets[key].offset is not None
 
-        In a bucket, a fresh array of the box's bytes only (`RemoteObject.read_box`).
-        """
+    def view(self, key: str, box: Box) -> np.ndarray:
+        """`box` of `key`: a view of the memory map where the file has one (`is_mapped`),
+        else a fresh array (ranged reads of the box's bytes, or h5py)."""
         entry = self._datasets[key]
-        spec = entry.spec
-        if entry.offset is not None and self._remote is not None:
-            return self._remote.read_box(entry.offset, spec.shape, spec.dtype, box)
-        if entry.offset is not None and self._map is not None:
-            whole = np.ndarray(spec.shape, spec.dtype, buffer=self._map, offset=entry.offset)
-            return region(whole, box)
-        return self.read(key, box)
+        if entry.offset is None:
+            return self.read(key, box)
+        return self._source.array(entry.offset, entry.spec.shape, entry.spec.dtype, box)
 
     def read(self, key: str, box: Box) -> np.ndarray:
         entry = self._datasets[key]
         spec = entry.spec
-        if entry.offset is not None and self._remote is not None:
-            return self._remote.read_box(entry.offset, spec.shape, spec.dtype, box)
-        if entry.offset is not None and self._map is not None:
-            return np.array(self.view(key, box), copy=True, order="C")
+        if entry.offset is not None:
+            return self._source.read_box(entry.offset, spec.shape, spec.dtype, box)
         try:
             data = entry.dataset[box] if spec.shape else entry.dataset[()]
         except _H5_ERRORS as e:
@@ -207,7 +190,6 @@ class H5Reader(MappedReader):
             self._member.close()
         if self._zip is not None:
             self._zip.close()
-        if self._map is not None:
-            self._map.close()
         if self._file is not None:
             self._file.close()
+        self._source.close()

@@ -47,14 +47,9 @@ class ShardedH5Reader(MappedReader):
 
     def __init__(self, path: str | storage.Location) -> None:
         location = storage.parse(path)
-        local = location.local_path
-        self._local = local is not None
-        self.path = location.url if local is None or isinstance(path, storage.Location) else os.fspath(path)
-        if local is not None and not os.path.isfile(local):
-            raise CheckpointNotFoundError(f"No sharded weights index at {self.path!r}.")
+        self.path = storage.shown(path, location)
         weight_map = _read_index(location)
-        # Local shards are checked after resolving links; object keys have none.
-        folder = os.path.dirname(os.path.realpath(local)) if local is not None else location.parent.url
+        folder = location.parent
         self._shards: dict[str, H5Reader] = {}
         self._where: dict[str, H5Reader] = {}
         try:
@@ -66,45 +61,23 @@ class ShardedH5Reader(MappedReader):
             self.close()
             raise
 
-    def _open(self, folder: str, group: str, name: str) -> H5Reader:
+    def _open(self, folder: storage.Location, group: str, name: str) -> H5Reader:
         if name in self._shards:
             return self._shards[name]
-        if not self._local:
-            return self._open_remote(folder, group, name)
-        full = os.path.realpath(os.path.join(folder, name))
-        if os.path.isabs(name) or os.path.commonpath([folder, full]) != folder:
+        full = storage.child(folder, name)
+        if full is None:
             raise CorruptCheckpointError(
                 f"The index {self.path!r} puts group {group!r} in {name!r}, which is "
-                f"outside the index's folder {folder!r}. Shards must sit beside the "
+                f"outside the index's folder {folder.url!r}. Shards must sit beside the "
                 "index. Fix: re-save the weights, or correct the index."
             )
-        if not os.path.isfile(full):
-            raise CheckpointNotFoundError(
-                f"Shard {name!r} of {self.path!r} (holding group {group!r}) does not "
-                f"exist at {full!r}. Fix: copy every *.weights.h5 shard listed in the "
-                "index next to it."
-            )
-        shard = H5Reader(full)
-        self._shards[name] = shard
-        return shard
-
-    def _open_remote(self, folder: str, group: str, name: str) -> H5Reader:
-        # Object keys have no links to resolve: a name stays beside the index
-        # unless it climbs out ("..") or is absolute / a URL.
-        if name.startswith("/") or "://" in name or ".." in name.split("/"):
-            raise CorruptCheckpointError(
-                f"The index {self.path!r} puts group {group!r} in {name!r}, which is "
-                f"outside the index's folder {folder!r}. Shards must sit beside the "
-                "index. Fix: re-save the weights, or correct the index."
-            )
-        full = storage.parse(folder).join(name).url
         try:
             shard = H5Reader(full)
         except CheckpointNotFoundError as e:
             raise CheckpointNotFoundError(
                 f"Shard {name!r} of {self.path!r} (holding group {group!r}) does not "
-                f"exist at {full!r}. Fix: upload every *.weights.h5 shard listed in the "
-                "index next to it."
+                f"exist at {full.url!r}. Fix: copy (or upload) every *.weights.h5 shard "
+                "listed in the index next to it."
             ) from e
         self._shards[name] = shard
         return shard
@@ -133,6 +106,9 @@ class ShardedH5Reader(MappedReader):
 
     def spec(self, key: str) -> ArraySpec:
         return self._where[key].spec(key)
+
+    def is_mapped(self, key: str) -> bool:
+        return self._where[key].is_mapped(key)
 
     def view(self, key: str, box: Box) -> np.ndarray:
         """`box` of `key` without a copy (see `H5Reader.view`)."""

@@ -20,7 +20,7 @@ import numpy as np
 
 from shardckpt import storage
 from shardckpt.errors import CheckpointNotFoundError, CorruptCheckpointError
-from shardckpt.formats.base import ArraySpec, Box, MappedReader, full_box, strided
+from shardckpt.formats.base import ArraySpec, Box, MappedReader
 from shardckpt.formats.safetensors import SafetensorsReader
 
 CONFIG = "config.json"
@@ -99,18 +99,11 @@ class HFReader(MappedReader):
         self.path = str(folder)
         self._tensors = tensors
         self._remaps = dict(remaps)
-        self._stored_cache: dict[str, np.ndarray] = {}
 
     def _stored(self, key: str, first: int, shape: tuple[int, ...], strides: tuple[int, ...]) -> np.ndarray:
-        """Elements of stored tensor `key` as `hf_remap.Fetch` describes them."""
-        if not self._tensors.is_mapped(key):
-            return self._tensors.read_strided(key, first, shape, strides)  # ranged reads of just those
-        # A read-only view of the memory map: no bytes are read here.
-        flat = self._stored_cache.get(key)
-        if flat is None:
-            flat = self._tensors.view(key, full_box(self._tensors.spec(key).shape)).reshape(-1)
-            self._stored_cache[key] = flat
-        return strided(flat, first, shape, strides)
+        """Elements of stored tensor `key` as `hf_remap.Fetch` describes them: a view of
+        the memory map, or just those elements' bytes read (`SafetensorsReader.read_strided`)."""
+        return self._tensors.read_strided(key, first, shape, strides)
 
     def keys(self) -> list[str]:
         return list(self._remaps)
@@ -123,6 +116,10 @@ class HFReader(MappedReader):
         """The stored tensors variable `key` is made of."""
         return self._remaps[key].sources()
 
+    def is_mapped(self, key: str) -> bool:
+        """True when the stored tensors of `key` are memory-mapped (`view` holds no memory)."""
+        return all(self._tensors.is_mapped(source) for source in self.sources(key))
+
     def view(self, key: str, box: Box) -> np.ndarray:
         """`box` of variable `key`: a view of the memory map where the remap is one
         strided view of one tensor (transposes, reshapes, slices), else a new array."""
@@ -134,5 +131,4 @@ class HFReader(MappedReader):
         return self._remaps[key].read(box, self._stored)
 
     def close(self) -> None:
-        self._stored_cache.clear()
         self._tensors.close()

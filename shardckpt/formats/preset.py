@@ -13,8 +13,6 @@ Keys are the h5 keys of each weights file behind the file's role:
 
 from __future__ import annotations
 
-import os
-
 import numpy as np
 
 from shardckpt import storage
@@ -35,10 +33,10 @@ TASK_PREFIX = "task/"
 def has_files(folder: str | storage.Location, *names: str) -> list[bool]:
     """Whether each of `names` is a file in `folder` (one listing for all names)."""
     location = storage.parse(folder)
-    local = location.local_path
-    if local is not None:
-        return [os.path.isfile(os.path.join(local, name)) for name in names]
-    listed = set(storage.listdir(location))  # objects: one request for all names
+    try:
+        listed = set(storage.listdir(location))  # in a bucket: one request for all names
+    except (FileNotFoundError, NotADirectoryError):
+        return [False for _ in names]
     return [name in listed for name in names]
 
 
@@ -80,7 +78,7 @@ class PresetReader(MappedReader):
 
     def __init__(self, path: str | storage.Location, *, task: bool | None = None) -> None:
         location = storage.parse(path)
-        self.path = location.url if location.local_path is None or isinstance(path, storage.Location) else os.fspath(path)
+        self.path = storage.shown(path, location)
         weights = backbone_weights(location)
         self._parts: list[tuple[str, H5Reader | ShardedH5Reader]] = []
         try:
@@ -99,6 +97,10 @@ class PresetReader(MappedReader):
     def spec(self, key: str) -> ArraySpec:
         reader, inner = self._where[key]
         return reader.spec(inner)
+
+    def is_mapped(self, key: str) -> bool:
+        reader, inner = self._where[key]
+        return reader.is_mapped(inner)
 
     def view(self, key: str, box: Box) -> np.ndarray:
         """`box` of `key` without a copy (see `H5Reader.view`)."""

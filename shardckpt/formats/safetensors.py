@@ -3,8 +3,9 @@
 The format is an 8-byte little-endian header length, a JSON header mapping
 each key to dtype, shape and a byte range, then raw little-endian data. The
 header is parsed as JSON (nothing is executed or unpickled) and validated
-against the file size; each box is then a numpy slice of a read-only memory
-map, so a device's piece reads only its own bytes. The `safetensors` package
+against the file size; each box is then read from the file's
+`storage.ByteSource` (a numpy slice of a read-only memory map locally, its
+byte runs by ranges in a bucket), so a device's piece reads only its own bytes. The `safetensors` package
 is not used because its numpy binding cannot return bfloat16 and reads whole
 tensors for strided slices.
 """
@@ -12,52 +13,45 @@ tensors for strided slices.
 from __future__ import annotations
 
 import json
-import mmap
-import os
-from typing import Any
 
 import numpy as np
 
 from shardckpt import storage
 from shardckpt.errors import CheckpointNotFoundError, CorruptCheckpointError
-from shardckpt.formats.base import DTYPES, ArraySpec, Box, MappedReader, region, strided
+from shardckpt.formats.base import DTYPES, ArraySpec, Box, MappedReader
 
 _MAX_HEADER = 100 * 1024 * 1024  # the reference implementation's own limit
 
 
 class _File:
+    """One `.safetensors` file: its header's entries, and its bytes (`storage.ByteSource`)."""
+
     def __init__(self, location: storage.Location, path: str) -> None:
         self.path = path
-        self.map: mmap.mmap | None = None
-        self.remote: Any = None
-        self._fh: Any = None
-        if location.local_path is None:
-            # In a store: the header by two ranged reads, arrays box by box.
-            self.remote = storage.backend(location).ranged(location)
-            head = self.remote.read(0, 8)
-            n = int.from_bytes(head, "little")
-            if n > _MAX_HEADER:
-                raise _corrupt(path, f"header length {n} is over {_MAX_HEADER}")
-            raw = self.remote.read(8, 8 + n)
-            size = None
-        else:
-            if not os.path.isfile(path):
-                raise CheckpointNotFoundError(f"No safetensors file at {path!r}.")
-            size = os.path.getsize(path)
-            with open(path, "rb") as f:
-                head = f.read(8)
-                if len(head) < 8:
-                    raise _corrupt(path, "shorter than its 8-byte header length")
-                n = int.from_bytes(head, "little")
-                if n > _MAX_HEADER or 8 + n > size:
-                    raise _corrupt(path, f"header length {n} does not fit the file size {size}")
-                raw = f.read(n)
+        self.source = storage.open_source(location)
+        try:
+            self.entries = self._parse()
+        except BaseException:
+            self.source.close()
+            raise
+
+    def _parse(self) -> dict[str, tuple[ArraySpec, int]]:
+        path = self.path
+        head = self.source.probe(slice(0, 8))
+        if isinstance(head, int):
+            raise _corrupt(path, "shorter than its 8-byte header length")
+        n = int.from_bytes(head, "little")
+        if n > _MAX_HEADER:
+            raise _corrupt(path, f"header length {n} is over {_MAX_HEADER}")
+        raw = self.source.probe(slice(8, 8 + n))
+        if isinstance(raw, int):
+            raise _corrupt(path, f"header length {n} does not fit the file size {raw}")
         try:
             header = json.loads(raw)
         except (UnicodeDecodeError, json.JSONDecodeError) as e:
             raise _corrupt(path, f"header is not valid JSON ({e})") from e
         header.pop("__metadata__", None)  # free-form strings, not arrays
-        self.entries: dict[str, tuple[ArraySpec, int]] = {}
+        entries: dict[str, tuple[ArraySpec, int]] = {}
         data_start = 8 + n
         end_of_data = data_start
         for key, info in header.items():
@@ -68,25 +62,19 @@ class _File:
             except (KeyError, TypeError, ValueError) as e:
                 raise _corrupt(path, f"header entry for {key!r} is malformed ({e!r})") from e
             spec = ArraySpec(shape=shape, dtype=dtype)
-            if end - begin != spec.nbytes or (size is not None and data_start + end > size):
+            if end - begin != spec.nbytes:
                 raise _corrupt(
                     path,
                     f"array {key!r} ({info['dtype']}{list(shape)}) needs {spec.nbytes} "
-                    f"bytes at {data_start + begin}..{data_start + end}, file has {size}",
+                    f"bytes at {data_start + begin}..{data_start + end}",
                 )
             end_of_data = max(end_of_data, data_start + end)
-            self.entries[key] = (spec, data_start + begin)
-        if self.remote is not None:
-            self.remote.check_end(end_of_data)  # a truncated object fails here, not mid-load
-        else:
-            self._fh = open(path, "rb")
-            self.map = mmap.mmap(self._fh.fileno(), 0, access=mmap.ACCESS_READ) if size else None
+            entries[key] = (spec, data_start + begin)
+        self.source.check_end(end_of_data)  # a truncated file fails here, not mid-load
+        return entries
 
     def close(self) -> None:
-        if self.map is not None:
-            self.map.close()
-        if self._fh is not None:
-            self._fh.close()
+        self.source.close()
 
 
 def _corrupt(path: str, what: str) -> CorruptCheckpointError:
@@ -112,12 +100,14 @@ class SafetensorsReader(MappedReader):
 
     def __init__(self, path: str | storage.Location) -> None:
         location = storage.parse(path)
-        local = location.local_path
-        self.path = location.url if local is None or isinstance(path, storage.Location) else os.fspath(path)
+        self.path = storage.shown(path, location)
         self._files: dict[str, _File] = {}
         self._where: dict[str, _File] = {}
         if self.path.endswith(".json"):
-            data = storage.read_bytes(location) if local is None or os.path.isfile(local) else None
+            try:
+                data = storage.read_bytes(location)
+            except IsADirectoryError:
+                data = None
             if data is None:
                 raise CheckpointNotFoundError(f"No safetensors index at {self.path!r}.")
             try:
@@ -157,35 +147,28 @@ class SafetensorsReader(MappedReader):
         return self._where[key].entries[key][0]
 
     def view(self, key: str, box: Box) -> np.ndarray:
-        """`box` of `key` without a copy: a read-only slice of the memory map.
-
-        In a bucket, a fresh array of the box's bytes only (`RemoteObject.read_box`).
-        """
+        """`box` of `key`: a read-only slice of the memory map where the file has one
+        (`is_mapped`), else a fresh array of the box's bytes only."""
         file = self._where[key]
         spec, offset = file.entries[key]
-        if file.remote is not None:
-            return file.remote.read_box(offset, spec.shape, spec.dtype, box)
-        if file.map is None or spec.nbytes == 0:
-            return region(np.zeros(spec.shape, spec.dtype), box)
-        return region(np.ndarray(spec.shape, spec.dtype, buffer=file.map, offset=offset), box)
+        return file.source.array(offset, spec.shape, spec.dtype, box)
 
     def read(self, key: str, box: Box) -> np.ndarray:
-        if self._where[key].remote is not None:
-            return self.view(key, box)  # already a fresh array
-        return np.array(self.view(key, box), copy=True, order="C")
+        file = self._where[key]
+        spec, offset = file.entries[key]
+        return file.source.read_box(offset, spec.shape, spec.dtype, box)
 
     def is_mapped(self, key: str) -> bool:
-        """True when `key` lives in a memory-mapped file (not read by ranges)."""
-        return self._where[key].remote is None
+        """True when `view` of `key` is a view of a memory map (no bytes read, no memory held)."""
+        return self._where[key].source.mappable
 
     def read_strided(self, key: str, first: int, shape: tuple[int, ...], strides: tuple[int, ...]) -> np.ndarray:
         """`key.flat[first + i . strides]` for each index `i` of `shape` (strides in
-        elements): from a bucket, only those elements' bytes (`RemoteObject.read_strided`)."""
+        elements): a view of the memory map, or only those elements' bytes read."""
         file = self._where[key]
         spec, offset = file.entries[key]
-        if file.remote is not None:
-            return file.remote.read_strided(offset, spec.dtype, first, shape, strides)
-        return strided(self.view(key, tuple(slice(0, n) for n in spec.shape)).reshape(-1), first, shape, strides)
+        count = int(np.prod(spec.shape, dtype=np.int64))
+        return file.source.strided(offset, spec.dtype, count, first, shape, strides)
 
     def close(self) -> None:
         for file in self._files.values():

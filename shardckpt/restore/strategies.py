@@ -178,7 +178,7 @@ def into_pieces(load: Load, reader: ChunkedReader, budget: Budget, advance: Adva
 def by_slabs(load: Load, reader: Reader, budget: Budget, advance: Advance) -> tuple[int, int]:
     """Reads `readplan` slabs and copies each slab's parts into the pieces.
 
-    A `MappedReader`'s views hold no memory; another reader's fresh read is
+    A memory-mapped `MappedReader`'s views hold no memory; another reader's fresh read is
     held, and where it holds a piece contiguously (row blocks, replicas) the
     piece is a view of it, not a copy.
     """
@@ -192,8 +192,8 @@ def by_slabs(load: Load, reader: Reader, budget: Budget, advance: Advance) -> tu
         # piece's data, not a slab spanning several.
         per_piece=not load.on_host and len(load.parts) > 1,
     )
-    mapped = isinstance(reader, MappedReader)
-    fetch = reader.view if isinstance(reader, MappedReader) else reader.read
+    mapped = isinstance(reader, MappedReader) and reader.is_mapped(key)
+    fetch = reader.view if isinstance(reader, MappedReader) and mapped else reader.read
     need = 0 if mapped or not reads else max(readplan.volume(r.box) for r in reads) * itemsize
     need += load.extra_piece_bytes(load.dtype.itemsize)
     with budget.holding(need):

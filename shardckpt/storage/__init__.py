@@ -15,11 +15,12 @@ from __future__ import annotations
 import json
 import os
 import re
-from typing import Any, BinaryIO
+from typing import Any
 
 from shardckpt.errors import CheckpointNotFoundError, CorruptCheckpointError, UnsupportedURLError
 from shardckpt.storage import deadlines
 from shardckpt.storage.backend import Backend
+from shardckpt.storage.bytesource import ByteSource, MappedFile, Sizer
 from shardckpt.storage.deadlines import Deadline, deadline
 from shardckpt.storage.gcs import Gcs
 from shardckpt.storage.local import Local, sync_and_drop
@@ -29,13 +30,19 @@ from shardckpt.storage.s3 import S3
 __all__ = [
     "BACKENDS",
     "Backend",
+    "ByteSource",
+    "MappedFile",
+    "Sizer",
     "Deadline",
     "Location",
     "backend",
+    "child",
     "deadline",
     "deadlines",
     "parse",
+    "open_source",
     "read_json",
+    "shown",
     "sync_and_drop",
 ]
 
@@ -115,12 +122,43 @@ def read_bytes(location: Location) -> bytes | None:
     return backend(location).read(location)
 
 
-def open_binary(location: Location) -> BinaryIO:
-    """A read-only, seekable binary file over one file or object (objects: by byte ranges)."""
+def open_source(location: Location, sizer: Sizer | None = None) -> ByteSource:
+    """The bytes of one file or object: a memory map locally, ranged reads in a bucket.
+
+    Args:
+        location: The file.
+        sizer: How an object in a bucket learns its size from its own bytes
+            (a format's header); see `shardckpt.storage.ranged.RemoteObject.size`.
+
+    Raises:
+        CheckpointNotFoundError: a local file does not exist (an object: on its first read).
+    """
+    return backend(location).source(location, sizer)
+
+
+def child(folder: Location, name: str) -> Location | None:
+    """The file `name` (relative, "/"-separated) inside `folder`, or None when it leads out.
+
+    Out means: absolute, a URL, a ".." component, or (on the local disk) a
+    path whose links resolve outside the folder.
+    """
+    if not name or name.startswith("/") or os.path.isabs(name) or "://" in name or ".." in name.split("/"):
+        return None
+    location = folder.join(name)
     local = location.local_path
     if local is not None:
-        return open(local, "rb")
-    return backend(location).ranged(location).open()
+        inside = os.path.realpath(folder.path)
+        if os.path.commonpath([inside, os.path.realpath(local)]) != inside:
+            return None
+    return location
+
+
+def shown(path: str | os.PathLike | Location, location: Location) -> str:
+    """How a reader names what it opened: the path as the user gave it, else the URL."""
+    if isinstance(path, Location):
+        return path.url
+    text = os.fsdecode(os.fspath(path))
+    return location.url if _URL.match(text) else text
 
 
 def write_bytes(location: Location, data: bytes) -> None:

@@ -4,26 +4,16 @@ from __future__ import annotations
 
 from typing import Any, Protocol
 
+from shardckpt.storage.bytesource import ByteSource, Sizer
 from shardckpt.storage.location import Location
-
-
-class Ranged(Protocol):
-    """One object read by byte ranges (see `shardckpt.storage.ranged.RemoteObject`)."""
-
-    url: str
-
-    def read(self, start: int, stop: int) -> bytes: ...
-
-    def check_end(self, end: int) -> None: ...
 
 
 class Backend(Protocol):
     """A place checkpoints live: the local disk, an object store.
 
     Readers and writers never ask where a `Location` is: they ask its backend
-    for what they need. A backend with `mappable` set serves files that are
-    memory-mapped at `Location.local_path`; others serve ranged reads
-    (`ranged`). Every backend gives TensorStore a kvstore spec of a location
+    for what they need: the bytes of one file come from `source` (a memory
+    map where `mappable`, ranged reads otherwise). Every backend gives TensorStore a kvstore spec of a location
     (`kvstore`), which is how the Orbax arrays are read and written.
 
     Attributes:
@@ -45,8 +35,8 @@ class Backend(Protocol):
         """The bytes of one file or object, or None when it does not exist."""
         ...
 
-    def ranged(self, location: Location) -> Any:
-        """A `Ranged` reader of one object (backends that are not `mappable`)."""
+    def source(self, location: Location, sizer: Sizer | None = None) -> ByteSource:
+        """The bytes of one file or object (`sizer`: how an object learns its size)."""
         ...
 
     def write(self, location: Location, data: bytes) -> None:

@@ -7,6 +7,7 @@ import shutil
 from typing import Any
 
 from shardckpt.errors import CheckpointNotFoundError
+from shardckpt.storage.bytesource import ByteSource, MappedFile, Sizer
 from shardckpt.storage.location import LOCAL, Location
 
 
@@ -28,7 +29,7 @@ class Local:
 
     scheme = LOCAL
     mappable = True
-    """Readers memory-map local files (`Location.local_path`) instead of ranged reads."""
+    """Its files' bytes are memory maps (`source` gives a `MappedFile`)."""
     renames = True
     """A folder is renamed atomically: Orbax commits a step by renaming its temporary folder."""
 
@@ -78,8 +79,9 @@ class Local:
             total += sum(os.path.getsize(os.path.join(root, name)) for name in files)
         return total
 
-    def ranged(self, location: Location) -> Any:
-        raise TypeError(f"{location.url!r} is a local file: map it (Location.local_path), no ranged reads.")
+    def source(self, location: Location, sizer: Sizer | None = None) -> ByteSource:
+        """A memory map of the file (its size is the file system's: `sizer` is not needed)."""
+        return MappedFile(location.path)
 
     def translate(self, error: BaseException, location: Location, *, action: str = "reading") -> BaseException:
         return error  # OSErrors of local files already name the path

@@ -28,6 +28,7 @@ from shardckpt.errors import (
     StorageTimeoutError,
 )
 from shardckpt.storage import deadlines, sizing
+from shardckpt.storage.bytesource import Sizer
 from shardckpt.storage.location import Location
 from shardckpt.storage.ranged import RemoteObject
 
@@ -186,9 +187,9 @@ class ObjectStore:
         # The range of exactly this key (KvStore has no single-key delete).
         self.wait(store.delete_range(ts.KvStore.KeyRange(key, key + b"\0")), location, "deleting")
 
-    def ranged(self, location: Location) -> RemoteObject:
+    def source(self, location: Location, sizer: Sizer | None = None) -> RemoteObject:
         """One object, read by byte ranges."""
-        return RemoteObject(location, self)
+        return RemoteObject(location, self, sizer)
 
     def size(self, location: Location) -> int:
         """Total bytes of every object under `location` (see `shardckpt.storage.sizing`)."""

@@ -5,11 +5,11 @@ buckets are read through TensorStore's kvstore of the bucket (the same
 kvstore spec, credentials, endpoints and deadlines as Orbax checkpoints
 there) with ranged reads (`KvStore.read(key, byte_range=...)`):
 
-- `RemoteObject.read_box` reads the bytes of one box of a contiguous array
-  (an h5 dataset, a safetensors tensor): the box's runs of contiguous bytes,
-  neighbours closer than `GAP` merged into one request, requests cut at
-  `PART` bytes and issued concurrently, at most `INFLIGHT_BYTES` in flight
-  in the process;
+- `RemoteObject` is the `ByteSource` of an object: its `read_into` reads
+  runs of bytes (a box of an h5 dataset or a safetensors tensor, as
+  `byteplan` lists them), neighbours closer than `GAP` merged into one
+  request, requests cut at `PART` bytes and issued concurrently, at most
+  `INFLIGHT_BYTES` in flight in the process;
 - `RemoteFile` is a read-only seekable file object over an object (what
   `h5py.File` and `zipfile` need for their metadata), with a small bounded
   cache of `BLOCK`-sized blocks so HDF5's many small metadata reads do not
@@ -21,8 +21,8 @@ the object generation on GCS, the ETag on S3), the first one is kept, and an
 answer from any other version raises `ObjectChangedError`, so an object
 replaced in the middle of a load never yields a mix of old and new bytes.
 
-The formats' readers ask a backend that is not `mappable` for these instead
-of a memory map (`H5Reader`, `SafetensorsReader`, ...).
+`shardckpt.storage.open_source` gives one of these for an object in a
+bucket, and a `MappedFile` for a local file; the readers do not tell them apart.
 """
 
 from __future__ import annotations
@@ -37,16 +37,14 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from shardckpt.budget import Budget
-from shardckpt.dtypes import aligned_empty
 from shardckpt.errors import CorruptCheckpointError
-from shardckpt.storage import deadlines, sizing
+from shardckpt.storage import byteplan, deadlines
+from shardckpt.storage.byteplan import Run
+from shardckpt.storage.bytesource import ByteSource, Sizer
 from shardckpt.storage.location import Location
 
 if TYPE_CHECKING:
     from shardckpt.storage.objectstore import ObjectStore
-
-Box = tuple[slice, ...]
-"""One slice per dimension (as `shardckpt.formats.base.Box`)."""
 
 GAP = 256 * 1024
 """Runs of a box closer than this are one request (a request costs more than reading the gap)."""
@@ -61,8 +59,7 @@ BLOCK = 64 * 1024
 """Block of `RemoteFile`'s cache (HDF5 and zip metadata)."""
 CACHE_BLOCKS = 32
 """Blocks `RemoteFile` keeps (2 MiB per open file)."""
-_TAIL = 64 * 1024  # read from an object's end to learn its size (zip directory)
-_HDF5_MAGIC = b"\x89HDF\r\n\x1a\n"
+_UNBOUNDED = 1 << 60  # a range no object fills: its refusal names the object's size
 
 
 class Traffic:
@@ -99,19 +96,21 @@ _IN_FLIGHT = Budget(INFLIGHT_BYTES)
 """Bytes of ranged reads in flight across all threads."""
 
 
-class RemoteObject:
-    """One object in a bucket, read by byte ranges.
+class RemoteObject(ByteSource):
+    """One object in a bucket, read by byte ranges (a `ByteSource`).
 
     Args:
         location: The object.
         store: Its backend.
+        sizer: How the object's size is learnt from its bytes (see `size`).
 
     Raises:
         CheckpointNotFoundError: (on the first read) the object does not exist.
     """
 
-    def __init__(self, location: Location, store: ObjectStore) -> None:
+    def __init__(self, location: Location, store: ObjectStore, sizer: Sizer | None = None) -> None:
         self.location = location
+        self._sizer = sizer
         self.url = location.url
         self._backend = store
         self._store = store.open(location.parent)
@@ -119,6 +118,7 @@ class RemoteObject:
         self._size: int | None = None
         self._generation: bytes | None = None  # the version every read must come from
         self._pin_lock = threading.Lock()
+        self._opened: list[RemoteFile] = []
 
     def _request(self, start: int, stop: int) -> Any:
         TRAFFIC.add(stop - start)
@@ -196,38 +196,25 @@ class RemoteObject:
 
     @property
     def size(self) -> int:
-        """The object's size in bytes, for the file object h5py and zipfile seek in.
+        """The object's size in bytes, learnt from the object itself.
 
-        The kvstore API reports no object size, so it comes from the object
-        itself: an HDF5 file's is its superblock's end-of-file address
-        (checked to exist), a zip's follows from its end record (in its last
-        64 KiB); an object too short for a probe is named with its size in
-        TensorStore's refusal.
+        The kvstore API reports no object size, so the format that opened the
+        object sizes it from its own header (`Sizer`: an HDF5 superblock, a
+        zip end record, see `shardckpt.formats.containers`); without one, the
+        object's size is what TensorStore names when it refuses a range past
+        the end.
         """
         if self._size is None:
-            self._size = self._probe_size()
+            self._size = self._sizer(self) if self._sizer is not None else self._refused_size()
         return self._size
 
-    def _probe_size(self) -> int:
-        head = self._probe(slice(0, 64))
-        if isinstance(head, int):
-            return head  # shorter than 64 bytes: its size came with the refusal
-        if head.startswith(_HDF5_MAGIC):
-            size = sizing.hdf5_end(head, self.url)
-            self.check_end(size)
-            return size
-        tail = self._probe(slice(-_TAIL, None))
-        if isinstance(tail, int):
-            return tail
-        zip_size = sizing.zip_end(tail)
-        if zip_size is None:
-            raise CorruptCheckpointError(
-                f"{self.url!r} is neither an HDF5 file nor a zip archive with its end "
-                "record: it is truncated or no .weights.h5 / .keras file. Fix: upload it again."
-            )
-        return zip_size
+    def _refused_size(self) -> int:
+        found = self.probe(slice(0, _UNBOUNDED))
+        if isinstance(found, int):
+            return found
+        raise CorruptCheckpointError(f"{self.url!r} is larger than {_UNBOUNDED} bytes: it cannot be a checkpoint file.")
 
-    def _probe(self, byte_range: slice) -> bytes | int:
+    def probe(self, byte_range: slice) -> bytes | int:
         """The bytes of `byte_range`, or the object's size when it is too short for them.
 
         TensorStore refuses a range the object cannot fill (OUT_OF_RANGE) and
@@ -246,64 +233,20 @@ class RemoteObject:
         self._pin(result.stamp.generation)
         return bytes(result.value)
 
-    def read_box(self, offset: int, shape: tuple[int, ...], dtype: np.dtype, box: Box) -> np.ndarray:
-        """`box` of the C-ordered array of `shape` and `dtype` stored at byte `offset`, as a new array.
-
-        Only the box's bytes are requested (plus gaps under `GAP` between its
-        runs), in concurrent requests of at most `PART` bytes.
-        """
-        dtype = np.dtype(dtype)
-        out = aligned_empty(tuple(s.stop - s.start for s in box), dtype)
-        if out.size:
-            self.read_runs(offset, _runs(shape, dtype.itemsize, box), out.reshape(-1).view(np.uint8))
-        return out
-
-    def read_strided(
-        self, offset: int, dtype: np.dtype, first: int, shape: tuple[int, ...], strides: tuple[int, ...]
-    ) -> np.ndarray:
-        """`stored.flat[first + i . strides]` for each index `i` of `shape`, of the
-        flat array of `dtype` stored at byte `offset` (see `hf_remap.Fetch`).
-
-        Only those elements are requested: in the stored order (strides
-        sorted), the axis of stride 1 makes the runs. Returns a view (axes
-        in the order asked) of one new buffer.
-        """
-        dtype = np.dtype(dtype)
-        if 0 in shape:
-            return np.empty(shape, dtype)
-        strides = tuple(strides)
-        flips = [d for d, st in enumerate(strides) if st < 0]
-        for d in flips:  # read in increasing order, flip back at the end
-            first += (shape[d] - 1) * strides[d]
-        strides = tuple(abs(st) for st in strides)
-        order = sorted(range(len(shape)), key=lambda d: -strides[d])  # stored order: outer first
-        tshape = tuple(shape[d] for d in order)
-        tstrides = [strides[d] for d in order]
-        run = tshape[-1] if tshape and tstrides[-1] == 1 else 1
-        outer = tshape[:-1] if run > 1 or not tshape else tshape
-        starts = np.array([first], np.int64)
-        for n, st in zip(outer, tstrides[: len(outer)], strict=True):
-            starts = (starts[:, None] + np.arange(n, dtype=np.int64)[None, :] * st).reshape(-1)
-        size = dtype.itemsize
-        runs = [(int(a) * size, (int(a) + run) * size) for a in starts]
-        buffer = aligned_empty(tshape, dtype)
-        self.read_runs(offset, runs, buffer.reshape(-1).view(np.uint8))
-        view = buffer.transpose(np.argsort(order))
-        return np.flip(view, tuple(flips)) if flips else view
-
-    def read_runs(self, offset: int, runs: list[tuple[int, int]], out: np.ndarray) -> None:
-        """Reads byte runs `[a, b)` (after `offset`, ascending) into `out`, one after another."""
+    def read_into(self, buffer: np.ndarray, runs: list[Run], *, offset: int = 0) -> None:
+        """Reads the runs (ascending) into `buffer`, one after another: runs closer than
+        `GAP` share a request, requests are at most `PART` bytes and run concurrently."""
         pos = 0
-        requests = _merge(runs)
-        for (start, _, members), data in zip(requests, self._fetch(offset, requests), strict=True):
+        requests = byteplan.merge(runs, gap=GAP, waste=WASTE, part=PART)
+        for request, data in zip(requests, self._fetch(offset, requests), strict=True):
             view = memoryview(data)
-            for a, b in members:
+            for a, b in request.runs:
                 n = b - a
-                out[pos : pos + n] = np.frombuffer(view[a - start : b - start], np.uint8)
+                buffer[pos : pos + n] = np.frombuffer(view[a - request.start : b - request.start], np.uint8)
                 pos += n
             del view, data
 
-    def _fetch(self, offset: int, requests: list[tuple[int, int, list[tuple[int, int]]]]) -> Iterator[bytes]:
+    def _fetch(self, offset: int, requests: list[byteplan.Request]) -> Iterator[bytes]:
         """The requests' bytes, in order, issued ahead as far as `_IN_FLIGHT` allows.
 
         A thread waits for room only when it holds none (nothing pending), so
@@ -315,11 +258,11 @@ class RemoteObject:
         try:
             while nxt is not None or pending:
                 while nxt is not None:
-                    size = nxt[1] - nxt[0]
+                    size = nxt.stop - nxt.start
                     held = _IN_FLIGHT.try_acquire(size) if pending else _IN_FLIGHT.acquire(size)
                     if held is None:
                         break
-                    start, stop = offset + nxt[0], offset + nxt[1]
+                    start, stop = offset + nxt.start, offset + nxt.stop
                     pending.append((self._request(start, stop), start, stop, held))
                     nxt = next(it, None)
                 future, start, stop, held = pending.popleft()
@@ -334,56 +277,14 @@ class RemoteObject:
 
     def open(self) -> io.BufferedReader:
         """A read-only, seekable file object over the object (see `RemoteFile`)."""
-        return io.BufferedReader(RemoteFile(self), buffer_size=8192)
+        raw = RemoteFile(self)
+        self._opened.append(raw)
+        return io.BufferedReader(raw, buffer_size=8192)
 
-
-def _runs(shape: tuple[int, ...], itemsize: int, box: Box) -> list[tuple[int, int]]:
-    """Byte ranges `[a, b)` of `box` in a C-ordered array of `shape`, in order."""
-    nd = len(shape)
-    if nd == 0:
-        return [(0, itemsize)]
-    # Axes after `k` are covered whole: one run spans them and box[k].
-    k = nd - 1
-    while k > 0 and box[k].start == 0 and box[k].stop == shape[k]:
-        k -= 1
-    strides = [itemsize] * nd
-    for d in range(nd - 2, -1, -1):
-        strides[d] = strides[d + 1] * shape[d + 1]
-    length = (box[k].stop - box[k].start) * strides[k]
-    starts = np.array([box[k].start * strides[k]], np.int64)
-    for d in range(k - 1, -1, -1):
-        outer = np.arange(box[d].start, box[d].stop, dtype=np.int64) * strides[d]
-        starts = (outer[:, None] + starts[None, :]).reshape(-1)
-    return [(int(a), int(a) + length) for a in starts]
-
-
-def _merge(runs: list[tuple[int, int]]) -> list[tuple[int, int, list[tuple[int, int]]]]:
-    """Groups runs into requests `(start, stop, runs)`: gaps under `GAP`, at most `PART` bytes.
-
-    A gap joins a request only while the request's gaps stay within `WASTE`
-    of its wanted bytes: the columns of a column-sharded kernel that another
-    process (or device) holds are not requested, so each process asks for
-    little more than its own pieces.
-    """
-    out: list[tuple[int, int, list[tuple[int, int]]]] = []
-    wanted = 0  # bytes of the runs in out[-1]
-    for a, b in runs:
-        while b - a > PART:  # a long run: parts of its own, read concurrently
-            out.append((a, a + PART, [(a, a + PART)]))
-            a += PART
-            wanted = PART
-        if out:
-            start, stop, members = out[-1]
-            gap = a - stop
-            joined = wanted + b - a
-            if 0 <= gap <= GAP and b - start <= PART and (b - start) - joined <= WASTE * joined:
-                members.append((a, b))
-                out[-1] = (start, b, members)
-                wanted = joined
-                continue
-        out.append((a, b, [(a, b)]))
-        wanted = b - a
-    return out
+    def drop_cache(self) -> None:
+        """Frees the cached blocks of every file object `open` gave."""
+        for raw in self._opened:
+            raw.drop_cache()
 
 
 class RemoteFile(io.RawIOBase):

@@ -1,12 +1,11 @@
 """Sizes of objects in a bucket, which TensorStore's kvstore API does not report: summed over
-a prefix by range probes (`du`), or read from an HDF5 superblock or a zip end record."""
+a prefix by range probes (`du`). One object's size comes from its own header, which its
+format reads (`shardckpt.formats.containers`)."""
 
 from __future__ import annotations
 
-import struct
 from typing import TYPE_CHECKING, Any
 
-from shardckpt.errors import CorruptCheckpointError
 from shardckpt.storage.location import Location
 
 if TYPE_CHECKING:
@@ -64,44 +63,3 @@ def du(store: ObjectStore, location: Location) -> int:
         result = answer(future)
         total += bounds[key][0] + (0 if result is None else len(result.value))
     return total
-
-
-def hdf5_end(head: bytes, url: str) -> int:
-    """An HDF5 file's size: base address + end-of-file address of its superblock."""
-    version = head[8]
-    if version in (0, 1):
-        width = head[13]
-        at = 24 if version == 0 else 28
-    elif version in (2, 3):
-        width = head[9]
-        at = 12
-    else:
-        raise CorruptCheckpointError(f"{url!r} has an HDF5 superblock of unknown version {version}.")
-    fmt = {4: "<I", 8: "<Q"}.get(width)
-    if fmt is None:
-        raise CorruptCheckpointError(f"{url!r} has an HDF5 superblock with {width}-byte addresses.")
-    base = struct.unpack_from(fmt, head, at)[0]
-    end = struct.unpack_from(fmt, head, at + 2 * width)[0]
-    return int(base + end)
-
-
-def zip_end(tail: bytes) -> int | None:
-    """A zip archive's size from the end records in its last bytes (`tail`), or None."""
-    at = tail.rfind(b"PK\x05\x06")
-    if at < 0 or at + 22 > len(tail):
-        return None
-    cd_size, cd_offset, comment = struct.unpack_from("<IIH", tail, at + 12)
-    # The central directory ends where the end records begin.
-    records = len(tail) - at
-    if 0xFFFFFFFF in (cd_size, cd_offset):
-        loc = at - 20
-        if loc < 0 or tail[loc : loc + 4] != b"PK\x06\x07":
-            return None
-        z64 = tail.rfind(b"PK\x06\x06", 0, loc)
-        if z64 < 0:
-            return None
-        cd_size, cd_offset = struct.unpack_from("<QQ", tail, z64 + 40)
-        records = len(tail) - z64
-    if len(tail) - at < 22 + comment:
-        return None
-    return int(cd_offset + cd_size + records)
