@@ -29,7 +29,7 @@ from shardckpt.errors import IndivisibleLayoutError
 from shardckpt.formats import Reader, open_reader
 from shardckpt.lazy import is_unloaded, original_initializer
 from shardckpt.progress import ByteProgress, ReadTally, key_lines, read_line
-from shardckpt.restore import hostmem
+from shardckpt.restore import hostmem, pipeline
 from shardckpt.restore import keys as naming
 from shardckpt.restore.strategies import Budget, Job, load_variable
 from shardckpt.restore.targets import TargetLayout, check_mesh, resolve_layout, warn_unmatched_keys
@@ -38,6 +38,8 @@ from shardckpt.types import Layout, Model, PlanLike
 # Reads run on a few threads: numpy copies, h5 page faults and tensorstore
 # decoding all release the GIL, and overlapping them hides I/O latency.
 _WORKERS = min(8, max(2, (os.cpu_count() or 2)))
+
+_TRANSFERS = ("auto", "ring", "direct")
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -59,6 +61,12 @@ class LoadReport(ReadTally):
         max_inflight_bytes: The host-memory budget the load ran with (the
             host's default, `shardckpt.budget.default_max_inflight_bytes`,
             when none was given).
+        transfer: How pieces went to their devices: "ring" (the transfer
+            pipeline, `shardckpt.restore.pipeline`) or "direct".
+        ring_bytes: Host bytes of the pipeline's ring (0 without one), held
+            from the budget for the whole load.
+        timeline: Every read and transfer of the pipeline, with when it
+            started and ended (`pipeline.Event`); empty without one.
     """
 
     seconds: float = 0.0
@@ -68,6 +76,9 @@ class LoadReport(ReadTally):
     casts: list[str] = dataclasses.field(default_factory=list)
     initialized: list[str] = dataclasses.field(default_factory=list)
     max_inflight_bytes: int = 0
+    transfer: str = "direct"
+    ring_bytes: int = 0
+    timeline: list[pipeline.Event] = dataclasses.field(default_factory=list, repr=False)
 
     def __str__(self) -> str:
         lines = [read_line("Loaded", self.arrays, self.bytes_read, f"{self.format} {self.path!r}", self.seconds) + "."]
@@ -90,6 +101,7 @@ def load_sharded(
     max_inflight_bytes: int | None = None,
     progress: bool | None = None,
     allow_other_mesh: bool = False,
+    transfer: str = "auto",
 ) -> LoadReport:
     """Loads a checkpoint into `model`, each variable directly in its sharding.
 
@@ -145,6 +157,12 @@ def load_sharded(
             devices. Refused by default: every variable would move off the
             mesh the model computes on, usually a `LayoutMap` built for another
             mesh. Pass True for a model kept on a sub-mesh on purpose.
+        transfer: How pieces reach their devices. "auto": through the
+            transfer pipeline (`shardckpt.restore.pipeline`: a ring of reused
+            host buffers, reads overlapped with transfers) when any variable
+            goes to an accelerator, else "direct" (on CPU devices the pieces
+            read become the devices' buffers, no copy). "ring" / "direct"
+            force one; the ring copies every piece on CPU devices too.
 
     Returns:
         A `LoadReport`.
@@ -170,6 +188,8 @@ def load_sharded(
     else:
         warn_unmatched_keys(layout, model)
     check_mesh(layout, allow_other_mesh=allow_other_mesh)
+    if transfer not in _TRANSFERS:
+        raise ValueError(f"transfer must be one of {_TRANSFERS}. Received: transfer={transfer!r}")
     reader = open_reader(
         os.fspath(path), cache_bytes=budgets.chunk_cache_bytes(max_inflight_bytes), model=model, task=naming.is_task(model)
     )
@@ -179,7 +199,7 @@ def load_sharded(
         total = sum(reader.spec(job.key).nbytes for job in jobs)
         show = sys.stderr.isatty() if progress is None else progress
         with ByteProgress(total, f"loading {os.path.basename(reader.path)}", enabled=show) as bar:
-            _run(jobs, reader, report, max_inflight_bytes, bar.advance)
+            _run(jobs, reader, report, max_inflight_bytes, bar.advance, transfer)
         for variable, target in to_init:
             _initialize(variable, target)
             report.initialized.append(variable.path)
@@ -251,14 +271,45 @@ def _check_divisible(variable: Any, target: TargetLayout) -> None:
             )
 
 
+def _wants_ring(jobs: list[Job], transfer: str) -> bool:
+    if transfer != "auto":
+        return transfer == "ring"
+    devices: set[Any] = {d for job in jobs for d in job.target.sharding.addressable_devices}
+    return any(d.platform != "cpu" for d in devices)
+
+
 def _run(
     jobs: list[Job],
     reader: Reader,
     report: LoadReport,
     max_inflight: int,
     advance: Callable[[int], None],
+    transfer: str = "auto",
 ) -> None:
-    budget = Budget(max_inflight)
+    ring = None
+    if jobs and _wants_ring(jobs, transfer):
+        timeline = pipeline.Timeline()
+        ring = pipeline.Ring(max_inflight // pipeline.RING_SHARE, timeline, slots=_WORKERS + pipeline.MIN_SLOTS)
+        report.transfer, report.ring_bytes, report.timeline = "ring", ring.nbytes, timeline.events
+    # The ring's bytes are out of the budget for the whole load; the
+    # strategies that bypass it (casts, rows larger than a slot) share the rest.
+    budget = Budget(max(1, max_inflight - (ring.nbytes if ring is not None else 0)))
+    try:
+        _run_jobs(jobs, reader, report, max_inflight, advance, budget, ring)
+    finally:
+        if ring is not None:
+            ring.drain()  # every transfer done: the load's time includes them
+
+
+def _run_jobs(
+    jobs: list[Job],
+    reader: Reader,
+    report: LoadReport,
+    max_inflight: int,
+    advance: Callable[[int], None],
+    budget: Budget,
+    ring: pipeline.Ring | None,
+) -> None:
     # Host bytes of replaced values not yet given back to the OS; trimmed every
     # quarter budget, so what the heap keeps of them stays within the budget's
     # scale (see `hostmem`).
@@ -266,7 +317,7 @@ def _run(
     # Largest first so the long reads overlap the many small ones.
     order = sorted(jobs, key=lambda j: -reader.spec(j.key).nbytes)
     with concurrent.futures.ThreadPoolExecutor(_WORKERS) as pool:
-        futures = [pool.submit(load_variable, job, reader, budget, advance) for job in order]
+        futures = [pool.submit(load_variable, job, reader, budget, advance, ring) for job in order]
         try:
             for future in concurrent.futures.as_completed(futures):
                 done, released = future.result()

@@ -10,7 +10,10 @@ pieces go:
 - `into_pieces` (a `ChunkedReader` whose chunk fits the budget): the reader
   decodes straight into one buffer per piece, a shared chunk once;
 - `by_slabs` (every reader): `readplan` slabs of whole rows, views where the
-  reader is a `MappedReader`, each slab's parts copied into the pieces.
+  reader is a `MappedReader`, each slab's parts copied into the pieces;
+- `by_ring` (accelerators, or when the load asks for it): every piece read
+  into the slots of the load's `pipeline.Ring` and sent to its devices from
+  there, transfers overlapped with the next reads (see `pipeline`).
 
 Every strategy holds its bytes of `Budget` for the variable at once (a
 second wait while holding part of it could deadlock) and ends in `place`,
@@ -39,7 +42,7 @@ from shardckpt.formats.base import (
     region,
 )
 from shardckpt.lazy import is_unloaded
-from shardckpt.restore import hostmem, readplan
+from shardckpt.restore import hostmem, pipeline, readplan
 from shardckpt.restore.targets import TargetLayout
 
 Advance = Callable[[int], None]
@@ -103,14 +106,34 @@ Strategy = Callable[[Load, Any, Budget, Advance], tuple[int, int]]
 """`(load, reader, budget, advance) -> (bytes read, host bytes of the replaced value)`."""
 
 
-def load_variable(job: Job, reader: Reader, budget: Budget, advance: Advance) -> tuple[int, int]:
+def load_variable(
+    job: Job, reader: Reader, budget: Budget, advance: Advance, ring: pipeline.Ring | None = None
+) -> tuple[int, int]:
     """Loads one variable with the strategy that fits its reader and devices.
+
+    Args:
+        ring: The load's transfer pipeline, where it has one (accelerators).
 
     Returns:
         Bytes read, and host bytes of the value it replaced (now free).
     """
     load = Load.of(job, reader)
+    if ring is not None and not load.cast and pipeline.fits(load.parts, load.stored.dtype.itemsize, ring.slot_bytes):
+        return by_ring(load, reader, ring, advance)
     return choose(load, reader, budget)(load, reader, budget, advance)
+
+
+def by_ring(load: Load, reader: Reader, ring: pipeline.Ring, advance: Advance) -> tuple[int, int]:
+    """Reads every piece into the ring's slots and sends each slot to its devices as it fills.
+
+    Nothing waits for a transfer here: the ring does, when it hands the slot
+    out again (and the engine, for all of them, before the load returns).
+    The ring's bytes are held from the budget for the whole load.
+    """
+    singles = pipeline.through_ring(ring, reader, load.job.key, load.parts, load.stored.dtype, advance)
+    value = jax.make_array_from_single_device_arrays(load.shape, load.job.target.sharding, singles)
+    released = hostmem.host_bytes(assign(load.job.variable, value, load.job.target))
+    return load.piece_bytes(load.stored.dtype.itemsize), released
 
 
 def choose(load: Load, reader: Reader, budget: Budget) -> Strategy:

@@ -1,0 +1,136 @@
+"""The transfer pipeline (`shardckpt.restore.pipeline`), forced on the 8 CPU devices.
+
+On accelerators every restore goes through the ring; here `transfer="ring"`
+sends the same code path to CPU devices: every format restores bit-equal
+with the sharding Keras gives, reads overlap transfers on a variable of many
+pieces, and the ring stays within the budget. `transfer="auto"` on CPU
+devices keeps the zero-copy adoption (no ring).
+"""
+
+from __future__ import annotations
+
+import jax
+import keras
+import numpy as np
+import pytest
+
+import shardckpt
+from shardckpt.restore import pipeline
+from tests.zoo import build_zoo, lazy_zoo, model_parallel, randomize, save_as
+
+BUDGET = 256 * 1024
+"""Small enough that the ring's slots (12 KiB) cut most pieces into several row blocks."""
+
+
+def _save(tmp_path, fmt):
+    keras.backend.clear_session()
+    src = build_zoo()
+    randomize(src, seed=5)
+    want = [np.asarray(v.value) for v in src.weights]
+    if fmt == "h5-sharded":
+        path = str(tmp_path / "m.weights.json")
+        src.save_weights(path, max_shard_size=8e-6)  # several shards of 8 KB
+        return path, want
+    if fmt == "orbax":
+        h5 = save_as(src, tmp_path, "h5")
+        path = str(tmp_path / "orbax")
+        shardckpt.convert(h5, path, model=src)  # shardckpt-written: zarr3 chunks with crc32c
+        return path, want
+    return save_as(src, tmp_path, fmt), want
+
+
+@pytest.mark.parametrize("fmt", ["h5", "keras", "h5-sharded", "safetensors", "orbax"])
+def test_every_format_restores_bit_equal_through_the_ring(tmp_path, fmt):
+    path, want = _save(tmp_path, fmt)
+    model, dist = lazy_zoo(mesh_shape=(2, 4))
+    report = shardckpt.load_sharded(model, path, max_inflight_bytes=BUDGET, transfer="ring")
+    assert report.transfer == "ring" and report.arrays >= len(model.weights)  # Orbax: seed states too
+    for v, w in zip(model.weights, want):
+        np.testing.assert_array_equal(np.asarray(v.value), w, err_msg=v.path)
+        assert v.value.sharding.is_equivalent_to(dist.get_variable_layout(v).backend_layout, v.ndim), v.path
+    reads = [e for e in report.timeline if e.kind == "read"]
+    transfers = [e for e in report.timeline if e.kind == "transfer"]
+    assert {e.key for e in reads} == {e.key for e in transfers}
+    assert len({e.key for e in reads}) == report.arrays  # every variable went through the ring
+    assert len(transfers) == len(reads)
+    assert all(r.start <= r.end for r in reads) and all(t.start <= t.end for t in transfers)
+
+
+def _wide(tmp_path):
+    def build():
+        return keras.Sequential([keras.Input((512,)), keras.layers.Dense(1024, name="wide")])
+
+    keras.backend.clear_session()
+    src = build()
+    randomize(src, seed=3)
+    path = str(tmp_path / "wide.weights.h5")
+    src.save_weights(path)
+    model_parallel({".*wide/kernel": (None, "model")}, (1, 8))
+    with shardckpt.lazy_init():
+        model = build()
+    return model, path, [np.asarray(v.value) for v in src.weights]
+
+
+def test_reads_overlap_transfers_on_a_variable_of_many_pieces(tmp_path):
+    """The kernel's 8 pieces (256 KiB each) go in blocks of at most 64 KiB (a ring of
+    256 KiB): a block's read runs while earlier blocks of the same variable are
+    still being transferred."""
+    model, path, want = _wide(tmp_path)
+    report = shardckpt.load_sharded(model, path, max_inflight_bytes=512 * 1024, transfer="ring")
+    kernel = model.weights[0]
+    np.testing.assert_array_equal(np.asarray(kernel.value), want[0])
+    events = [e for e in report.timeline if e.key == "layers/dense/vars/0"]
+    reads = [e for e in events if e.kind == "read"]
+    transfers = [e for e in events if e.kind == "transfer"]
+    assert len(reads) == len(transfers) >= 16, len(reads)  # many pieces
+    overlapping = sum(1 for r in reads for t in transfers if r.start < t.end and t.start < r.end)
+    assert overlapping >= len(reads) // 2, (overlapping, len(reads))
+
+
+def test_the_ring_stays_within_the_budget(tmp_path):
+    """The ring holds at most half the budget, and the bytes of the blocks that
+    hold a slot (from their read's start to their transfer's end) never exceed it."""
+    model, path, want = _wide(tmp_path)
+    budget = 1024 * 1024
+    report = shardckpt.load_sharded(model, path, max_inflight_bytes=budget, transfer="ring")
+    for v, w in zip(model.weights, want):
+        np.testing.assert_array_equal(np.asarray(v.value), w)
+    assert 0 < report.ring_bytes <= budget // pipeline.RING_SHARE
+    assert report.max_inflight_bytes == budget
+    reads = {(e.key, e.piece): e for e in report.timeline if e.kind == "read"}
+    ends = {(e.key, e.piece): e.end for e in report.timeline if e.kind == "transfer"}
+    held = [(r.start, ends[k], r.nbytes) for k, r in reads.items()]
+    for start, _, _ in held:
+        in_slots = sum(n for a, b, n in held if a <= start < b)
+        assert in_slots <= report.ring_bytes, (in_slots, report.ring_bytes)
+
+
+def test_cpu_devices_keep_zero_copy_adoption_by_default(tmp_path):
+    model, path, want = _wide(tmp_path)
+    report = shardckpt.load_sharded(model, path)
+    assert report.transfer == "direct" and report.timeline == [] and report.ring_bytes == 0
+    np.testing.assert_array_equal(np.asarray(model.weights[0].value), want[0])
+
+
+def test_pinned_staging_is_for_accelerators_only():
+    cpu = jax.devices()[0]
+    assert "pinned_host" in {m.kind for m in cpu.addressable_memories()}  # listed on CPU too...
+    assert pipeline.staging_kind(cpu) is None  # ...but a second host copy would only cost time
+
+
+def test_blocks_cut_rows_to_fit_a_slot():
+    box = (slice(4, 14), slice(0, 8))
+    assert pipeline.blocks(box, row_bytes=32, slot_bytes=100) == [
+        (slice(4, 7), slice(0, 8)),
+        (slice(7, 10), slice(0, 8)),
+        (slice(10, 13), slice(0, 8)),
+        (slice(13, 14), slice(0, 8)),
+    ]
+    assert pipeline.blocks(box, row_bytes=200, slot_bytes=100) is None
+    assert pipeline.blocks((), row_bytes=4, slot_bytes=100) == [()]
+
+
+def test_unknown_transfer_is_refused(tmp_path):
+    model, path, _ = _wide(tmp_path)
+    with pytest.raises(ValueError, match="transfer="):
+        shardckpt.load_sharded(model, path, transfer="pinned")
