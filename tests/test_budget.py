@@ -33,6 +33,37 @@ def test_rule(cores, memory, expected):
     assert budget.inflight_bytes_for(cores, memory) == expected
 
 
+@pytest.mark.parametrize(
+    ("cores", "memory", "accelerators", "expected"),
+    [
+        (16, 125 * GB, 1, 125 * GB // 32 // MIB * MIB),  # one H200's host: memory / 32, not the cores' 1 GiB
+        (16, 256 * GIB, 1, 4 * GIB),  # 4 GiB per accelerator
+        (96, 2048 * GIB, 8, 32 * GIB),  # eight GPUs: past the core rule's 4 GiB cap
+        (96, 512 * GIB, 8, 16 * GIB),  # memory / 32 still bounds it
+        (2, 24 * GB, 1, 24 * GB // 32 // MIB * MIB),
+        (64, 512 * GIB, 0, 4 * GIB),  # no accelerator: the core rule
+        (16, 4 * GIB, 1, 256 * MIB),  # never below the core rule (its floor here)
+    ],
+)
+def test_accelerator_rule(cores, memory, accelerators, expected):
+    assert budget.inflight_bytes_for_accelerators(cores, memory, accelerators) == expected
+    assert expected >= budget.inflight_bytes_for(cores, memory)
+
+
+def test_report_says_how_the_budget_was_chosen(tmp_path):
+    from tests.zoo import build_zoo, lazy_zoo
+
+    keras.backend.clear_session()
+    path = str(tmp_path / "m.weights.h5")
+    build_zoo().save_weights(path)
+    model, _ = lazy_zoo()
+    report = shardckpt.load_sharded(model, path)
+    assert report.budget_rule.startswith(f"host default: {budget.usable_cores()} cores")
+    assert report.max_inflight_bytes == budget.default_max_inflight_bytes()  # CPU devices: no accelerator
+    model, _ = lazy_zoo()
+    assert shardckpt.load_sharded(model, path, max_inflight_bytes=3 * MIB).budget_rule == "given"
+
+
 def test_rule_rounds_to_whole_mib():
     # 48 cores, 40 GB: memory / 32 = 1.25e9 bytes, not a whole number of MiB.
     assert budget.inflight_bytes_for(48, 40 * GB) == (40 * GB // 32) // MIB * MIB

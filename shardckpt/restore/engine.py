@@ -60,7 +60,11 @@ class LoadReport(ReadTally):
             never stores them (Keras h5: seed-generator states, LoRA factors).
         max_inflight_bytes: The host-memory budget the load ran with (the
             host's default, `shardckpt.budget.default_max_inflight_bytes`,
-            when none was given).
+            when none was given; on a host with accelerators, at least 4 GiB
+            per local accelerator within 1/32 of memory,
+            `shardckpt.budget.inflight_bytes_for_accelerators`).
+        budget_rule: "given", or how the default was chosen ("host default:
+            16 cores, 125.0 GB, 1 accelerator").
         transfer: How pieces went to their devices: "ring" (the transfer
             pipeline, `shardckpt.restore.pipeline`) or "direct".
         ring_bytes: Host bytes of the pipeline's ring (0 without one), held
@@ -76,6 +80,7 @@ class LoadReport(ReadTally):
     casts: list[str] = dataclasses.field(default_factory=list)
     initialized: list[str] = dataclasses.field(default_factory=list)
     max_inflight_bytes: int = 0
+    budget_rule: str = "given"
     transfer: str = "direct"
     ring_bytes: int = 0
     timeline: list[pipeline.Event] = dataclasses.field(default_factory=list, repr=False)
@@ -89,6 +94,11 @@ class LoadReport(ReadTally):
             ("cast", self.casts),
             ("initialised (not in checkpoint)", self.initialized),
         ))
+        if self.transfer == "ring":
+            lines.append(
+                f"Transfers through a ring of {self.ring_bytes / 2**20:.0f} MiB of host buffers "
+                f"(budget {self.max_inflight_bytes / 2**20:.0f} MiB, {self.budget_rule})."
+            )
         return "\n".join(lines)
 
 
@@ -147,10 +157,13 @@ def load_sharded(
             heaps, so the process would end holding the old model too; see
             `shardckpt.restore.hostmem`). On compressed checkpoints (Orbax) it also
             sets how many chunks are decoded in parallel: a bigger budget
-            uses more cores. An accelerator runtime's own host staging of
-            transfers comes on top. None: the host's default, 64 MiB per
+            uses more cores. Off host, half of it is the transfer pipeline's
+            ring of host buffers; an accelerator runtime's own host staging
+            of transfers comes on top. None: the host's default, 64 MiB per
             usable core, at least 256 MiB, at most min(4 GiB, memory / 32)
-            (`shardckpt.budget.inflight_bytes_for`).
+            (`shardckpt.budget.inflight_bytes_for`); with local accelerators,
+            at least 4 GiB per accelerator within memory / 32
+            (`shardckpt.budget.inflight_bytes_for_accelerators`).
         progress: Show a progress bar. None: when stderr is a terminal.
         allow_other_mesh: Accept a `layout` whose mesh differs from the active
             distribution's, or (with none active) covers only some of the
@@ -179,7 +192,9 @@ def load_sharded(
         UnplannedVariableError: a `LayoutPlan` has no placement for a variable.
     """
     start = time.perf_counter()
-    max_inflight_bytes = budgets.resolve(max_inflight_bytes)
+    accelerators = sum(1 for d in jax.local_devices() if d.platform != "cpu")
+    chosen = "given" if max_inflight_bytes is not None else budgets.describe_default(accelerators)
+    max_inflight_bytes = budgets.resolve(max_inflight_bytes, accelerators=accelerators)
     if isinstance(layout, PlanLike):
         # A LayoutPlan matches variables by structure: bound to this instance,
         # generated layer names that differ from the planned model's do not
@@ -194,7 +209,9 @@ def load_sharded(
         os.fspath(path), cache_bytes=budgets.chunk_cache_bytes(max_inflight_bytes), model=model, task=naming.is_task(model)
     )
     try:
-        report = LoadReport(path=reader.path, format=reader.format, max_inflight_bytes=max_inflight_bytes)
+        report = LoadReport(
+            path=reader.path, format=reader.format, max_inflight_bytes=max_inflight_bytes, budget_rule=chosen
+        )
         jobs, to_init = match_jobs(model, reader, report, strict, resolve_layout(layout))
         total = sum(reader.spec(job.key).nbytes for job in jobs)
         show = sys.stderr.isatty() if progress is None else progress
