@@ -148,7 +148,20 @@ def _check_export(result: dict) -> None:
         assert row["seconds"] > 0 and row["written_gb"] > 0 and row["state_gb"] > 0, (cell, row)
 
 
+def _check_gpu(result: dict) -> None:
+    """bench_gpu's CPU dry path: bench_restore at --smoke for every format, GB/s beside each load."""
+    rows = result["sizes"]["smoke"]["rows"]
+    cells = {(r["format"], r["loader"]) for r in rows}
+    for fmt in ("h5", "orbax", "orbax-crc32c"):
+        assert {(fmt, "keras"), (fmt, "shardckpt")} <= cells, cells
+    assert ("safetensors", "shardckpt") in cells
+    for row in rows:
+        if row["load_s"]:
+            assert row["load_gb_per_s"] == row["state_gb"] / row["load_s"] > 0
+
+
 CHECKS = {
+    "bench_gpu.py": _check_gpu,
     "bench_restore.py": _check_restore,
     "bench_convert.py": _check_convert,
     "bench_chunks.py": _check_chunks,

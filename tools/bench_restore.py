@@ -64,6 +64,7 @@ from _bench import PeakSampler, cpu_seconds, emit, print_then_vs_now, rss_anon, 
 
 FORMATS = {"h5": "model.weights.h5", "orbax": "orbax", "safetensors": "model.safetensors"}
 # --checksums: `convert` outputs with and without the per-chunk crc32c codec.
+# "orbax-crc32c" is also shardckpt-written Orbax as shipped (`--formats ...,orbax-crc32c`).
 CHECKSUM_FORMATS = {"orbax-crc32c": "converted_crc32c", "orbax-no-checksum": "converted_plain"}
 FORMATS.update(CHECKSUM_FORMATS)
 # Orbax floor reads: child mode -> result name ("<name>_s" wall, "<name>_cpu_s" CPU seconds).
@@ -145,19 +146,23 @@ def prepare(args) -> None:
         {v.path: np.asarray(v.value) for v in model.weights},
         os.path.join(args.workdir, FORMATS["safetensors"]),
     )
-    model.compile(optimizer=keras.optimizers.SGD(0.0), loss="mse")
-    callback = keras.callbacks.OrbaxCheckpoint(
-        os.path.join(args.workdir, FORMATS["orbax"]), save_freq="epoch", save_weights_only=True
-    )
-    x = np.zeros((8, args.dim), "float32")
-    model.fit(x, x, epochs=1, batch_size=8, verbose=0, callbacks=[callback])
-    callback.wait_until_finished()
+    formats = args.formats.split(",")
+    if "orbax" in formats and not args.checksums:
+        model.compile(optimizer=keras.optimizers.SGD(0.0), loss="mse")
+        callback = keras.callbacks.OrbaxCheckpoint(
+            os.path.join(args.workdir, FORMATS["orbax"]), save_freq="epoch", save_weights_only=True
+        )
+        x = np.zeros((8, args.dim), "float32")
+        model.fit(x, x, epochs=1, batch_size=8, verbose=0, callbacks=[callback])
+        callback.wait_until_finished()
     if args.checksums:
         _convert_both(args)
+    elif "orbax-crc32c" in formats:
+        _convert_both(args, only=("orbax-crc32c",))
     emit({"params": int(model.count_params())})
 
 
-def _convert_both(args) -> None:
+def _convert_both(args, only: tuple[str, ...] = tuple(CHECKSUM_FORMATS)) -> None:
     """The h5 converted by `shardckpt.convert` with and without the per-chunk crc32c."""
     import shutil
 
@@ -166,6 +171,8 @@ def _convert_both(args) -> None:
 
     src = os.path.join(args.workdir, FORMATS["h5"])
     for fmt, name in CHECKSUM_FORMATS.items():
+        if fmt not in only:
+            continue
         dst = os.path.join(args.workdir, name)
         if os.path.exists(dst):
             shutil.rmtree(dst)
@@ -295,7 +302,7 @@ def run(args) -> None:
         start = time.perf_counter()
         if args.mode in ("keras", "shardckpt-built"):
             model = build(args.blocks, args.dim)
-            if args.format == "orbax" and args.mode == "keras":
+            if args.format.startswith("orbax") and args.mode == "keras":
                 model.compile(optimizer=keras.optimizers.SGD(0.0), loss="mse")
         else:
             with shardckpt.lazy_init():
@@ -347,7 +354,7 @@ def run(args) -> None:
 
 def _child(args, *extra) -> dict:
     return run_child(os.path.abspath(__file__), "--workdir", args.workdir, "--blocks", str(args.blocks),
-                     "--dim", str(args.dim), "--compression", args.compression,
+                     "--dim", str(args.dim), "--compression", args.compression, "--formats", args.formats,
                      *(["--warm"] if args.warm else []), *(["--checksums"] if args.checksums else []), *extra)
 
 
@@ -466,8 +473,9 @@ def _print_table(rows) -> None:
     from rich.table import Table
 
     table = Table(title="restore: shardckpt vs Keras (same run)")
-    for col in ("format", "loader", "read s", "fresh read s", "build s", "load s", "load CPU s", "load/read",
-                "load/fresh read", "(build+load)/read", "peak over final GB", "kept after GB", "vs Keras load"):
+    for col in ("format", "loader", "read s", "fresh read s", "build s", "load s", "load GB/s", "load CPU s",
+                "load/read", "load/fresh read", "(build+load)/read", "peak over final GB", "kept after GB",
+                "peak device GB", "vs Keras load"):
         table.add_column(col, justify="right")
     keras_load = {fmt: r["load_s"] for fmt, mode, r in rows if mode == "keras"}
     for fmt, mode, r in rows:
@@ -480,10 +488,12 @@ def _print_table(rows) -> None:
         vs = f"{load / keras_load[fmt]:.2f}x" if fmt in keras_load and mode != "keras" else ""
         table.add_row(
             fmt, mode, f"{floor:.2f}{extra}", f"{r['fresh_read_s']:.2f}", f"{r['build_s']:.2f}", f"{load:.2f}",
+            f"{r['state_gb'] / load:.2f}" if load else "",
             f"{r['load_cpu_s']:.2f}" if load else "",
             f"{ratio_floor:.2f}x", f"{load / r['fresh_read_s']:.2f}x" if load else "",
             f"{(r['build_s'] + load) / floor:.1f}x",
-            f"{r['peak_over_final_gb']:.2f}", f"{r['final_over_base_gb'] - r['state_gb']:.2f}", vs,
+            f"{r['peak_over_final_gb']:.2f}", f"{r['final_over_base_gb'] - r['state_gb']:.2f}",
+            f"{r['device_peak_gb']:.2f}" if "device_peak_gb" in r else "", vs,
         )
     Console(width=220).print(table)
     for fmt, mode, r in rows:
