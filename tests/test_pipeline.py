@@ -31,6 +31,14 @@ def _save(tmp_path, fmt):
         path = str(tmp_path / "m.weights.json")
         src.save_weights(path, max_shard_size=8e-6)  # several shards of 8 KB
         return path, want
+    if fmt == "orbax-keras":
+        path = str(tmp_path / "ck")
+        src.compile(optimizer=keras.optimizers.SGD(0.0), loss="mse")
+        callback = keras.callbacks.OrbaxCheckpoint(path, save_freq="epoch", save_weights_only=True)
+        x, y = np.zeros((8, 8), "int32"), np.zeros((8, 8, 32), "float32")
+        src.fit(x, y, epochs=1, batch_size=8, verbose=0, callbacks=[callback])
+        callback.wait_until_finished()
+        return path, [np.asarray(v.value) for v in src.weights]  # after fit: BatchNorm's statistics moved
     if fmt == "orbax":
         h5 = save_as(src, tmp_path, "h5")
         path = str(tmp_path / "orbax")
@@ -39,7 +47,7 @@ def _save(tmp_path, fmt):
     return save_as(src, tmp_path, fmt), want
 
 
-@pytest.mark.parametrize("fmt", ["h5", "keras", "h5-sharded", "safetensors", "orbax"])
+@pytest.mark.parametrize("fmt", ["h5", "keras", "h5-sharded", "safetensors", "orbax", "orbax-keras"])
 def test_every_format_restores_bit_equal_through_the_ring(tmp_path, fmt):
     path, want = _save(tmp_path, fmt)
     model, dist = lazy_zoo(mesh_shape=(2, 4))
@@ -127,6 +135,10 @@ def test_blocks_cut_rows_to_fit_a_slot():
         (slice(13, 14), slice(0, 8)),
     ]
     assert pipeline.blocks(box, row_bytes=200, slot_bytes=100) is None
+    # Chunks of 2 rows: blocks of 2 rows (3 would cut a chunk), none of a chunk split.
+    assert pipeline.blocks(box, row_bytes=32, slot_bytes=100, align=2) == [
+        (slice(a, a + 2), slice(0, 8)) for a in range(4, 14, 2)
+    ]
     assert pipeline.blocks((), row_bytes=4, slot_bytes=100) == [()]
 
 

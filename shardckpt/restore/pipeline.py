@@ -212,15 +212,22 @@ def send(data: np.ndarray, device: Any) -> jax.Array:
     return jax.device_put(staged, jax.sharding.SingleDeviceSharding(device))
 
 
-def blocks(box: Box, row_bytes: int, slot_bytes: int) -> list[Box] | None:
+def blocks(box: Box, row_bytes: int, slot_bytes: int, align: int = 1) -> list[Box] | None:
     """`box` cut along its first axis into blocks of at most `slot_bytes`, or None
-    when one row of it (`row_bytes`) is already larger than a slot."""
+    when one row of it (`row_bytes`) is already larger than a slot.
+
+    With `align` (rows of a stored chunk), blocks are whole multiples of it
+    where a slot holds at least one chunk's rows: a chunk cut across two
+    blocks would be decoded (and its checksum verified) twice.
+    """
     if not box:
         return [box]
     if row_bytes > slot_bytes:
         return None
     first = box[0]
     rows = max(1, slot_bytes // max(1, row_bytes))
+    if align > 1 and rows >= align:
+        rows = rows // align * align
     return [
         (slice(a, min(a + rows, first.stop)), *box[1:]) for a in range(first.start, max(first.stop, first.start + 1), rows)
     ]
@@ -253,8 +260,11 @@ def through_ring(
     parts: Sequence[readplan.Piece],
     dtype: np.dtype,
     advance: Callable[[int], None],
+    align: int = 1,
 ) -> list[jax.Array]:
     """Every piece on each of its devices, read through the ring.
+
+    `align`: rows of a stored chunk, which blocks keep whole (see `blocks`).
 
     Returns:
         One array per (piece, device), in the order of `parts` and their
@@ -267,7 +277,7 @@ def through_ring(
     for part in parts:
         shape = part.shape
         row = int(np.prod(shape[1:], dtype=np.int64)) * dtype.itemsize if shape else dtype.itemsize
-        cut = blocks(part.box, row, ring.slot_bytes)
+        cut = blocks(part.box, row, ring.slot_bytes, align)
         if cut is None:
             raise ValueError(f"A row of {key!r} is larger than a slot of {ring.slot_bytes} bytes.")
         per_device: list[list[jax.Array]] = [[] for _ in part.devices]

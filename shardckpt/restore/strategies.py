@@ -118,9 +118,18 @@ def load_variable(
         Bytes read, and host bytes of the value it replaced (now free).
     """
     load = Load.of(job, reader)
-    if ring is not None and not load.cast and pipeline.fits(load.parts, load.stored.dtype.itemsize, ring.slot_bytes):
+    if ring is not None and _ringable(load, reader, ring):
         return by_ring(load, reader, ring, advance)
     return choose(load, reader, budget)(load, reader, budget, advance)
+
+
+def _ringable(load: Load, reader: Reader, ring: pipeline.Ring) -> bool:
+    """Whether `load` can go through the ring: no cast (slots hold stored bytes, and
+    the variable's dtype would need a second buffer), every row within a slot,
+    and a stored chunk (decoded whole) within a slot too."""
+    if load.cast or not pipeline.fits(load.parts, load.stored.dtype.itemsize, ring.slot_bytes):
+        return False
+    return not isinstance(reader, ChunkedReader) or reader.chunk_bytes(load.job.key) <= ring.slot_bytes
 
 
 def by_ring(load: Load, reader: Reader, ring: pipeline.Ring, advance: Advance) -> tuple[int, int]:
@@ -130,7 +139,8 @@ def by_ring(load: Load, reader: Reader, ring: pipeline.Ring, advance: Advance) -
     out again (and the engine, for all of them, before the load returns).
     The ring's bytes are held from the budget for the whole load.
     """
-    singles = pipeline.through_ring(ring, reader, load.job.key, load.parts, load.stored.dtype, advance)
+    align = (reader.chunk_rows(load.job.key) or 1) if isinstance(reader, ChunkedReader) else 1
+    singles = pipeline.through_ring(ring, reader, load.job.key, load.parts, load.stored.dtype, advance, align)
     value = jax.make_array_from_single_device_arrays(load.shape, load.job.target.sharding, singles)
     released = hostmem.host_bytes(assign(load.job.variable, value, load.job.target))
     return load.piece_bytes(load.stored.dtype.itemsize), released
