@@ -142,7 +142,6 @@ class Ring:
         self.slot_bytes = max(PAGE, size)
         self.nbytes = self.slot_bytes * count
         self.timeline = timeline
-        self._timeline = timeline
         self._free: collections.deque[Slot] = collections.deque(Slot(self.slot_bytes) for _ in range(count))
         self._busy: collections.deque[Slot] = collections.deque()
         self._cond = threading.Condition()
@@ -173,8 +172,8 @@ class Ring:
         if pending is None:
             return
         jax.block_until_ready(pending.arrays)  # the slot's bytes are free after this
-        self._timeline.add(
-            Event("transfer", pending.key, pending.piece, pending.nbytes, pending.start, self._timeline.now())
+        self.timeline.add(
+            Event("transfer", pending.key, pending.piece, pending.nbytes, pending.start, self.timeline.now())
         )
         slot.pending = None
 
