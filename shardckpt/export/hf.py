@@ -46,14 +46,31 @@ def converter_for(backbone: Any) -> tuple[Any, list[str]]:
     if name in _OWN_CONVERTERS:
         module_name, types = _OWN_CONVERTERS[name]
         return importlib.import_module(module_name), types
-    for mod_name, module in _keras_hub.converters().items():
+    modules = _keras_hub.converters()
+    for mod_name, module in modules.items():
         if getattr(module, "backbone_cls", None) is type(backbone):
+            return module, _model_types(mod_name)
+    for mod_name, module in modules.items():
+        if _same_architecture(getattr(module, "backbone_cls", None), type(backbone)):
             return module, _model_types(mod_name)
     raise UnsupportedModelError(
         f"{name} has no Hugging Face mapping: keras-hub has no converter that builds it. "
         "Fix: export it with format='keras-hub' (a keras-hub preset) or format='safetensors' "
         "(keys = variable paths)."
     )
+
+
+def _same_architecture(built: Any, cls: type) -> bool:
+    """True if the converter's class is `cls` under another name.
+
+    keras-hub gives one architecture several classes (`Llama3Backbone`
+    subclasses `LlamaBackbone` for its presets and adds nothing): a subclass
+    that keeps the constructor and config of `cls` builds the same layers
+    from the same arguments, so the converter of one maps the other.
+    """
+    if not isinstance(built, type) or built is cls or not issubclass(built, cls):
+        return False
+    return all(getattr(built, attr) is getattr(cls, attr) for attr in ("__init__", "get_config", "build", "call"))
 
 
 def _model_types(module_name: str) -> list[str]:

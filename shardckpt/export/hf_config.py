@@ -20,10 +20,12 @@ gemma` for a Gemma 2 backbone) is not used.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Mapping
 from typing import Any
 
 from shardckpt.errors import UnsupportedModelError
+from shardckpt.formats import hf_carried
 
 
 class _Branch(Exception):  # noqa: N818 (control flow, never escapes this module)
@@ -123,29 +125,70 @@ def _invert(output: Mapping[str, Any], fixed: Mapping[str, Any], keras: Mapping[
     return hf
 
 
-def _reads_back(converter: Any, hf: Mapping[str, Any], keras: Mapping[str, Any]) -> bool:
-    """True if the converter turns `hf` into the backbone's arguments, all of them.
-
-    An argument the converter does not set must be the backbone's default
-    (keras-hub builds with the default), so a config that reads back as a
-    different model (Gemma for a Gemma 2 backbone) is rejected.
-    """
+def _read(converter: Any, hf: Mapping[str, Any], own: bool) -> dict[str, Any] | None:
+    """The backbone arguments `hf` is read as: keras-hub's converter's
+    reading, plus (unless `own`) the keys it leaves unread (`hf_carried`),
+    as `shardckpt.from_preset` reads a folder. None: the converter rejects it."""
     try:
-        got = converter.convert_backbone_config(dict(hf))
+        got = dict(converter.convert_backbone_config(dict(hf)))
     except Exception:  # noqa: BLE001 (a candidate the converter rejects is simply not it)
-        return False
-    if not all(keras[k] == v for k, v in got.items() if k in keras):
-        return False
+        return None
+    if not own:
+        got.update(hf_carried.read(hf))
+    return got
+
+
+def _differences(converter: Any, hf: Mapping[str, Any], keras: Mapping[str, Any], *, own: bool = False
+                 ) -> dict[str, tuple[Any, Any]] | None:
+    """`{argument: (backbone's value, value read back)}` where `hf` reads back as
+    another model (None: the converter rejects `hf`).
+
+    An argument the reading does not set must be the backbone's default
+    (keras-hub builds with the default), so a config that reads back as a
+    different model (Gemma for a Gemma 2 backbone) differs.
+    """
+    got = _read(converter, hf, own)
+    if got is None:
+        return None
+    out = {k: (keras[k], v) for k, v in got.items() if k in keras and not _same(keras[k], v)}
     defaults = getattr(keras, "defaults", {})
     # A default of None the backbone stores as [] (Qwen3-MoE's mlp_only_layers) is no change.
-    return all(_same(keras[k], d) for k, d in defaults.items() if k not in got and k in keras)
+    out.update({k: (keras[k], d) for k, d in defaults.items() if k not in got and k in keras and not _same(keras[k], d)})
+    return out
+
+
+def _reads_back(converter: Any, hf: Mapping[str, Any], keras: Mapping[str, Any]) -> bool:
+    """True if `hf` reads back as the backbone's arguments, all of them."""
+    return _differences(converter, hf, keras) == {}
 
 
 def _same(value: Any, default: Any) -> bool:
     return bool(value == default) or (default is None and isinstance(value, (list, tuple, dict)) and not value)
 
-def inverse(converter: Any, model_type: str, keras: Mapping[str, Any]) -> dict[str, Any] | None:
-    """A Hugging Face config the converter turns into `keras` (the backbone's arguments)."""
+
+def _with_carried(hf: Mapping[str, Any], keras: Mapping[str, Any]) -> dict[str, Any]:
+    """`hf` with the keys keras-hub's converter leaves unread set from the backbone
+    (where the config has the key, or the argument is not its default)."""
+    out = {**hf, **hf_carried.FIXED.get(str(hf.get("model_type")), {})}
+    defaults = getattr(keras, "defaults", {})
+    for argument, key in hf_carried.carried(out.get("model_type")).items():
+        if argument in keras and (key in out or not _same(keras[argument], defaults.get(argument))):
+            out[key] = keras[argument]
+    return out
+
+
+def inverse(converter: Any, model_type: str, keras: Mapping[str, Any],
+            tried: list[dict[str, Any]] | None = None) -> dict[str, Any] | None:
+    """A Hugging Face config the converter turns into `keras` (the backbone's arguments).
+
+    Args:
+        converter: keras-hub's converter module.
+        model_type: The config's `model_type`.
+        keras: The backbone's arguments.
+        tried: If given, every candidate the converter accepted is appended
+            (for the error when none reads back).
+    """
+    carried = set(hf_carried.carried(model_type))
     pending: list[dict[str, Any]] = [{"model_type": model_type}]
     for _ in range(64):  # each branch fixes one key; configs read a few dozen at most
         if not pending:
@@ -158,34 +201,77 @@ def inverse(converter: Any, model_type: str, keras: Mapping[str, Any]) -> dict[s
             continue
         except Exception:  # noqa: BLE001 (this branch's guess made the converter fail)
             continue
-        hf = _invert(output, fixed, keras)
-        if hf is not None and _reads_back(converter, hf, keras):
+        # An argument a carried key holds is not inverted through the
+        # converter's reading (GPT-2's intermediate_dim is not 4 x n_embd).
+        hf = _invert({k: v for k, v in output.items() if k not in carried}, fixed, keras)
+        if hf is None:
+            continue
+        hf = _with_carried(hf, keras)
+        if _reads_back(converter, hf, keras):
             return hf
+        if tried is not None:
+            tried.append(hf)
     return None
 
 
 def hf_config(backbone: Any, converter: Any, model_types: list[str]) -> dict[str, Any]:
     """The `config.json` for `backbone` (keras-hub's exporter's, else the converter's inverse).
 
+    Both are completed with the keys keras-hub's converter leaves unread
+    (`hf_carried`). A config that keras-hub's own importer would read as
+    another model (a GPT-2 `n_inner` other than 4 x `n_embd`) is written,
+    with a warning naming what keras-hub's `from_preset` would get wrong.
+
     Raises:
-        UnsupportedModelError: neither source gives a config that reads back
-            as this backbone.
+        UnsupportedModelError: no config reads back as this backbone; names
+            the arguments no Hugging Face config of the architecture holds.
     """
     keras = _arguments(backbone)
     from shardckpt import _keras_hub
 
+    name = type(backbone).__name__
+    tried: list[dict[str, Any]] = []
     exporter = _keras_hub.exporter_config(backbone)
-    if exporter is not None and _reads_back(converter, exporter, keras):
-        return exporter
-    for model_type in model_types:
-        hf = inverse(converter, model_type, keras)
-        if hf is not None:
-            return hf
+    found = None
+    if exporter is not None:
+        exporter = _with_carried(exporter, keras)
+        if _reads_back(converter, exporter, keras):
+            found = exporter
+        else:
+            tried.append(exporter)
+    for model_type in model_types if found is None else ():
+        found = inverse(converter, model_type, keras, tried)
+        if found is not None:
+            break
+    if found is not None:
+        own = _differences(converter, found, keras, own=True)
+        if own:
+            keys = hf_carried.carried(found.get("model_type"))
+            warnings.warn(
+                f"{name}: config.json holds {_listed(own, keys)}, as transformers and "
+                "shardckpt.from_preset read it; keras-hub's own from_preset (0.32) leaves "
+                f"{', '.join(sorted({keys.get(k, k) for k in own}))} unread and would build "
+                + ", ".join(f"{k}={got!r}" for k, (_, got) in sorted(own.items()))
+                + " from this folder.",
+                stacklevel=4,
+            )
+        return found
+    differences = [d for d in (_differences(converter, hf, keras) for hf in tried) if d]
+    why = ""
+    if differences:
+        closest = min(differences, key=len)
+        why = (" No Hugging Face config of this architecture holds "
+               + ", ".join(f"{k}={want!r} (it reads back as {got!r})" for k, (want, got) in sorted(closest.items()))
+               + ".")
     raise UnsupportedModelError(
-        f"{type(backbone).__name__}: no Hugging Face config reads back as this backbone through "
-        f"keras-hub's converter (model_type {', '.join(model_types)}). Fix: export with "
-        "format='keras-hub' or format='safetensors'."
+        f"{name}: no Hugging Face config reads back as this backbone through keras-hub's converter "
+        f"(model_type {', '.join(model_types)}).{why} Fix: export with format='keras-hub' or "
+        "format='safetensors'."
     )
+
+
+def _listed(differences: Mapping[str, tuple[Any, Any]], keys: Mapping[str, str]) -> str:
+    return ", ".join(f"{keys.get(k, k)}={want!r} ({k})" for k, (want, _) in sorted(differences.items()))
 
 
 class _Arguments(dict):

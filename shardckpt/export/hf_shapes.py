@@ -1,7 +1,9 @@
 """The shapes of a backbone's Hugging Face tensors, solved from its Keras layers.
 
-A converter names the stored tensor each variable reads, not its shape. The
-shape is solved from the Keras layer that owns the variable, in PyTorch's
+A converter names the stored tensor each variable reads, not its shape. A
+variable ported without a hook is stored as it is (keras-hub assigns the
+tensor unchanged: position tables of any length, norms, biases). Otherwise
+the shape is solved from the Keras layer that owns the variable, in PyTorch's
 layout: a Linear weight is `(out_features, in_features)`, where an
 `EinsumDense` kernel's input axes (those in the equation's input) are `in`
 and the rest `out`; a weight several variables read (fused projections) is
@@ -42,9 +44,9 @@ def _linear_shape(variable: Any, layer: Any) -> tuple[int, ...]:
         return (math.prod(shape),)
     if isinstance(layer, keras.layers.Dense) and variable is getattr(layer, "_kernel", None):
         return shape[::-1]
-    # An embedding table is stored as is; any other matrix (a separate
-    # output projection of an untied embedding) is a Linear weight.
-    if len(shape) == 2 and variable is not getattr(layer, "embeddings", None) and "position" not in variable.name:
+    # A matrix a hook reshapes (a separate output projection of an untied
+    # embedding) is a Linear weight; an embedding table is stored as is.
+    if len(shape) == 2 and variable is not getattr(layer, "embeddings", None):
         return shape[::-1]
     return shape
 
@@ -106,7 +108,13 @@ class _ShapeFinder:
         return _Pending(key)
 
     def port_weight(self, keras_variable: Any, hf_weight_key: str, hook_fn: Any = None) -> None:
-        shape = _linear_shape(keras_variable, self.owners.get(id(keras_variable)))
+        if hook_fn is None:
+            # No hook: keras-hub assigns the stored tensor as it is, so it
+            # has the variable's shape whatever the layer (a position table
+            # of any length, a norm, a bias).
+            shape = tuple(keras_variable.shape)
+        else:
+            shape = _linear_shape(keras_variable, self.owners.get(id(keras_variable)))
         if self.conv1d and len(shape) == 2 and hook_fn is not None:
             shape = shape[::-1]
         known = self.shapes.get(hf_weight_key)

@@ -29,7 +29,7 @@ from typing import Any
 
 from shardckpt import _keras_hub, storage
 from shardckpt.errors import CheckpointMismatchError, MissingDependencyError, UnsupportedModelError
-from shardckpt.formats import registry
+from shardckpt.formats import hf_carried, registry
 from shardckpt.formats.hf import (
     HFReader,
     is_hf_folder,
@@ -119,8 +119,11 @@ def build(folder: str | os.PathLike, *, dtype: Any = None) -> Any:
     """
     folder = os.fspath(folder)
     loader = preset_loader(folder)
+    # Config keys keras-hub's converter leaves unread (GPT-2's n_inner) are
+    # read as transformers reads them.
+    carried = hf_carried.read(loader.config)
     with lazy_init():
-        model = loader.load_backbone(loader.check_backbone_class(), load_weights=False, dtype=dtype)
+        model = loader.load_backbone(loader.check_backbone_class(), load_weights=False, dtype=dtype, **carried)
     initialize_states(model)
     return model
 
