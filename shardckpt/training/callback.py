@@ -138,6 +138,7 @@ class OrbaxCheckpoint(BestTracking):
         self.resumed: ResumeInfo | None = None
         self.save_blocking_s: list[float] = []
         self.save_waits_s: list[float] = []
+        self.save_writes_s: list[float] = []
         self.snapshot_mode_used: str | None = None
         self.snapshot_modes: list[str] = []
         self.preempted_step: int | None = None
@@ -213,7 +214,7 @@ class OrbaxCheckpoint(BestTracking):
             keep_period=self.keep_period, keep_complete_epoch=self.save_freq == "epoch" or not tracked)
         self._writer = saving.StepWriter(self._location, policy=policy, compression=self.compression,
                                          background=self.save_on_background, context=self._context,
-                                         waits_s=self.save_waits_s)
+                                         waits_s=self.save_waits_s, writes_s=self.save_writes_s)
         # Config and assets do not change during fit; Keras' callback rebuilds
         # both at every save (tens of ms on the training thread).
         self._model_config = None if self.save_weights_only else _keras.serialize_model_config(self.model)

@@ -53,14 +53,17 @@ class StepWriter:
             False: write before returning.
         context: The Orbax context of the saves (`json_context`).
         waits_s: The list each wait for a save in flight is appended to.
+        writes_s: The list the duration of each background write (snapshot
+            handed over -> step committed, worker thread only) is appended to.
     """
 
     def __init__(self, location: storage.Location, *, policy: Any, compression: bool, background: bool,
-                 context: Any, waits_s: list[float]) -> None:
+                 context: Any, waits_s: list[float], writes_s: list[float] | None = None) -> None:
         self.location = location
         self.background = background
         self.context = context
         self.waits_s = waits_s
+        self.writes_s = [] if writes_s is None else writes_s
         if location.is_remote:
             self.checkpointer: Any = bucket_save.BucketCheckpointer(location, policy=policy, compression=compression)
         else:
@@ -92,13 +95,18 @@ class StepWriter:
             self._write(*args)
             return
         if self._executor is not None:
-            self._pending = self._executor.submit(self._write, *args)
+            self._pending = self._executor.submit(self._timed_write, *args)
         else:
             metrics = metadata_lib.complete(payload, meta, logs, user, best)
             with self.context:
                 self._pending = self.checkpointer.save_checkpointables_async(step, payload, metrics=metrics, force=True)
         self._pending_step = step
         self._pending_since = time.perf_counter()
+
+    def _timed_write(self, *args: Any) -> None:
+        start = time.perf_counter()
+        self._write(*args)
+        self.writes_s.append(time.perf_counter() - start)
 
     def _write(self, step: int, payload: dict[str, Any], meta: dict[str, Any], logs: dict[str, Any],
                user: Any, best: Any) -> None:
@@ -212,6 +220,12 @@ def json_context(*, compression: bool) -> Any:
     context.checkpointables.registry = registry
     context.array.saving.use_compression = compression
     context.array.saving.storage_options.chunk_byte_size = CHUNK_BYTES["zstd" if compression else "none"]
+    # Replica-parallel saving slices every replicated shard on its device
+    # (one jitted slice per shard, a device copy of it) so that replicas
+    # could share the writing; with one process writing everything that
+    # buys nothing and costs device memory above the snapshot and, on CPU,
+    # a third of a background save's time (the first save compiles each slice).
+    context.array.saving.use_replica_parallel = False
     return context
 
 
