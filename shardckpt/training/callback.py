@@ -321,7 +321,8 @@ class OrbaxCheckpoint(BestTracking):
         states = None if self._tracker is None else iterators.gather_json(
             iterators.encode_state(self._tracker.state_after(self._count.fit_batches)))
         items = saving.payload(tree, model_config=self._model_config, assets=self._assets, iterator_states=states)
-        writer.save(step, items, meta, logs, user, self.best)
+        writer.save(step, items, meta, logs, user, self.best,
+                    before_write=snapshot_lib.before_write(tree, choice))
         self.save_blocking_s.append(time.perf_counter() - start)
         self._say(logging.INFO, f"step {step} {'started' if self.save_on_background else 'written'} in "
                                 f"{self.directory} (training blocked {self.save_blocking_s[-1] * 1e3:.1f} ms; "

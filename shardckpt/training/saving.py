@@ -22,6 +22,7 @@ from __future__ import annotations
 import concurrent.futures
 import logging
 import time
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -88,15 +89,21 @@ class StepWriter:
         self._warned_wait = False
 
     def save(self, step: int, payload: dict[str, Any], meta: dict[str, Any], logs: dict[str, Any],
-             user: Any, best: Any) -> None:
-        """Starts writing `step` (the previous save must be finished: `finish_pending`)."""
-        args = (step, payload, meta, logs, user, best)
+             user: Any, best: Any, *, before_write: Callable[[], None] | None = None) -> None:
+        """Starts writing `step` (the previous save must be finished: `finish_pending`).
+
+        `before_write` runs where the write runs (the worker, when there is
+        one), before it: the snapshot's move off the devices.
+        """
+        args = (step, payload, meta, logs, user, best, before_write)
         if not self.background:
             self._write(*args)
             return
         if self._executor is not None:
             self._pending = self._executor.submit(self._timed_write, *args)
         else:
+            if before_write is not None:
+                before_write()
             metrics = metadata_lib.complete(payload, meta, logs, user, best)
             with self.context:
                 self._pending = self.checkpointer.save_checkpointables_async(step, payload, metrics=metrics, force=True)
@@ -109,10 +116,12 @@ class StepWriter:
         self.writes_s.append(time.perf_counter() - start)
 
     def _write(self, step: int, payload: dict[str, Any], meta: dict[str, Any], logs: dict[str, Any],
-               user: Any, best: Any) -> None:
+               user: Any, best: Any, before_write: Callable[[], None] | None) -> None:
         # On the worker thread (background) or the training thread (sync). The
         # training thread never touches the Checkpointer while a save is
         # pending, so Orbax sees one caller at a time.
+        if before_write is not None:
+            before_write()
         metrics = metadata_lib.complete(payload, meta, logs, user, best)
         with self.context:
             self.checkpointer.save_checkpointables(step, payload, metrics=metrics, force=True)
