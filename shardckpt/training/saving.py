@@ -54,8 +54,10 @@ class StepWriter:
             False: write before returning.
         context: The Orbax context of the saves (`json_context`).
         waits_s: The list each wait for a save in flight is appended to.
-        writes_s: The list the duration of each background write (snapshot
-            handed over -> step committed, worker thread only) is appended to.
+        writes_s: The list the duration of each write (snapshot handed over
+            -> step committed; on the worker or, for saves that are not in
+            the background, the training thread) is appended to. Orbax's own
+            async saves (several processes) are not timed.
     """
 
     def __init__(self, location: storage.Location, *, policy: Any, compression: bool, background: bool,
@@ -97,7 +99,7 @@ class StepWriter:
         """
         args = (step, payload, meta, logs, user, best, before_write)
         if not self.background:
-            self._write(*args)
+            self._timed_write(*args)
             return
         if self._executor is not None:
             self._pending = self._executor.submit(self._timed_write, *args)
@@ -125,6 +127,11 @@ class StepWriter:
         metrics = metadata_lib.complete(payload, meta, logs, user, best)
         with self.context:
             self.checkpointer.save_checkpointables(step, payload, metrics=metrics, force=True)
+
+    def busy(self) -> bool:
+        """True while a background save is still being written."""
+        pending = self._pending
+        return pending is not None and not (pending.done() if hasattr(pending, "done") else False)
 
     def finish_pending(self, waiting_for: int | None = None) -> None:
         """Waits for the save in flight and raises its error, if any.
