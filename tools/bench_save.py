@@ -39,6 +39,7 @@ minus its value at the start. The "none" row is training's own share.
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import statistics
@@ -257,6 +258,7 @@ def _options(parser) -> None:
     parser.add_argument("--save-every", type=int, default=10)
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--only", default=",".join(CALLBACKS), help="comma-separated runs")
+    parser.add_argument("--json", default=None, help="also write every run's figures to this file (JSON)")
 
 
 def _parent(args) -> None:
@@ -268,6 +270,9 @@ def _parent(args) -> None:
         for name in args.only.split(",")
     ]
     report(results, args)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"args": {k: v for k, v in vars(args).items() if k != "workdir"}, "results": results}, f, indent=1)
 
 
 def report(results: list[dict], args) -> None:
