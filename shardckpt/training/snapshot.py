@@ -19,8 +19,9 @@ therefore write a copy that nobody donates. Two ways to make it (`MODES`):
   the memory kind accelerators copy to directly), keeping every array's
   sharding. The next piece is started before the previous one is awaited
   (two pieces in transfer at a time: the link stays busy between pieces;
-  the copies take host memory, not device memory), and the training thread waits for the whole copy (state bytes over the
-  device-to-host bandwidth, which `tools/bench_save.py` prints).
+  the copies take host memory, not device memory), and the training thread
+  waits for the whole copy (state bytes over the device-to-host bandwidth,
+  which `tools/bench_save.py` prints).
 
 "auto" (`choose`) takes the cheaper mode that keeps device memory bounded:
 
