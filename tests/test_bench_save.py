@@ -1,4 +1,4 @@
-"""`tools/bench_save.py --smoke` runs and reports every row it is asked for."""
+"""`tools/bench_save.py --smoke` runs and reports every row it is asked for, with the plain-write ratio."""
 
 from __future__ import annotations
 
@@ -21,4 +21,10 @@ def test_bench_save_smoke_reports_blocking_and_peak_memory_per_mode():
     assert rows["shardckpt_auto"][1] == "device"  # CPU devices: their memory is the host's, auto copies on them
     for name in runs.split(","):
         assert rows[name][2] == "2", rows[name]  # 4 steps, a save every 2
-        assert "MiB" in rows[name]
+        assert "MiB" in rows[name] and "GB/s" in rows[name]  # peak memory; device-to-host bandwidth
+    assert "plain write" in proc.stdout and "ratio" in proc.stdout
+    # shardckpt's background write over the plain fsynced write of the same bytes, per save:
+    ratio = rows["shardckpt_auto"][rows["shardckpt_auto"].index("GB/s") - 2]
+    assert ratio.endswith("x") and float(ratio[:-1]) > 0, rows["shardckpt_auto"]
+    assert rows["keras_async"][rows["keras_async"].index("GB/s") - 2] == "nanx"  # Keras' writes are not timed
+    assert "shardckpt_auto: background writes" in proc.stdout

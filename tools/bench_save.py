@@ -14,6 +14,16 @@ figure is the checkpoint's own cost and not the step's compute, for every
 callback alike. The end of `fit` (waiting for the last background save) is
 counted in the total fit time, not in the per-save figures.
 
+"Background write" is a shardckpt save's own time on its worker thread
+(snapshot handed over -> step committed, with training going on beside it);
+"plain write" writes the same bytes (the state, copied off the devices) to
+the same directory as one file, sequentially, fsynced, in the same process
+before and after the run (the mean of the two): their ratio says how close a
+background save comes to the disk's speed. "D2H" is the state's bytes over
+the time to copy it into host memory ("pinned_host" where the devices have
+it), after one warm-up copy; a host-mode snapshot cannot block for less than
+state / D2H.
+
 "Peak above state" is the most memory the run held above what it held when
 `fit` started (the model, its optimizer state and the compiled step): on
 devices that report `memory_stats()` (GPU, TPU), the largest
@@ -29,10 +39,12 @@ minus its value at the start. The "none" row is training's own share.
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import statistics
 import time
+from typing import Any
 
 import _bench as bench
 from _bench import PeakSampler, print_then_vs_now, rss_anon, run_child, setup_jax
@@ -137,6 +149,42 @@ def _device_in_use() -> dict[str, int] | None:
     return {str(i): int(s.get("bytes_in_use", 0)) for i, s in enumerate(stats)}
 
 
+def _state_values(model: keras.Model) -> list[jax.Array]:
+    return [v.value for v in model.variables] + [v.value for v in model.optimizer.variables]
+
+
+def device_to_host(values: list[jax.Array]) -> tuple[list[np.ndarray], float]:
+    """The state copied into host memory, and the seconds of the copy (after a warm-up)."""
+
+    def copy() -> list[Any]:
+        kinds = {m.kind for m in next(iter(values[0].sharding.device_set)).addressable_memories()}
+        if "pinned_host" in kinds:
+            out = jax.device_put(values, [v.sharding.with_memory_kind("pinned_host") for v in values])
+        else:
+            out = [jax.device_get(v) for v in values]
+        return jax.block_until_ready(out)
+
+    copy()
+    start = time.perf_counter()
+    out = copy()
+    seconds = time.perf_counter() - start
+    return [np.asarray(v) for v in out], seconds
+
+
+def plain_write(arrays: list[np.ndarray], directory: str) -> float:
+    """Seconds to write `arrays`' bytes as one file in `directory`, sequentially, fsynced."""
+    os.makedirs(directory, exist_ok=True)
+    path = os.path.join(directory, "plain_write.bin")
+    start = time.perf_counter()
+    with open(path, "wb", buffering=0) as f:
+        for a in arrays:
+            f.write(memoryview(np.ascontiguousarray(a)).cast("B"))
+        os.fsync(f.fileno())
+    seconds = time.perf_counter() - start
+    os.remove(path)
+    return seconds
+
+
 def run(name: str, args) -> dict:
     """One callback's run, in this process."""
     rng = np.random.default_rng(0)
@@ -154,6 +202,9 @@ def run(name: str, args) -> dict:
     if make is not None:
         timed = Timed(make(directory, args.save_every), args.save_every)
         callbacks.append(timed)
+    host_state, d2h_s = device_to_host(_state_values(model))
+    plain_s = [plain_write(host_state, directory)]
+    del host_state
     before_device = _device_in_use()
     before_rss = rss_anon()
     start = time.perf_counter()
@@ -166,7 +217,11 @@ def run(name: str, args) -> dict:
         peak_kind = "device"
     else:
         peak_above, peak_kind = sampler.peak - before_rss, "RssAnon"
-    state_bytes = sum(v.value.nbytes for v in model.variables) + sum(v.value.nbytes for v in model.optimizer.variables)
+    state_bytes = sum(v.nbytes for v in _state_values(model))
+    shutil.rmtree(directory, ignore_errors=True)
+    host_state, _ = device_to_host(_state_values(model))
+    plain_s.append(plain_write(host_state, directory))
+    del host_state
     shutil.rmtree(directory, ignore_errors=True)
     inner = timed.inner if timed else None
     return {
@@ -180,6 +235,9 @@ def run(name: str, args) -> dict:
         "params": sum(int(np.prod(v.shape)) for v in model.trainable_variables),
         # shardckpt only: seconds a due save waited for the previous one, and the modes used.
         "waits": list(getattr(inner, "save_waits_s", [])),
+        "writes": list(getattr(inner, "save_writes_s", [])),
+        "plain_s": plain_s,
+        "d2h_gbs": state_bytes / d2h_s / 1e9,
         "modes": sorted(set(getattr(inner, "snapshot_modes", []))),
         "devices": f"{jax.device_count()} {jax.devices()[0].device_kind}",
     }
@@ -200,6 +258,7 @@ def _options(parser) -> None:
     parser.add_argument("--save-every", type=int, default=10)
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--only", default=",".join(CALLBACKS), help="comma-separated runs")
+    parser.add_argument("--json", default=None, help="also write every run's figures to this file (JSON)")
 
 
 def _parent(args) -> None:
@@ -211,6 +270,9 @@ def _parent(args) -> None:
         for name in args.only.split(",")
     ]
     report(results, args)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"args": {k: v for k, v in vars(args).items() if k != "workdir"}, "results": results}, f, indent=1)
 
 
 def report(results: list[dict], args) -> None:
@@ -222,14 +284,20 @@ def report(results: list[dict], args) -> None:
     sync, keras_async = by_name.get("keras_sync"), by_name.get("keras_async")
     sync_mean = statistics.mean(sync["saves"]) if sync and sync["saves"] else float("nan")
     print(f"{'callback':<17} {'mode':<7} {'saves':>5} {'block/save':>11} {'max':>8} {'vs keras sync':>14} "
-          f"{'peak above state':>17} {'end wait':>9} {'fit total':>10} {'vs keras async':>15}")
+          f"{'peak above state':>17} {'end wait':>9} {'fit total':>10} {'vs keras async':>15} {'bg write':>9} "
+          f"{'plain write':>11} {'ratio':>6} {'D2H':>10} {'block/(state/D2H)':>17}")
     for r in results:
         saves = r["saves"]
         mean = statistics.mean(saves) if saves else 0.0
         vs_async = r["fit_s"] / keras_async["fit_s"] if keras_async else float("nan")
+        # Background write per save over the plain write of the same bytes; the host-mode floor.
+        write = statistics.mean(r["writes"]) if r["writes"] else float("nan")
+        plain = statistics.mean(r["plain_s"])
+        link = r["state_mb"] * 2**20 / (r["d2h_gbs"] * 1e9)
         print(f"{r['name']:<17} {','.join(r['modes']) or '-':<7} {len(saves):>5} {mean:>9.3f} s "
               f"{max(saves or [0]):>6.3f} s {mean / sync_mean:>13.1%} {r['peak_above_mb']:>13.1f} MiB "
-              f"{r['train_end_s']:>7.2f} s {r['fit_s']:>8.2f} s {vs_async:>14.2f}x")
+              f"{r['train_end_s']:>7.2f} s {r['fit_s']:>8.2f} s {vs_async:>14.2f}x {write:>7.3f} s "
+              f"{plain:>9.3f} s {write / plain:>5.2f}x {r['d2h_gbs']:>5.1f} GB/s {mean / link:>16.1f}x")
     auto = by_name.get("shardckpt_auto")
     if auto and auto["saves"] and sync:
         mean = statistics.mean(auto["saves"])
@@ -237,6 +305,10 @@ def report(results: list[dict], args) -> None:
             f"blocking per save, shardckpt default (auto = {','.join(auto['modes'])}) vs keras sync",
             BLOCKING_THEN, BLOCKING_ISSUE, f"{mean:.3f} s = {mean / sync_mean:.1%}", BLOCKING_GOAL,
         )])
+    for r in results:
+        if r["writes"]:
+            print(f"  {r['name']}: background writes " + ", ".join(f"{w:.3f}" for w in r["writes"])
+                  + " s; plain writes (before, after) " + ", ".join(f"{p:.3f}" for p in r["plain_s"]) + " s")
     for r in results:
         if r["saves"]:
             waits = f"; of which waiting for the previous save: {', '.join(f'{w:.3f}' for w in r['waits'])}" if r["waits"] else ""

@@ -24,6 +24,7 @@ from shardckpt import _keras, storage
 from shardckpt.training import hostrng, iterators, options, preemption, quiet, resume, resume_point, retention, saving
 from shardckpt.training import metadata as metadata_lib
 from shardckpt.training import snapshot as snapshot_lib
+from shardckpt.training.autofreq import AutoInterval
 from shardckpt.training.counting import BatchCount
 from shardckpt.training.monitoring import BestTracking
 from shardckpt.training.resume import ResumeInfo
@@ -63,7 +64,10 @@ class OrbaxCheckpoint(BestTracking):
         verbose: 1 prints a line per save, per wait and at resume.
         save_best_only: Save only when `monitor` improves.
         mode: "auto", "min" or "max": the direction of `monitor`.
-        save_freq: "epoch", or save every this many batches.
+        save_freq: "epoch", or save every this many batches, or "auto": the
+            smallest interval whose saves finish in the background, re-derived
+            from each write's time and logged when it changes (`autofreq`;
+            one process only).
         initial_value_threshold: Initial "best" value for `save_best_only`.
         max_to_keep: Keep the latest N steps (None: every step); 1 as in Keras.
         save_on_background: Training waits only for a snapshot (False: for the write).
@@ -138,6 +142,7 @@ class OrbaxCheckpoint(BestTracking):
         self.resumed: ResumeInfo | None = None
         self.save_blocking_s: list[float] = []
         self.save_waits_s: list[float] = []
+        self.save_writes_s: list[float] = []
         self.snapshot_mode_used: str | None = None
         self.snapshot_modes: list[str] = []
         self.preempted_step: int | None = None
@@ -152,6 +157,7 @@ class OrbaxCheckpoint(BestTracking):
         self._count = BatchCount()
         self._last_saved_step: int | None = None
         self._replace_step: int | None = None
+        self._auto: AutoInterval | None = None  # save_freq="auto"'s interval, during a fit
 
     @property
     def checkpointer(self) -> Any:
@@ -213,7 +219,7 @@ class OrbaxCheckpoint(BestTracking):
             keep_period=self.keep_period, keep_complete_epoch=self.save_freq == "epoch" or not tracked)
         self._writer = saving.StepWriter(self._location, policy=policy, compression=self.compression,
                                          background=self.save_on_background, context=self._context,
-                                         waits_s=self.save_waits_s)
+                                         waits_s=self.save_waits_s, writes_s=self.save_writes_s)
         # Config and assets do not change during fit; Keras' callback rebuilds
         # both at every save (tens of ms on the training thread).
         self._model_config = None if self.save_weights_only else _keras.serialize_model_config(self.model)
@@ -225,6 +231,13 @@ class OrbaxCheckpoint(BestTracking):
         self._copy_compiled = snapshot_lib.prepare(  # after the resume: the arrays the saves will copy
             self._model, weights_only=self.save_weights_only, mode=self.snapshot,
             budget_bytes=self.snapshot_budget_bytes)
+        self._auto = None
+        if self.save_freq == "auto":
+            if jax.process_count() > 1:
+                # Each process would time its own writes and save at other batches.
+                raise ValueError("save_freq='auto' needs a single process: each process would pick its own "
+                                 f"interval. Fix: pass an integer save_freq. Received: {jax.process_count()} processes")
+            self._auto = AutoInterval()
         quiet.start()  # after the resume: a failed one never reaches on_train_end to stop it
         self.preempted_step = None
         if self.save_on_preemption:
@@ -244,7 +257,11 @@ class OrbaxCheckpoint(BestTracking):
         if count.resumed_epoch_done():
             # `_model`, not `model`: the property would sync the JAX state every batch.
             self._model.stop_training = count.stopped_early = True
-        if count.scheduled_save_due(add, self.save_freq) and (
+        due = count.scheduled_save_due(add, self.save_freq)
+        if self._auto is not None:
+            assert self._writer is not None  # set in on_train_begin
+            due = self._auto.due(add, writer_busy=self._writer.busy())
+        if due and (
                 not self.save_best_only or self._improved(logs, f"batch {batch}")):
             # A save after an epoch's last batch resumes at the next epoch.
             self._save(count.total, logs, epoch_complete=count.epoch_complete)
@@ -320,8 +337,12 @@ class OrbaxCheckpoint(BestTracking):
         states = None if self._tracker is None else iterators.gather_json(
             iterators.encode_state(self._tracker.state_after(self._count.fit_batches)))
         items = saving.payload(tree, model_config=self._model_config, assets=self._assets, iterator_states=states)
-        writer.save(step, items, meta, logs, user, self.best)
+        last_write_s = writer.writes_s[-1] if writer.writes_s else None  # read before this save's write ends
+        writer.save(step, items, meta, logs, user, self.best,
+                    before_write=snapshot_lib.before_write(tree, choice))
         self.save_blocking_s.append(time.perf_counter() - start)
+        if self._auto is not None and (line := self._auto.saved(last_write_s)) is not None:
+            self._say(logging.INFO, line)
         self._say(logging.INFO, f"step {step} {'started' if self.save_on_background else 'written'} in "
                                 f"{self.directory} (training blocked {self.save_blocking_s[-1] * 1e3:.1f} ms; "
                                 f"snapshot {choice.mode!r}: {choice.reason}).")

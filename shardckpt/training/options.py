@@ -36,8 +36,9 @@ def validate(
             retention count is out of range.
         TypeError: `metadata` is neither a dict nor callable.
     """
-    if save_freq != "epoch" and not _positive_int(save_freq):
-        raise ValueError(f"Unrecognized save_freq: {save_freq}. Expected save_freq are 'epoch' or integer values")
+    if save_freq not in ("epoch", "auto") and not _positive_int(save_freq):
+        raise ValueError(f"Unrecognized save_freq: {save_freq}. Expected save_freq are 'epoch' or integer values "
+                         "(or 'auto': the smallest interval whose saves finish in the background)")
     if snapshot not in snapshot_lib.MODES:
         raise ValueError(f"snapshot must be one of {snapshot_lib.MODES}. Received: snapshot={snapshot!r}")
     if not _positive_int(snapshot_budget_bytes):

@@ -7,14 +7,21 @@ therefore write a copy that nobody donates. Two ways to make it (`MODES`):
 * "device": one jitted program (`jnp.copy` of every leaf, outputs in the
   inputs' shardings) dispatched asynchronously: the training thread pays only
   the dispatch, and the device makes the copy before it runs the next step.
-  It costs one extra state's worth of device memory until the write ends
-  (weights plus Adam's two slots: 3x the weights).
+  On accelerators the save's worker then moves the copy into host memory
+  (`to_host_dropping`): every leaf's device-to-host transfer is started at
+  once, and each device copy is deleted as soon as its leaf is on the host,
+  so device memory above the state is at most one copy of the state (weights
+  plus Adam's two slots: 3x the weights) at the snapshot, falling to the
+  leaves still in flight, and none while the file is written. On CPU
+  devices the copy stays where it is: their memory is the host's already.
 * "host": the state goes off the devices piece by piece, each piece at most
   `budget_bytes`, into host memory through JAX memory kinds ("pinned_host",
   the memory kind accelerators copy to directly), keeping every array's
-  sharding. Each piece is awaited before the next starts, so device memory
-  above the training state stays within the budget, and the training thread
-  waits for the whole copy (the device-to-host transfer time).
+  sharding. The next piece is started before the previous one is awaited
+  (two pieces in transfer at a time: the link stays busy between pieces;
+  the copies take host memory, not device memory), and the training thread
+  waits for the whole copy (state bytes over the device-to-host bandwidth,
+  which `tools/bench_save.py` prints).
 
 "auto" (`choose`) takes the cheaper mode that keeps device memory bounded:
 
@@ -33,6 +40,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import threading
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import jax
@@ -138,32 +146,93 @@ def _to_host(values: list[jax.Array], budget_bytes: int) -> list[Any]:
     memory kind get `jax.device_get` (numpy) per piece.
     """
     out: list[Any] = [None] * len(values)
-    piece: list[int] = []
-    size = 0
+    in_flight: list[int] = []  # the previous piece, started and not awaited
 
-    def flush() -> None:
-        nonlocal piece, size
-        if not piece:
-            return
+    def start(piece: list[int]) -> None:
+        nonlocal in_flight
         arrays = [values[i] for i in piece]
         kind = _host_kind(arrays[0])
         if kind is None or any(_host_kind(a) != kind for a in arrays):
             copies = [jax.device_get(a) for a in arrays]
         else:
             copies = jax.device_put(arrays, [a.sharding.with_memory_kind(kind) for a in arrays])
-            jax.block_until_ready(copies)  # the piece is off the devices before the next starts
         for i, copy in zip(piece, copies):
             out[i] = copy
-        piece, size = [], 0
+        # The previous piece is off the devices before a third one starts.
+        jax.block_until_ready([out[i] for i in in_flight])
+        in_flight = piece
 
-    for i, value in enumerate(values):
-        nbytes = value.nbytes
-        if piece and size + nbytes > budget_bytes:
-            flush()
-        piece.append(i)
-        size += nbytes
-    flush()
+    for piece in _pieces(values, budget_bytes):
+        start(piece)
+    jax.block_until_ready([out[i] for i in in_flight])
     return out
+
+
+def _pieces(values: list[jax.Array], budget_bytes: int) -> list[list[int]]:
+    """Indices of `values` in consecutive groups of at most `budget_bytes` (a larger array alone)."""
+    pieces: list[list[int]] = []
+    size = 0
+    for i, value in enumerate(values):
+        if not pieces or (pieces[-1] and size + value.nbytes > budget_bytes):
+            pieces.append([])
+            size = 0
+        pieces[-1].append(i)
+        size += value.nbytes
+    return pieces
+
+
+MOVED_TO_HOST = "; the save's worker moves the copy to host memory, dropping each device piece once it is there"
+"""Ends the reason of a "device" snapshot that `before_write` moves off the devices."""
+
+
+def before_write(tree: dict[str, Any], choice: Choice) -> Callable[[], None] | None:
+    """What the save's worker runs before writing the snapshot `tree` (`to_host_dropping`), or None."""
+    if choice.mode == "device" and choice.reason.endswith(MOVED_TO_HOST):
+        return lambda: to_host_dropping(tree)
+    return None
+
+
+def stays_on_device(values: list[jax.Array]) -> bool:
+    """True when a "device" snapshot of `values` is left on the devices (CPU devices: see the module docstring)."""
+    devices = {d for v in values for d in v.sharding.device_set}
+    return all(d.platform == "cpu" for d in devices) or any(_host_kind(v) is None for v in values)  # type: ignore[attr-defined]
+
+
+def to_host_dropping(tree: dict[str, Any]) -> None:
+    """Moves the `jax.Array` leaves of `tree` into host memory, deleting each device copy once it is there.
+
+    For a "device" snapshot on the save's worker thread: every transfer is
+    started at once (the link is busy from the first byte), then each leaf is
+    awaited in turn and its device copy deleted, so the device holds only the
+    leaves still in flight. The host copies keep their shardings (memory
+    kind "pinned_host" where the devices have it). `tree` is changed in place.
+
+    Args:
+        tree: A snapshot (`snapshot_state`), nested dicts of arrays; nobody
+            else may use its device arrays.
+    """
+    slots: list[tuple[dict[str, Any], str]] = []
+
+    def walk(node: dict[str, Any]) -> None:
+        for key, value in node.items():
+            if isinstance(value, dict):
+                walk(value)
+            elif isinstance(value, jax.Array):
+                slots.append((node, key))
+
+    walk(tree)
+    if not slots:
+        return
+    values = [node[key] for node, key in slots]
+    kinds = [_host_kind(v) for v in values]
+    copies = [jax.device_put(v, v.sharding.with_memory_kind(kind)) if kind is not None else v
+              for v, kind in zip(values, kinds)]
+    for (node, key), value, copy in zip(slots, values, copies):
+        if copy is value:
+            continue
+        copy.block_until_ready()
+        node[key] = copy
+        value.delete()
 
 
 def prepare(
@@ -239,6 +308,8 @@ def snapshot_state(
     values = [v.value for v in variables]
     used = choose(values, mode, budget_bytes)
     copies = _copy(values) if used.mode == "device" else _to_host(values, budget_bytes)
+    if used.mode == "device" and not stays_on_device(values):
+        used = Choice("device", used.reason + MOVED_TO_HOST)
     tree: dict[str, Any] = {}
     start = 0
     for name, group in groups.items():
