@@ -195,3 +195,19 @@ def test_kill_in_bucket_between_marker_and_objects(bucket_server, tmp_path, tmp_
         seen.append(left)
         storage.delete_tree(storage.parse(root))  # the next fault starts from an empty root
     assert seen == [["10"]]
+
+
+def test_fault_campaign_smoke(tmp_path):
+    """tools/fault_campaign.py at --smoke (a random SIGKILL of a run, of a convert, of an
+    export; each rerun exact, nothing left behind), so the campaign cannot rot."""
+    import json
+    import subprocess
+    import sys
+
+    tool = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tools", "fault_campaign.py")
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    proc = subprocess.run([sys.executable, tool, "--smoke", "--work", str(tmp_path)], capture_output=True, text=True,
+                          timeout=600, env=env)
+    assert proc.returncode == 0, f"{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    result = json.loads(next(line for line in proc.stdout.splitlines() if line.startswith("RESULT "))[7:])
+    assert result["trials"] == result["exact"] == 3, result

@@ -377,7 +377,12 @@ def short(error: BaseException, limit: int = 200) -> str:
     their first line; the cause stays chained for whoever needs it.
     """
     text = (str(error).strip().splitlines() or [""])[0]
-    return text if len(text) <= limit else text[: limit - 3] + "..."
+    at = text.lower().find("registry")
+    if at >= 0:
+        text = text[:at].rsplit(" found in", 1)[0].rstrip(" :,(")
+    if len(text) > limit:
+        text = text[: limit - 3] + "..."
+    return text + (" (Orbax's handler registry left out)" if at >= 0 else "")
 
 
 def _read_remote_json_item(step: storage.Location, name: str) -> Any:

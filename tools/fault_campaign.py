@@ -1,0 +1,348 @@
+"""Fault campaign: kills at random instants and at chosen file operations; every rerun exact.
+
+Training trials run `tests/_train_worker.py` (a fork server: jax and keras
+imported once) with `OrbaxCheckpoint(resume=True)`, `save_freq=2`,
+`max_to_keep=2`, 3 epochs of 6 batches on 8 CPU devices, fed from numpy arrays
+(fit shuffles; resume from the newest whole epoch) or from
+`OrbaxCheckpoint.batches()` (resume mid-epoch):
+
+- `sigkill`: SIGKILL at a uniformly random instant of the run;
+- `delete`: SIGKILL right after a chosen entry of a chosen step's retention
+  delete is removed (an audit hook in the child: `_train_worker.kill_at`);
+- `sigterm`: SIGTERM at a random batch (the callback saves and stops fit).
+
+Then `convert` (a `.keras` file -> an Orbax step) and `export` (a model ->
+safetensors) children are SIGKILLed at random instants and rerun.
+
+Checked for every trial: after the kill, every integer-named step folder is
+whole (nothing loads while incomplete) and `inspect` lists exactly those;
+the rerun ends bit-equal to an uninterrupted run (every variable, its
+sharding, the iterator position, the epoch logs); nothing half-written or
+half-deleted is left (no `*.orbax-checkpoint-tmp*`, `*.shardckpt-deleting-*`,
+`.<dst>.shardckpt-tmp-*`, `<dst>.shardckpt-partial`). Any failure stops the
+campaign with a non-zero exit.
+
+    python tools/fault_campaign.py                     # 20 / 5 / 10 / 5 / 5
+    python tools/fault_campaign.py --sigkill 40 --seed 7
+    python tools/fault_campaign.py --smoke             # 1 SIGKILL, convert, export (the suite runs it)
+
+Prints one `RESULT {json}` line with the counts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+from tests.mp import FAST_COMPILE  # noqa: E402  (imports no jax)
+
+os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count=8 {FAST_COMPILE}").strip()
+os.environ["KERAS_BACKEND"] = "jax"
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import numpy as np  # noqa: E402
+
+EPOCHS, STEPS, SAVE_FREQ = 3, 6, 2
+DELETE_ENTRIES = ["_CHECKPOINT_METADATA", "commit_success.txt", "metrics", "shardckpt_metadata", "model_config",
+                  "data_iterator", "_METADATA", "manifest.ocdbt", "pytree"]
+"""Entries of a step after whose removal a `delete` trial kills (those the step has)."""
+DELETED_STEPS = {"arrays": [2, 4, 6, 8, 10, 12, 14], "batches": [2, 4, 6, 8, 10, 12, 14]}
+"""Steps retention deletes in an uninterrupted run of each input kind."""
+
+_CONVERT = """
+import sys, shardckpt
+shardckpt.convert(sys.argv[1], sys.argv[2], max_inflight_bytes=256 * 1024, force=sys.argv[3:] == ["again"])
+"""
+_EXPORT = """
+import sys, os
+os.environ["KERAS_BACKEND"] = "jax"
+import keras, numpy as np, shardckpt
+model = keras.saving.load_model(sys.argv[1])
+shardckpt.export(model, sys.argv[2], format="safetensors", max_inflight_bytes=256 * 1024,
+                 overwrite=sys.argv[3:] == ["again"])
+"""
+
+
+class Campaign:
+    def __init__(self, work: str, seed: int, *, kinds: tuple[str, ...] = ("arrays", "batches"),
+                 warm_reference: bool = True) -> None:
+        from tests.test_resume_kill import Server
+
+        self.work = work
+        self.rng = np.random.default_rng(seed)
+        self.server = Server(os.path.join(work, "server.log"))
+        self.cache = os.path.join(work, "jax_cache")
+        self.refs: dict[str, tuple] = {}
+        self.durations: dict[str, float] = {}
+        self.counts: dict[str, int] = {}
+        self.n = 0
+        self.kinds = kinds
+        self.warm_reference = warm_reference
+
+    def kind(self) -> str:
+        return self.kinds[self.n % len(self.kinds)]
+
+    def count(self, key: str, by: int = 1) -> None:
+        self.counts[key] = self.counts.get(key, 0) + by
+
+    # ---- training -------------------------------------------------------------
+
+    def args(self, data: str, name: str) -> dict:
+        base = os.path.join(self.work, name)
+        return {"dir": base + "_ckpt", "out": base + "_out", "progress": base + ".progress", "save_freq": SAVE_FREQ,
+                "epochs": EPOCHS, "steps": STEPS, "max_to_keep": 2, "cache": self.cache,
+                "data": None if data == "batches" else data}
+
+    def reference(self, data: str) -> tuple:
+        from tests.test_resume_kill import _load
+
+        if data not in self.refs:
+            args = self.args(data, f"ref_{data}")
+            start = time.perf_counter()
+            code = self.server.wait(self.server.start(args))
+            self.durations[data] = time.perf_counter() - start
+            if code != 0:
+                raise SystemExit(f"the uninterrupted {data} run failed; see {self.server.log.name}")
+            self.refs[data] = _load(args["out"])
+            if not self.warm_reference:
+                return self.refs[data]
+            # a second one, warm: the duration random kills are drawn over
+            args = self.args(data, f"ref2_{data}")
+            start = time.perf_counter()
+            self.server.wait(self.server.start(args))
+            self.durations[data] = time.perf_counter() - start
+        return self.refs[data]
+
+    def check_no_partial_step(self, root: str) -> None:
+        import shardckpt
+        from shardckpt.formats.orbax import ondisk
+
+        if not os.path.isdir(root):
+            return
+        names = sorted(int(n) for n in os.listdir(root) if n.isdigit())
+        for step in names:
+            missing = ondisk.missing_part(os.path.join(root, str(step)))
+            if missing:
+                raise AssertionError(f"{root}/{step} is there but lacks {missing}: it would load while incomplete")
+        if names and shardckpt.inspect(root).steps != names:
+            raise AssertionError(f"inspect lists {shardckpt.inspect(root).steps}, the folders are {names}")
+
+    def rerun_exact(self, data: str, args: dict, label: str) -> dict:
+        from shardckpt.formats.orbax import ondisk
+        from tests.test_resume_kill import _compare, _load
+
+        left = ondisk.leftovers(args["dir"]) if os.path.isdir(args["dir"]) else []
+        self.count("leftovers_after_kill", len(left))
+        rerun = dict(args, fault=None)
+        rerun.pop("sigterm_at", None)
+        if self.server.wait(self.server.start(rerun)) != 0:
+            raise AssertionError(f"{label}: the rerun failed; see {self.server.log.name}")
+        arrays, info = _load(args["out"])
+        _compare(arrays, info, *self.reference(data), label)
+        if ondisk.leftovers(args["dir"]):
+            raise AssertionError(f"{label}: left behind after the rerun: {ondisk.leftovers(args['dir'])}")
+        for name, _ in left:
+            if sum(f"removed {name} from" in line for line in info["log"]) != 1:
+                raise AssertionError(f"{label}: no one log line for removing {name}: {info['log']}")
+        self.count("exact")
+        return info
+
+    def sigkill(self) -> None:
+        data = self.kind()
+        self.reference(data)
+        args = self.args(data, f"t{self.n}")
+        self.n += 1
+        delay = float(self.rng.uniform(0.0, self.durations[data]))
+        pid = self.server.start(args)
+        time.sleep(delay)
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        code = self.server.wait(pid)
+        self.count("sigkill_landed" if code == -signal.SIGKILL else "sigkill_after_end")
+        self.check_no_partial_step(args["dir"])
+        self.rerun_exact(data, args, f"SIGKILL at {delay:.2f} s ({data})")
+
+    def delete(self) -> None:
+        data = self.kind()
+        self.reference(data)
+        args = self.args(data, f"t{self.n}")
+        self.n += 1
+        step = int(self.rng.choice(DELETED_STEPS[data]))
+        entry = str(self.rng.choice(DELETE_ENTRIES))
+        args["fault"] = {"on": "rmtree", "match": rf"/{step}(\.shardckpt-deleting-[0-9a-f]+)?$", "after": entry}
+        code = self.server.wait(self.server.start(args))
+        if code != -signal.SIGKILL:
+            raise AssertionError(f"the kill after {entry} of step {step}'s delete never fired (exit {code})")
+        self.count("delete_killed")
+        self.check_no_partial_step(args["dir"])
+        self.rerun_exact(data, args, f"kill in the delete of step {step} after {entry} ({data})")
+
+    def sigterm(self) -> None:
+        from tests.test_resume_kill import _wait_for_line
+
+        data = self.kind()
+        self.reference(data)
+        args = self.args(data, f"t{self.n}")
+        self.n += 1
+        batch = int(self.rng.integers(1, EPOCHS * STEPS - 1))
+        pid = self.server.start(args)
+        if _wait_for_line(args["progress"], f"b {batch}", pid):
+            time.sleep(float(self.rng.uniform(0.0, 0.05)))
+            os.kill(pid, signal.SIGTERM)
+        if self.server.wait(pid) != 0:
+            raise AssertionError("a SIGTERM must end the run cleanly")
+        self.count("sigterm")
+        self.check_no_partial_step(args["dir"])
+        self.rerun_exact(data, args, f"SIGTERM after batch {batch} ({data})")
+
+    # ---- convert and export ---------------------------------------------------
+
+    def _source(self) -> tuple[str, dict[str, np.ndarray]]:
+        src = os.path.join(self.work, "wide.keras")
+        if not os.path.exists(src):
+            import keras
+
+            inputs = keras.Input((512,))
+            model = keras.Model(inputs, keras.layers.Dense(2048, name="wide")(inputs))
+            model.layers[1].kernel.assign(np.random.default_rng(0).standard_normal((512, 2048), dtype=np.float32))
+            model.save(src)
+        import keras
+
+        model = keras.saving.load_model(src)
+        return src, {v.path: np.asarray(v.value) for v in model.weights}
+
+    def _child(self, code: str, *argv: str, kill_after: float | None) -> int:
+        env = dict(os.environ, PYTHONPATH=ROOT)
+        proc = subprocess.Popen([sys.executable, "-c", code, *argv], env=env, stdout=subprocess.DEVNULL,
+                                stderr=subprocess.PIPE, text=True)
+        if kill_after is not None:
+            try:
+                proc.wait(timeout=kill_after)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+        _, err = proc.communicate(timeout=300)
+        if proc.returncode not in (0, -signal.SIGKILL):
+            raise AssertionError(f"child failed:\n{err[-2000:]}")
+        return proc.returncode
+
+    def _timed(self, key: str, code: str, *argv: str) -> float:
+        if key not in self.durations:
+            start = time.perf_counter()
+            self._child(code, *argv, kill_after=None)
+            self.durations[key] = time.perf_counter() - start
+        return self.durations[key]
+
+    def convert(self) -> None:
+        import keras
+
+        import shardckpt
+        from shardckpt.formats.orbax import ondisk
+
+        src, weights = self._source()
+        parent = os.path.join(self.work, f"convert{self.n}")
+        self.n += 1
+        os.makedirs(parent)
+        dst = os.path.join(parent, "out")
+        duration = self._timed("convert", _CONVERT, src, os.path.join(self.work, "convert_ref", "out"))
+        killed = self._child(_CONVERT, src, dst, kill_after=float(self.rng.uniform(0.0, duration))) != 0
+        self.count("convert_killed" if killed else "convert_finished_before_kill")
+        if os.path.exists(dst):  # the kill came after the commit rename: whole
+            shardckpt.inspect(dst)
+        elif killed:
+            self.count("convert_left_no_destination")
+        temps = [n for n in os.listdir(parent) if ondisk.CONVERT_TMP_MARK in n]
+        self.count("convert_temporaries_after_kill", len(temps))
+        self._child(_CONVERT, src, dst, "again", kill_after=None)  # the next successful run
+        left = [n for n in os.listdir(parent) if n != "out"]
+        if left:
+            raise AssertionError(f"convert left {left} beside its destination after a successful rerun")
+        model = keras.saving.load_model(src)
+        shardckpt.load_sharded(model, dst)
+        for v in model.weights:
+            np.testing.assert_array_equal(np.asarray(v.value), weights[v.path])
+        self.count("exact")
+
+    def export(self) -> None:
+        src, _ = self._source()
+        parent = os.path.join(self.work, f"export{self.n}")
+        self.n += 1
+        os.makedirs(parent)
+        dst = os.path.join(parent, "out")
+        ref = os.path.join(self.work, "export_ref", "out")
+        duration = self._timed("export", _EXPORT, src, ref)
+        killed = self._child(_EXPORT, src, dst, kill_after=float(self.rng.uniform(0.0, duration))) != 0
+        self.count("export_killed" if killed else "export_finished_before_kill")
+        if os.path.exists(dst):  # the kill came after the commit rename: whole
+            self._same_files(ref, dst)
+        elif killed:
+            self.count("export_left_no_destination")
+        self._child(_EXPORT, src, dst, "again", kill_after=None)  # the next successful run
+        left = [n for n in os.listdir(parent) if n != "out"]
+        if left:
+            raise AssertionError(f"export left {left} beside its destination after a successful rerun")
+        self._same_files(ref, dst)
+        self.count("exact")
+
+    @staticmethod
+    def _same_files(ref: str, dst: str) -> None:
+        if sorted(os.listdir(ref)) != sorted(os.listdir(dst)):
+            raise AssertionError(f"export: {sorted(os.listdir(dst))} written, an uninterrupted export wrote "
+                                 f"{sorted(os.listdir(ref))}")
+        for name in sorted(os.listdir(ref)):
+            with open(os.path.join(ref, name), "rb") as a, open(os.path.join(dst, name), "rb") as b:
+                if a.read() != b.read():
+                    raise AssertionError(f"export: {name} differs from an uninterrupted export")
+
+    def close(self) -> None:
+        self.server.close()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--sigkill", type=int, default=20)
+    parser.add_argument("--delete", type=int, default=5)
+    parser.add_argument("--sigterm", type=int, default=10)
+    parser.add_argument("--convert", type=int, default=5)
+    parser.add_argument("--export", type=int, default=5)
+    parser.add_argument("--seed", type=int, default=2026)
+    parser.add_argument("--smoke", action="store_true",
+                        help="1 random SIGKILL, 1 convert and 1 export kill; one input kind (the suite runs it)")
+    parser.add_argument("--work", default=None, help="folder for the runs (default: a temporary one)")
+    opts = parser.parse_args()
+    if opts.smoke:
+        opts.sigkill = opts.convert = opts.export = 1
+        opts.delete = opts.sigterm = 0  # tests/test_fault_injection.py kills in deletes; test_preemption SIGTERMs
+    work = opts.work or tempfile.mkdtemp(prefix="fault_campaign_")
+    campaign = Campaign(work, opts.seed, kinds=("arrays",) if opts.smoke else ("arrays", "batches"),
+                        warm_reference=not opts.smoke)
+    start = time.perf_counter()
+    try:
+        for kind in ("sigkill", "delete", "sigterm", "convert", "export"):
+            for i in range(getattr(opts, kind)):
+                getattr(campaign, kind)()
+                print(f"{kind} {i + 1}/{getattr(opts, kind)} exact", flush=True)
+    finally:
+        campaign.close()
+    trials = opts.sigkill + opts.delete + opts.sigterm + opts.convert + opts.export
+    result = {"trials": trials, "seconds": round(time.perf_counter() - start, 1), **dict(sorted(campaign.counts.items()))}
+    if result.get("exact") != trials:
+        raise SystemExit(f"not every trial was exact: {result}")
+    print("RESULT " + json.dumps(result), flush=True)
+    if opts.work is None:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
