@@ -59,13 +59,15 @@ def _three_readers(root: str):
     return out
 
 
-def test_readers_agree_on_a_root_left_with_only_leftovers(tmp_path, source):
+@pytest.mark.parametrize("left", [".orbax-checkpoint-tmp-1795661092", ondisk.DELETING_MARK + "-0123456789ab"],
+                         ids=["save_killed", "delete_killed"])
+def test_readers_agree_on_a_root_left_with_only_leftovers(tmp_path, source, left):
     """A root a kill left with no committed step: all three raise IncompleteCheckpointError
     (restore_latest used to raise CheckpointNotFoundError there, load_sharded Incomplete...)."""
     root = _root(tmp_path, source, steps=(2,))
-    os.rename(os.path.join(root, "2"), os.path.join(root, "2" + ondisk.DELETING_MARK + "-0123456789ab"))
+    os.rename(os.path.join(root, "2"), os.path.join(root, "2" + left))
     assert _three_readers(root) == [IncompleteCheckpointError] * 3
-    with pytest.raises(IncompleteCheckpointError, match="delete was interrupted"):
+    with pytest.raises(IncompleteCheckpointError, match="save was interrupted" if "tmp" in left else "delete was"):
         shardckpt.restore_latest(_model(), root)
     shutil.rmtree(os.path.join(root, os.listdir(root)[0]))
     with pytest.raises(CheckpointNotFoundError):  # nothing at all: not found
