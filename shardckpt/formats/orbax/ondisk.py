@@ -180,7 +180,7 @@ def leftovers(root: str | storage.Location) -> list[tuple[str, str]]:
         elif name.isdigit() and os.path.isdir(full):
             missing = missing_part(full)
             if missing:
-                found.append((name, f"a step without {missing} (a delete in place was interrupted)"))
+                found.append((name, f"a step without {missing} (an interrupted delete in place, or damage)"))
     return found
 
 
@@ -282,9 +282,9 @@ def _only_leftovers(root: str, found: list[tuple[str, str]]) -> IncompleteCheckp
     listed = "; ".join(f"{name}: {why}" for name, why in found[:8])
     more = f" and {len(found) - 8} more" if len(found) > 8 else ""
     return IncompleteCheckpointError(
-        f"{root!r} holds no committed step, only {len(found)} left by an interrupted save or delete "
-        f"({listed}{more}). Fix: let a save complete, or restore from another checkpoint; OrbaxCheckpoint "
-        "removes them when it starts."
+        f"{root!r} holds no committed step, only {len(found)} half-written or half-deleted step folder(s) "
+        f"({listed}{more}): an interrupted save or delete left them. Fix: let a save complete, or restore "
+        "from another checkpoint; OrbaxCheckpoint removes them when it starts."
     )
 
 
