@@ -325,6 +325,7 @@ def main() -> None:
         opts.sigkill = opts.convert = opts.export = 1
         opts.delete = opts.sigterm = 0  # tests/test_fault_injection.py kills in deletes; test_preemption SIGTERMs
     work = opts.work or tempfile.mkdtemp(prefix="fault_campaign_")
+    os.makedirs(work, exist_ok=True)
     campaign = Campaign(work, opts.seed, kinds=("arrays",) if opts.smoke else ("arrays", "batches"),
                         warm_reference=not opts.smoke)
     start = time.perf_counter()
