@@ -30,7 +30,7 @@ def _model() -> keras.Model:
 
 
 @pytest.fixture(scope="module")
-def source(tmp_path_factory) -> tuple[str, np.ndarray]:
+def model_file(tmp_path_factory) -> tuple[str, np.ndarray]:
     model = _model()
     kernel = np.arange(12, dtype="float32").reshape(4, 3)
     model.layers[1].kernel.assign(kernel)
@@ -39,10 +39,26 @@ def source(tmp_path_factory) -> tuple[str, np.ndarray]:
     return path, kernel
 
 
+@pytest.fixture
+def source(model_file, steps) -> tuple[str, np.ndarray, str]:
+    """The `.keras` file, its kernel, and the root of steps written from it."""
+    return (*model_file, steps)
+
+
+@pytest.fixture(scope="module")
+def steps(tmp_path_factory, model_file) -> str:
+    """A root of two steps (2 and 4) written by `convert`, copied by each test."""
+    root = str(tmp_path_factory.mktemp("steps") / "root")
+    shardckpt.convert(model_file[0], os.path.join(root, "2"))
+    shutil.copytree(os.path.join(root, "2"), os.path.join(root, "4"))
+    return root
+
+
 def _root(tmp_path, source, steps=(2, 4)) -> str:
     root = str(tmp_path / "root")
+    os.makedirs(root)
     for step in steps:
-        shardckpt.convert(source[0], os.path.join(root, str(step)))
+        shutil.copytree(os.path.join(source[2], str(step)), os.path.join(root, str(step)))
     return root
 
 
