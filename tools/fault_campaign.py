@@ -12,7 +12,8 @@ imported once) with `OrbaxCheckpoint(resume=True)`, `save_freq=2`,
 - `sigterm`: SIGTERM at a random batch (the callback saves and stops fit).
 
 Then `convert` (a `.keras` file -> an Orbax step) and `export` (a model ->
-safetensors) children are SIGKILLed at random instants and rerun.
+safetensors) children are SIGKILLed at a random instant of their writing (0-0.5 s
+after their temporary folder appeared) and rerun.
 
 Checked for every trial: after the kill, every integer-named step folder is
 whole (nothing loads while incomplete) and `inspect` lists exactly those;
@@ -88,7 +89,6 @@ class Campaign:
         self.n = 0
         self.kinds = kinds
         self.warm_reference = warm_reference
-        self.poll_kills = not warm_reference  # smoke: kill convert / export once they write, no reference run
 
     def kind(self) -> str:
         return self.kinds[self.n % len(self.kinds)]
@@ -236,9 +236,10 @@ class Campaign:
         model = keras.saving.load_model(src)
         return src, {v.path: np.asarray(v.value) for v in model.weights}
 
-    def _child(self, code: str, *argv: str, kill_after: float | None, kill_once: str | None = None) -> int:
-        """Runs a child; SIGKILLs it `kill_after` seconds after its start, or (`kill_once`) a random
-        0-0.2 s after that path appeared (it is writing by then)."""
+    def _child(self, code: str, *argv: str, kill_after: float | None, kill_once: str | None = None) -> tuple[int, str]:
+        """Runs a child; SIGKILLs it `kill_after` seconds after its start, or (`kill_once`) at a random
+        instant 0-0.5 s after a name starting with that path appeared: it is writing by then (a kill
+        during the child's imports would test nothing)."""
         env = dict(os.environ, PYTHONPATH=ROOT)
         proc = subprocess.Popen([sys.executable, "-c", code, *argv], env=env, stdout=subprocess.DEVNULL,
                                 stderr=subprocess.PIPE, text=True)
@@ -246,7 +247,7 @@ class Campaign:
             parent, prefix = os.path.split(kill_once)
             while proc.poll() is None and not any(n.startswith(prefix) for n in os.listdir(parent)):
                 time.sleep(0.005)
-            kill_after = float(self.rng.uniform(0.0, 0.2))
+            kill_after = float(self.rng.uniform(0.0, 0.5))
         if kill_after is not None:
             try:
                 proc.wait(timeout=kill_after)
@@ -255,14 +256,7 @@ class Campaign:
         _, err = proc.communicate(timeout=300)
         if proc.returncode not in (0, -signal.SIGKILL):
             raise AssertionError(f"child failed:\n{err[-2000:]}")
-        return proc.returncode
-
-    def _timed(self, key: str, code: str, *argv: str) -> float:
-        if key not in self.durations:
-            start = time.perf_counter()
-            self._child(code, *argv, kill_after=None)
-            self.durations[key] = time.perf_counter() - start
-        return self.durations[key]
+        return proc.returncode, err
 
     def convert(self) -> None:
         import keras
@@ -275,11 +269,7 @@ class Campaign:
         self.n += 1
         os.makedirs(parent)
         dst = os.path.join(parent, "out")
-        if self.poll_kills:
-            killed = self._child(_CONVERT, src, dst, kill_after=None, kill_once=os.path.join(parent, ".out.")) != 0
-        else:
-            duration = self._timed("convert", _CONVERT, src, os.path.join(self.work, "convert_ref", "out"))
-            killed = self._child(_CONVERT, src, dst, kill_after=float(self.rng.uniform(0.0, duration))) != 0
+        killed = self._child(_CONVERT, src, dst, kill_after=None, kill_once=os.path.join(parent, ".out."))[0] != 0
         self.count("convert_killed" if killed else "convert_finished_before_kill")
         if os.path.exists(dst):  # the kill came after the commit rename: whole
             shardckpt.inspect(dst)
@@ -287,7 +277,10 @@ class Campaign:
             self.count("convert_left_no_destination")
         temps = [n for n in os.listdir(parent) if ondisk.CONVERT_TMP_MARK in n]
         self.count("convert_temporaries_after_kill", len(temps))
-        self._child(_CONVERT, src, dst, "again", kill_after=None)  # the next successful run
+        _, err = self._child(_CONVERT, src, dst, "again", kill_after=None)  # the next successful run
+        for name in temps:
+            if err.count(f"removed {name} from") != 1:
+                raise AssertionError(f"convert: no one line for removing {name}:\n{err[-2000:]}")
         left = [n for n in os.listdir(parent) if n != "out"]
         if left:
             raise AssertionError(f"convert left {left} beside its destination after a successful rerun")
@@ -303,17 +296,17 @@ class Campaign:
         self.n += 1
         os.makedirs(parent)
         dst = os.path.join(parent, "out")
-        if self.poll_kills:
-            killed = self._child(_EXPORT, src, dst, kill_after=None, kill_once=dst + ".shardckpt-partial") != 0
-        else:
-            duration = self._timed("export", _EXPORT, src, os.path.join(self.work, "export_ref", "out"))
-            killed = self._child(_EXPORT, src, dst, kill_after=float(self.rng.uniform(0.0, duration))) != 0
+        killed = self._child(_EXPORT, src, dst, kill_after=None, kill_once=dst + ".shardckpt-partial")[0] != 0
         self.count("export_killed" if killed else "export_finished_before_kill")
         if os.path.exists(dst):  # the kill came after the commit rename: whole
             self._same_values(dst, weights)
         elif killed:
             self.count("export_left_no_destination")
-        self._child(_EXPORT, src, dst, "again", kill_after=None)  # the next successful run
+        partial = os.path.exists(dst + ".shardckpt-partial")
+        self.count("export_partial_after_kill", partial)
+        _, err = self._child(_EXPORT, src, dst, "again", kill_after=None)  # the next successful run
+        if partial and err.count(f"removed {dst}.shardckpt-partial") != 1:
+            raise AssertionError(f"export: no one line for removing the partial folder:\n{err[-2000:]}")
         left = [n for n in os.listdir(parent) if n != "out"]
         if left:
             raise AssertionError(f"export left {left} beside its destination after a successful rerun")
