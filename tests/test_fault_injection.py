@@ -34,6 +34,8 @@ import shardckpt
 from shardckpt.formats.orbax import ondisk
 from tests.test_resume_kill import Server, _compare, _load
 
+pytestmark = pytest.mark.slow  # training processes killed and rerun: about a minute
+
 EPOCHS, STEPS, SAVE_FREQ = 3, 6, 2
 KILLED = -signal.SIGKILL
 
