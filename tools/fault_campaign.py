@@ -25,7 +25,7 @@ campaign with a non-zero exit.
 
     python tools/fault_campaign.py                     # 20 / 5 / 10 / 5 / 5
     python tools/fault_campaign.py --sigkill 40 --seed 7
-    python tools/fault_campaign.py --smoke             # 1 SIGKILL, convert, export (the suite runs it)
+    python tools/fault_campaign.py --smoke             # 1 convert and 1 export kill (the suite runs it)
 
 Prints one `RESULT {json}` line with the counts.
 """
@@ -41,6 +41,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from typing import Any
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
@@ -76,13 +77,11 @@ shardckpt.export(model, sys.argv[2], format="safetensors", max_inflight_bytes=25
 
 class Campaign:
     def __init__(self, work: str, seed: int, *, kinds: tuple[str, ...] = ("arrays", "batches"),
-                 warm_reference: bool = True) -> None:
-        from tests.test_resume_kill import Server
-
+                 warm_reference: bool = True, cache: str | None = None) -> None:
         self.work = work
         self.rng = np.random.default_rng(seed)
-        self.server = Server(os.path.join(work, "server.log"))
-        self.cache = os.path.join(work, "jax_cache")
+        self._server: Any = None
+        self.cache = cache or os.path.join(work, "jax_cache")
         self.refs: dict[str, tuple] = {}
         self.durations: dict[str, float] = {}
         self.counts: dict[str, int] = {}
@@ -92,6 +91,15 @@ class Campaign:
 
     def kind(self) -> str:
         return self.kinds[self.n % len(self.kinds)]
+
+    @property
+    def server(self) -> Any:
+        """The fork server of training runs, started by the first training trial."""
+        if self._server is None:
+            from tests.test_resume_kill import Server
+
+            self._server = Server(os.path.join(self.work, "server.log"))
+        return self._server
 
     def count(self, key: str, by: int = 1) -> None:
         self.counts[key] = self.counts.get(key, 0) + by
@@ -324,7 +332,8 @@ class Campaign:
             np.testing.assert_array_equal(stored[key], value, err_msg=f"export: {key}")
 
     def close(self) -> None:
-        self.server.close()
+        if self._server is not None:
+            self._server.close()
 
 
 def main() -> None:
@@ -336,16 +345,19 @@ def main() -> None:
     parser.add_argument("--export", type=int, default=5)
     parser.add_argument("--seed", type=int, default=2026)
     parser.add_argument("--smoke", action="store_true",
-                        help="1 random SIGKILL, 1 convert and 1 export kill; one input kind (the suite runs it)")
+                        help="1 convert and 1 export kill (the suite runs it)")
     parser.add_argument("--work", default=None, help="folder for the runs (default: a temporary one)")
+    parser.add_argument("--cache", default=None, help="a JAX compilation cache folder to share (default: in --work)")
     opts = parser.parse_args()
     if opts.smoke:
-        opts.sigkill = opts.convert = opts.export = 1
-        opts.delete = opts.sigterm = 0  # tests/test_fault_injection.py kills in deletes; test_preemption SIGTERMs
+        opts.convert = opts.export = 1
+        # tests/test_fault_injection.py kills training runs (deletes, commits, clean-ups) with the
+        # same worker and checks; test_resume_kill / test_preemption kill and SIGTERM at random.
+        opts.sigkill = opts.delete = opts.sigterm = 0
     work = opts.work or tempfile.mkdtemp(prefix="fault_campaign_")
     os.makedirs(work, exist_ok=True)
     campaign = Campaign(work, opts.seed, kinds=("arrays",) if opts.smoke else ("arrays", "batches"),
-                        warm_reference=not opts.smoke)
+                        warm_reference=not opts.smoke, cache=opts.cache)
     start = time.perf_counter()
     try:
         for kind in ("sigkill", "delete", "sigterm", "convert", "export"):
