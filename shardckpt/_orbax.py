@@ -24,21 +24,31 @@ why it is needed and who uses it:
   per-process stores (`ocdbt.process_N`) into the item's own store at a
   multi-process commit (`ocdbt_utils.merge_ocdbt_per_process_files` does the
   same, but finds the stores through etils' epath, which has no `s3://`).
+- `Checkpointer._manager._checkpoint_deleter` (training.saving, through
+  `replace_step_deleter`): every step Orbax's `Checkpointer` deletes (by its
+  preservation policy, or by `delete`) goes through this object, and Orbax's
+  own removes a step in place (`rmtree`, directory order), so a kill leaves
+  an integer-named folder that looks committed. Its `todelete_subdir` option
+  renames first but is not reachable from the v1 `Checkpointer` and never
+  removes the files. shardckpt's deleter (`formats.orbax.removal`) renames
+  the step out of the committed set first, then removes it.
 """
 
 from __future__ import annotations
 
 import os
 import threading
+from collections.abc import Callable, Sequence
 from typing import Any
 
+import jax
 from orbax.checkpoint._src.checkpoint_managers import preservation_policy
 from orbax.checkpoint._src.metadata import sharding as sharding_metadata
 from orbax.checkpoint._src.serialization import tensorstore_utils as _ts_utils
 
 __all__ = [
     "PROCESS_STORE_PREFIX", "add_chunk_checksums", "checksum_saves_under", "merge_kvstore_spec",
-    "preservation_policy", "sharding_metadata",
+    "preservation_policy", "replace_step_deleter", "sharding_metadata",
 ]
 
 PROCESS_STORE_PREFIX = _ts_utils.PROCESS_SUBDIR_PREFIX
@@ -109,3 +119,42 @@ def merge_kvstore_spec(directory: str) -> dict[str, Any]:
     """
     options = _ts_utils.OcdbtKvStoreWriteOptions(mode=_ts_utils.OcdbtWriteMode.MERGE)
     return _ts_utils.build_kvstore_tspec(directory, use_ocdbt=True, ocdbt_write_options=options)
+
+
+class _StepDeleter:
+    """Orbax's `CheckpointDeleter` protocol over `delete(step)`, run by the primary process only (as Orbax's)."""
+
+    def __init__(self, delete: Callable[[int], None]) -> None:
+        self._delete = delete
+
+    def delete(self, step: int) -> None:
+        if jax.process_index() == 0:
+            self._delete(step)
+
+    def delete_steps(self, steps: Sequence[int]) -> None:
+        for step in steps:
+            self.delete(step)
+
+    def close(self) -> None:
+        """Nothing runs in the background."""
+
+
+def replace_step_deleter(checkpointer: Any, delete: Callable[[int], None]) -> None:
+    """Makes an Orbax v1 `training.Checkpointer` delete every step with `delete(step)`.
+
+    Args:
+        checkpointer: The `ocp.training.Checkpointer`.
+        delete: Removes one step (called on process 0 only, after the
+            Checkpointer dropped the step from its list).
+
+    Raises:
+        RuntimeError: this Orbax version keeps its deleter elsewhere.
+    """
+    manager = getattr(checkpointer, "_manager", None)
+    if manager is None or not hasattr(manager, "_checkpoint_deleter"):
+        raise RuntimeError(
+            f"orbax-checkpoint's Checkpointer has no step deleter where shardckpt expects it "
+            f"(_manager._checkpoint_deleter). Fix: install the orbax-checkpoint version shardckpt pins. "
+            f"Received: {type(checkpointer).__name__}")
+    manager._checkpoint_deleter.close()
+    manager._checkpoint_deleter = _StepDeleter(delete)

@@ -191,8 +191,101 @@ class Progress(keras.callbacks.Callback):
         self._note_saves()
 
 
+_REMOVALS = ("os.remove", "os.rmdir")
+LOG_LINES: list[str] = []
+"""What shardckpt logged in this run (INFO and up), written to the `out` JSON as "log"."""
+
+
+def kill_at(fault: dict) -> None:
+    """SIGKILLs this process at a chosen file operation (an audit hook: a real kill, mid-operation).
+
+    `fault` keys:
+
+    * `on`: "rmtree" (a folder's removal starts: Orbax's in-place delete,
+      shardckpt's delete after its rename, a clean-up) or "rename" (a commit
+      rename of Orbax's, or shardckpt's rename out of the committed set).
+    * `match`: a regular expression searched in the folder's path (for
+      "rename": its source path).
+    * `nth`: the matching operation to act on (1: the first).
+    * `after`: for "rmtree", the name of the file or folder whose removal
+      completes before the kill; None: the kill comes before the first
+      removal. For "rename": "before" (default) or "after" the rename.
+
+    The kill itself happens at the next file operation's audit event, so the
+    named removal (or the rename) has completed and nothing after it has.
+    """
+    import re
+
+    pattern = re.compile(fault["match"])
+    if fault["on"] == "bucket":
+        _kill_at_bucket_call(fault, pattern)
+        return
+    state = {"seen": 0, "armed": False, "fire": False}
+
+    def die() -> None:
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    def hook(event: str, event_args: tuple) -> None:
+        if state["fire"] and (event in _REMOVALS or event in ("os.rename", "shutil.rmtree", "open")):
+            die()
+        if fault["on"] == "rmtree":
+            if event == "shutil.rmtree" and not state["armed"] and pattern.search(os.fspath(event_args[0])):
+                state["seen"] += 1
+                if state["seen"] == fault.get("nth", 1):
+                    state["armed"] = True
+                    if fault.get("after") is None:
+                        die()
+            elif state["armed"] and event in _REMOVALS and os.path.basename(os.fspath(event_args[0])) == fault["after"]:
+                state["fire"] = True
+        elif event == "os.rename" and pattern.search(os.fspath(event_args[0])):
+            state["seen"] += 1
+            if state["seen"] == fault.get("nth", 1):
+                if fault.get("after", "before") == "before":
+                    die()
+                state["fire"] = True
+
+    sys.addaudithook(hook)
+
+
+def _kill_at_bucket_call(fault: dict, pattern) -> None:
+    """`kill_at` for buckets: object stores have no file operations to audit.
+
+    `fault["call"]` names a `shardckpt.storage` function ("write_bytes",
+    "delete_object", "delete_tree"); the process is killed "before" or
+    "after" (`fault["when"]`) its `nth` call on a location whose URL matches.
+    """
+    from shardckpt import storage
+
+    original = getattr(storage, fault["call"])
+    seen = [0]
+
+    def wrapped(location, *rest, **kwargs):
+        hit = bool(pattern.search(location.url))
+        if hit:
+            seen[0] += 1
+        fire = hit and seen[0] == fault.get("nth", 1)
+        if fire and fault.get("when", "after") == "before":
+            os.kill(os.getpid(), signal.SIGKILL)
+        result = original(location, *rest, **kwargs)
+        if fire:
+            os.kill(os.getpid(), signal.SIGKILL)
+        return result
+
+    setattr(storage, fault["call"], wrapped)
+
+
 def run(args: dict) -> None:
     """One training run; see the module docstring for `args` keys."""
+    if args.get("fault"):
+        kill_at(args["fault"])
+    import logging
+
+    class _Lines(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            LOG_LINES.append(record.getMessage())
+
+    logging.getLogger("shardckpt").addHandler(_Lines(logging.INFO))
+    logging.getLogger("shardckpt").setLevel(logging.INFO)
     if args.get("cache"):
         jax.config.update("jax_compilation_cache_dir", args["cache"])
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
@@ -201,6 +294,7 @@ def run(args: dict) -> None:
     keras.distribution.set_distribution(layout())
     model = build_model()
     data = grain_loader_iterator() if args.get("data") == "grain" else ShuffledIterator()
+    arrays = args.get("data") == "arrays"  # fit shuffles numpy arrays itself: no mid-epoch resume
     ckpt = shardckpt.training.OrbaxCheckpoint(
         args["dir"],
         save_freq=args.get("save_freq", "epoch"),
@@ -212,13 +306,17 @@ def run(args: dict) -> None:
     callbacks = [ckpt]
     if args.get("progress"):
         callbacks.append(Progress(args["progress"], ckpt))
-    model.fit(
-        ckpt.batches(),
-        steps_per_epoch=args.get("steps", 6),
-        epochs=args.get("epochs", 4),
-        callbacks=callbacks,
-        verbose=0,
-    )
+    if arrays:
+        x, y = data.x[: args.get("steps", 6) * BATCH], data.y[: args.get("steps", 6) * BATCH]
+        model.fit(x, y, batch_size=BATCH, epochs=args.get("epochs", 4), callbacks=callbacks, verbose=0)
+    else:
+        model.fit(
+            ckpt.batches(),
+            steps_per_epoch=args.get("steps", 6),
+            epochs=args.get("epochs", 4),
+            callbacks=callbacks,
+            verbose=0,
+        )
     ckpt.wait_until_finished()
     dump(model, data, ckpt, args["out"])
 
@@ -246,6 +344,7 @@ def dump(model: keras.Model, data: ShuffledIterator, ckpt, out: str) -> None:
                 "resumed_step": None if resumed is None else resumed.step,
                 "resumed_epoch_complete": None if resumed is None else resumed.epoch_complete,
                 "preempted_step": ckpt.preempted_step,
+                "log": LOG_LINES,
                 # Epoch-end logs of the epochs this fit ran (metrics restored
                 # mid-epoch must give the same numbers as the unbroken run).
                 "history": {str(e): {k: float(v[i]) for k, v in model.history.history.items()}

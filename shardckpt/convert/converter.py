@@ -48,6 +48,7 @@ from shardckpt.convert.architecture import load_architecture
 from shardckpt.errors import DestinationExistsError, ModelRequiredError, UnknownFormatError
 from shardckpt.formats import FORMATS, detect_format, open_reader
 from shardckpt.formats.base import MappedReader, Reader
+from shardckpt.formats.orbax import ondisk, removal
 from shardckpt.formats.orbax import writer as orbax_writer
 from shardckpt.formats.orbax.writer import COMPRESSIONS, DEFAULT_COMPRESSION, OrbaxStepWriter
 from shardckpt.layout.auto import auto_layout
@@ -302,7 +303,8 @@ def _write_atomically(
 ) -> None:
     parent = os.path.dirname(dst)
     os.makedirs(parent, exist_ok=True)
-    tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(dst)}.shardckpt-tmp-", dir=parent)
+    # The pid in the name lets a later run tell a killed run's folder from a live one's.
+    tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(dst)}{ondisk.CONVERT_TMP_MARK}{os.getpid()}-", dir=parent)
     step = os.path.join(tmp, "step")
     try:
         writer = OrbaxStepWriter(step, compression=report.compression,
@@ -317,6 +319,7 @@ def _write_atomically(
         os.rename(step, dst)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+    removal.remove_convert_leftovers(dst)
 
 
 def _write_to_bucket(

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import logging
 import os
 import shutil
 import sys
@@ -44,6 +45,8 @@ from shardckpt.formats import h5_writer, registry, safetensors_writer
 from shardckpt.formats.mapped_writer import MappedFiles
 from shardckpt.progress import ByteProgress
 from shardckpt.types import DType, Model
+
+_log = logging.getLogger("shardckpt")
 
 PARTIAL_SUFFIX = ".shardckpt-partial"
 
@@ -133,10 +136,29 @@ def _check_destination(dst: str, overwrite: bool) -> None:
         raise DestinationExistsError(f"{dst!r} exists and is not a folder; export writes a folder. Fix: remove it.")
 
 
+OLD_SUFFIX = ".shardckpt-old"
+"""Beside `dst` while an overwrite replaces it (removed right after the new folder is in place)."""
+
+
+def _remove_leftovers(dst: str) -> None:
+    """Removes what a killed export left beside `dst` (process 0, before writing), one log line each.
+
+    Neither folder is ever taken for a model: the partial one has not been
+    renamed to `dst`, the old one was replaced by a complete `dst`.
+    """
+    for suffix, what in ((PARTIAL_SUFFIX, "the folder of an export that was interrupted before its commit"),
+                         (OLD_SUFFIX, "the folder an interrupted overwrite had replaced already")):
+        path = dst.rstrip("/") + suffix
+        if not os.path.lexists(path):
+            continue
+        shutil.rmtree(path)
+        _log.warning("export: removed %s: %s.", path, what)
+
+
 def _commit(partial: str, dst: str) -> None:
     old = None
     if os.path.lexists(dst):
-        old = dst.rstrip("/") + ".shardckpt-old"
+        old = dst.rstrip("/") + OLD_SUFFIX
         shutil.rmtree(old, ignore_errors=True)
         os.rename(dst, old)
     os.rename(partial, dst)
@@ -157,6 +179,7 @@ def _export_orbax(model: Any, dst: str, *, format: str, dtype: Any, shard: int |
 
     _check_destination(dst, overwrite)
     partial = dst.rstrip("/") + PARTIAL_SUFFIX
+    _remove_leftovers(dst)
     arrays, total = export_orbax(model, partial, dtype=dtype,
                                  budget=_budget.Budget(_budget.resolve(max_inflight_bytes)))
     _commit(partial, dst)
@@ -253,7 +276,7 @@ def _export_files(planner: Callable[[Any, Any, int | None], plans.Plan], model: 
     partial = dst.rstrip("/") + PARTIAL_SUFFIX
     process = jax.process_index()
     if process == 0:
-        shutil.rmtree(partial, ignore_errors=True)
+        _remove_leftovers(dst)
         os.makedirs(partial)
         slots = _lay_out(plan, partial)
     _barrier(f"shardckpt-export-laid-out:{dst}")

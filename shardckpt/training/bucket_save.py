@@ -47,7 +47,7 @@ import jax
 import numpy as np
 
 from shardckpt import _orbax, budget, storage
-from shardckpt.formats.orbax import ondisk
+from shardckpt.formats.orbax import ondisk, removal
 from shardckpt.formats.orbax.writer import CHUNK_BYTES, OrbaxStepWriter, merge_process_stores
 from shardckpt.training.agreement import Agreement
 
@@ -134,8 +134,7 @@ class BucketCheckpointer:
             return
         # Never restored; Orbax removes its local tmp folders at start
         # (cleanup_tmp_directories), so do we.
-        for name in ondisk.incomplete_steps(self.root.url):
-            storage.delete_tree(self.root.join(name))
+        removal.remove_leftovers(self.root)
         self._steps = [
             _StepInfo(step, self._read_metrics(step), datetime.datetime.fromtimestamp(0, datetime.UTC))
             for step in ondisk.committed_steps(self.root.url)
@@ -185,9 +184,7 @@ class BucketCheckpointer:
         """Deletes a step: its commit marker first, so a half-deleted step never counts (process 0)."""
         if not self.primary:
             return
-        step_loc = self.root.join(str(step))
-        storage.delete_object(step_loc.join(ondisk.COMMIT_MARKER))
-        storage.delete_tree(step_loc)
+        removal.delete_step(self.root, step)
         self._steps = [info for info in self._steps if info.step != step]
 
     def wait(self) -> None:

@@ -18,6 +18,7 @@ from shardckpt.formats.orbax.ondisk import (  # noqa: F401  (the callback's name
     ARRAYS_ITEM,
     ITERATOR_ITEM,
     METADATA_ITEM,
+    latest_step,
     latest_step_dir,
     read_json_item,
 )
@@ -198,16 +199,17 @@ def restore_latest(
 
     Raises:
         CheckpointNotFoundError: `directory` holds no committed step.
+        IncompleteCheckpointError: it holds only what interrupted saves or
+            deletes left (as `load_sharded` and `inspect` raise).
         IteratorCountError: see `on_process_count_change`.
         CheckpointMismatchError, DtypeMismatchError, ...: see `load_sharded`.
     """
     # Classified first: an unsupported scheme:// is refused, never a local folder.
-    step_dir = latest_step_dir(storage.parse(directory, what="directory").url)
-    if step_dir is None:
+    location = storage.parse(directory, what="directory")
+    try:
+        step_dir = latest_step(location)
+    except CheckpointNotFoundError as e:
         raise CheckpointNotFoundError(
-            f"No committed checkpoint step under {os.fspath(directory)!r} (half-written "
-            "steps are ignored). Fix: check the directory, or train with "
-            "OrbaxCheckpoint first."
-        )
+            f"{e} Fix: check the directory, or train with OrbaxCheckpoint first.") from None
     return restore_step(model, step_dir, data_iterator=data_iterator, strict=strict,
                         on_process_count_change=on_process_count_change)

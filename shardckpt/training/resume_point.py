@@ -133,7 +133,8 @@ def describe(point: ResumePoint, info: ResumeInfo | None, *, epochs: int | None,
     where = (f"epoch {info.epoch} complete" if info.epoch_complete
              else f"epoch {info.epoch}, batch {info.batch} of {info.metadata.get('steps_per_epoch')}")
     if info.epoch is None:
-        where = "a step without shardckpt metadata (written by Keras?): weights restored, epoch not known"
+        where = ("a step its writer (Keras' callback?) gave no shardckpt metadata: weights restored, epoch and "
+                 "data position not known, so the run is not exact")
     line = f"resumed from step {info.step} in {directory} ({where})"
     if point.why:
         line = (f"step {point.latest} not resumed: {point.why}; {line}, the newest step of whole epochs "
@@ -142,5 +143,5 @@ def describe(point: ResumePoint, info: ResumeInfo | None, *, epochs: int | None,
     if epochs is not None and info.epoch is not None and info.next_epoch >= epochs:
         done = f"The run is already complete: all {epochs} epochs are trained; fit trains nothing."
         return logging.WARNING, f"{line}. {done}"
-    level = logging.WARNING if point.why else logging.INFO
+    level = logging.WARNING if point.why or info.epoch is None else logging.INFO
     return level, f"{line}; fit continues at epoch {info.next_epoch}." if info.epoch is not None else f"{line}."

@@ -20,6 +20,7 @@ milliseconds behind a long interval are no news.
 from __future__ import annotations
 
 import concurrent.futures
+import functools
 import logging
 import time
 from collections.abc import Callable
@@ -31,6 +32,7 @@ import orbax.checkpoint.experimental.v1 as ocp
 
 from shardckpt import _orbax, storage
 from shardckpt.errors import BackgroundSaveError
+from shardckpt.formats.orbax import removal
 from shardckpt.formats.orbax.writer import CHUNK_BYTES
 from shardckpt.training import bucket_save, resume
 from shardckpt.training import metadata as metadata_lib
@@ -67,9 +69,12 @@ class StepWriter:
         self.context = context
         self.waits_s = waits_s
         self.writes_s = [] if writes_s is None else writes_s
-        if location.is_remote:
+        if location.is_remote:  # (it removes the leftovers of killed runs itself)
             self.checkpointer: Any = bucket_save.BucketCheckpointer(location, policy=policy, compression=compression)
         else:
+            if jax.process_index() == 0:  # before Orbax lists the steps: no leftover is taken for one
+                removal.remove_leftovers(location)
+            sync("shardckpt-leftovers-removed")
             _orbax.checksum_saves_under(location.url)  # per-chunk crc32c, as shardckpt's own writer stores
             self.checkpointer = ocp.training.Checkpointer(
                 location.url,
@@ -79,6 +84,8 @@ class StepWriter:
                 # Half-written steps of a killed run: never restored, removed here.
                 cleanup_tmp_directories=True,
             )
+            # A step leaves the committed set in one rename before its files go.
+            _orbax.replace_step_deleter(self.checkpointer, functools.partial(removal.delete_step, location))
         self._executor: concurrent.futures.ThreadPoolExecutor | None = None
         if background and (jax.process_count() == 1 or location.is_remote):
             self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="shardckpt-save")

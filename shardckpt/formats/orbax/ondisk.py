@@ -13,6 +13,15 @@ rename (the backend's `renames` is False): a step is written under its final nam
 once its `commit_success.txt` exists, the object Orbax itself writes last on
 GCS and shardckpt's writer writes last everywhere. Each function below takes
 a local path or a bucket URL.
+
+A step leaves the committed set as atomically as it entered it
+(`formats.orbax.removal`): a local step is renamed out of the integer
+namespace (`<step>.shardckpt-deleting-*`) before any of its files is removed;
+in a bucket its commit marker is deleted first. A local integer-named folder
+that lacks `_CHECKPOINT_METADATA`, or an item that file records, or an array
+item's `_METADATA` / OCDBT manifest, is what an in-place delete (Orbax's
+`rmtree`, an older shardckpt, Keras' own callback) left when it was killed:
+it is not committed, and `committed_steps` and `incomplete_steps` say so.
 """
 
 from __future__ import annotations
@@ -67,11 +76,18 @@ DICT_KEY = 2
 
 JSON_ITEM_FILES = ("data.json", "metadata")
 """The file names Orbax's JsonHandler reads a JSON item from."""
+OCDBT_MANIFEST = "manifest.ocdbt"
+"""The OCDBT store's manifest, beside its `d/` data folder in an array item."""
+DELETING_MARK = ".shardckpt-deleting"
+"""In the name a step is renamed to before its files are removed (never a committed step)."""
+CONVERT_TMP_MARK = ".shardckpt-tmp-"
+"""In the name of `convert`'s hidden temporary folder beside its destination (`.<dst>.shardckpt-tmp-*`)."""
 
 
 def committed_steps(root: str | storage.Location) -> list[int]:
     """Returns the committed step numbers under an Orbax root, ascending.
 
+    Locally: the integer-named step folders that are whole (`missing_part`).
     In a bucket: the steps whose `COMMIT_MARKER` exists.
     """
     location = storage.parse(root)
@@ -81,9 +97,47 @@ def committed_steps(root: str | storage.Location) -> list[int]:
     steps = []
     for name in os.listdir(root):
         full = os.path.join(root, name)
-        if name.isdigit() and os.path.isdir(full):
+        if name.isdigit() and os.path.isdir(full) and not missing_part(full):
             steps.append(int(name))
     return sorted(steps)
+
+
+_TREE_HANDLERS = ("PyTreeHandler", "PyTreeCheckpointHandler", "StandardCheckpointHandler")
+"""The ends of the handler names (Orbax v1 and v0) whose items are array trees."""
+
+
+def missing_part(step_dir: str) -> str:
+    """What a local step folder under a root lacks to be a whole step; "" when it is whole.
+
+    A committed Orbax step holds `_CHECKPOINT_METADATA` (written at commit),
+    every item that file records, and each array item's `_METADATA` and, when
+    it stores data in OCDBT, its manifest. A kill during an in-place delete
+    leaves a folder without some of them (`rmtree` goes in directory order).
+    """
+    names = set(os.listdir(step_dir))
+    if STEP_METADATA not in names:
+        return f"its {STEP_METADATA}"
+    try:
+        with open(os.path.join(step_dir, STEP_METADATA), "rb") as f:
+            handlers = json.loads(f.read()).get("item_handlers")
+    except (OSError, ValueError, AttributeError):
+        return f"a readable {STEP_METADATA}"
+    if not isinstance(handlers, dict):
+        return ""  # a bare tree's metadata (no items recorded): the tree check is the reader's
+    for item, handler in sorted(handlers.items()):
+        folder = os.path.join(step_dir, item)
+        if item not in names or not os.path.isdir(folder):
+            return f"its item {item!r}"
+        inside = set(os.listdir(folder))
+        if str(handler).endswith(_TREE_HANDLERS):
+            if TREE_METADATA not in inside:
+                return f"{item}/{TREE_METADATA}"
+            stores = "d" in inside or any(n.startswith("ocdbt.process_") for n in inside)
+            if stores and OCDBT_MANIFEST not in inside:
+                return f"{item}/{OCDBT_MANIFEST}"
+        elif handler in (JSON_HANDLER, METRICS_HANDLER) and not inside & {*JSON_ITEM_FILES, METRICS_ITEM}:
+            return f"the data file of {item}/"
+    return ""
 
 
 def _renames(location: storage.Location) -> bool:
@@ -97,17 +151,37 @@ def _marked_steps(keys: list[str]) -> list[int]:
 
 
 def incomplete_steps(root: str | storage.Location) -> list[str]:
-    """Names of the half-written step folders under an Orbax root.
+    """Names of the half-written or half-deleted step folders under an Orbax root.
 
-    In a bucket: integer-named steps without their `COMMIT_MARKER`.
+    Locally: Orbax's temporary folders, folders being deleted
+    (`DELETING_MARK`) and integer-named folders that are not whole
+    (`missing_part`). In a bucket: integer-named steps without their
+    `COMMIT_MARKER`.
     """
+    return [name for name, _ in leftovers(root)]
+
+
+def leftovers(root: str | storage.Location) -> list[tuple[str, str]]:
+    """`incomplete_steps` with, for each, why it is not a committed step (for the log line)."""
     location = storage.parse(root)
     if not _renames(location):
         keys = storage.list_keys(location)
         committed = set(_marked_steps(keys))
         names = {key.split("/", 1)[0] for key in keys if "/" in key}
-        return sorted(n for n in names if n.isdigit() and int(n) not in committed)
-    return sorted(n for n in os.listdir(location.path) if TMP_MARK in n)
+        return [(n, f"a step without its {COMMIT_MARKER} (a save or delete was interrupted)")
+                for n in sorted(names) if n.isdigit() and int(n) not in committed]
+    found = []
+    for name in sorted(os.listdir(location.path)):
+        full = os.path.join(location.path, name)
+        if TMP_MARK in name:
+            found.append((name, "a step whose save was interrupted"))
+        elif DELETING_MARK in name:
+            found.append((name, "a step whose delete was interrupted"))
+        elif name.isdigit() and os.path.isdir(full):
+            missing = missing_part(full)
+            if missing:
+                found.append((name, f"a step without {missing} (an interrupted delete in place, or damage)"))
+    return found
 
 
 def latest_step_dir(directory: str) -> str | None:
@@ -137,9 +211,9 @@ def is_orbax_dir(path: str | storage.Location) -> bool:
     if not os.path.isdir(path):
         return False
     names = os.listdir(path)
-    if STEP_METADATA in names or TREE_METADATA in names or TMP_MARK in path:
+    if STEP_METADATA in names or TREE_METADATA in names or TMP_MARK in path or DELETING_MARK in path:
         return True
-    return any(n.isdigit() or TMP_MARK in n for n in names) or any(
+    return any(n.isdigit() or TMP_MARK in n or DELETING_MARK in n for n in names) or any(
         os.path.isfile(os.path.join(path, n, TREE_METADATA)) for n in names
     )
 
@@ -148,32 +222,70 @@ def resolve_step(path: str | storage.Location) -> str:
     """Maps an Orbax root to its latest committed step; checks a step folder.
 
     Raises:
-        CheckpointNotFoundError: no committed step under the root.
-        IncompleteCheckpointError: the path is a half-written step, or the root
-            holds only half-written steps.
+        CheckpointNotFoundError: no committed step under the root, and
+            nothing left by an interrupted save or delete either.
+        IncompleteCheckpointError: the path is a half-written or half-deleted
+            step, or the root holds only such steps (`leftovers`).
     """
     location = storage.parse(path)
     if not _renames(location):
         return _resolve_remote_step(location)
     path = location.path
-    if TMP_MARK in os.path.basename(path):
+    base = os.path.basename(os.path.normpath(path))
+    if TMP_MARK in base or DELETING_MARK in base:
+        what = "Orbax never committed (its save was interrupted)" if TMP_MARK in base else (
+            "being deleted (its delete was interrupted)")
         raise IncompleteCheckpointError(
-            f"{path!r} is a step Orbax never committed (its save was interrupted). "
-            "Fix: load the checkpoint root or a committed step; shardckpt ignores "
-            "and OrbaxCheckpoint cleans such folders."
+            f"{path!r} is a step {what}. Fix: load the checkpoint root or a committed step; shardckpt "
+            "ignores such folders and OrbaxCheckpoint removes them when it starts."
         )
     names = os.listdir(path)
-    if STEP_METADATA in names or any(n in names for n in TREE_ITEMS) or TREE_METADATA in names:
+    if TREE_METADATA in names:
+        return path  # a bare array tree
+    if STEP_METADATA in names or any(n in names for n in TREE_ITEMS):
+        missing = missing_part(path)
+        if missing:
+            raise IncompleteCheckpointError(
+                f"{path!r} is not a whole step: it lacks {missing} (a save or an in-place delete of it was "
+                "interrupted). Fix: load the checkpoint root or another step; OrbaxCheckpoint removes such "
+                "folders when it starts."
+            )
         return path
-    steps = committed_steps(path)
+    return latest_step(location)
+
+
+def latest_step(root: str | storage.Location) -> str:
+    """The latest committed step folder (or bucket URL) under an Orbax root.
+
+    The one answer `load_sharded`, `inspect`, `restore_latest` and a resuming
+    `OrbaxCheckpoint` give: the newest whole step.
+
+    Raises:
+        CheckpointNotFoundError: no committed step, and nothing left by an
+            interrupted save or delete either (an empty or missing root).
+        IncompleteCheckpointError: the root holds only what interrupted saves
+            or deletes left (`leftovers`).
+    """
+    location = storage.parse(root)
+    if not storage.isdir(location):
+        raise CheckpointNotFoundError(f"No committed Orbax step under {location.url!r}: it does not exist.")
+    steps = committed_steps(location)
     if steps:
-        return os.path.join(path, str(steps[-1]))
-    if any(TMP_MARK in n for n in names):
-        raise IncompleteCheckpointError(
-            f"{path!r} holds only half-written steps ({sorted(names)}); no save "
-            "finished. Fix: let a save complete, or restore from another checkpoint."
-        )
-    raise CheckpointNotFoundError(f"No committed Orbax step under {path!r}.")
+        return location.join(str(steps[-1])).url
+    found = leftovers(location)
+    if found:
+        raise _only_leftovers(location.url, found)
+    raise CheckpointNotFoundError(f"No committed Orbax step under {location.url!r}.")
+
+
+def _only_leftovers(root: str, found: list[tuple[str, str]]) -> IncompleteCheckpointError:
+    listed = "; ".join(f"{name}: {why}" for name, why in found[:8])
+    more = f" and {len(found) - 8} more" if len(found) > 8 else ""
+    return IncompleteCheckpointError(
+        f"{root!r} holds no committed step, only {len(found)} half-written or half-deleted step folder(s) "
+        f"({listed}{more}): an interrupted save or delete left them. Fix: let a save complete, or restore "
+        "from another checkpoint; OrbaxCheckpoint removes them when it starts."
+    )
 
 
 def _resolve_remote_step(location: storage.Location) -> str:
@@ -190,16 +302,7 @@ def _resolve_remote_step(location: storage.Location) -> str:
                 "load the checkpoint root or a committed step, or let the save finish."
             )
         return location.url
-    steps = _marked_steps(keys)
-    if steps:
-        return location.join(str(steps[-1])).url
-    if any(n.isdigit() for n in names):
-        raise IncompleteCheckpointError(
-            f"{location.url!r} holds only uncommitted steps ({sorted(names)}): none has its "
-            f"{COMMIT_MARKER}, so no save finished. Fix: let a save complete, or restore "
-            "from another checkpoint."
-        )
-    raise CheckpointNotFoundError(f"No committed Orbax step under {location.url!r}.")
+    return latest_step(location)
 
 
 def tree_dir(step: str | storage.Location) -> str:
@@ -262,9 +365,24 @@ def read_json_item(step_dir: str | storage.Location, name: str) -> Any:
         return ocp.load_checkpointables(step_dir, {name: None})[name]
     except (ValueError, KeyError, FileNotFoundError) as e:
         raise CorruptCheckpointError(
-            f"Cannot read item {name!r} of checkpoint step {step_dir!r}: {e}. Fix: "
+            f"Cannot read item {name!r} of checkpoint step {step_dir!r}: {type(e).__name__}: {short(e)}. Fix: "
             "delete this step folder to resume from the previous one."
         ) from e
+
+
+def short(error: BaseException, limit: int = 200) -> str:
+    """The first line of an error's text, cut at `limit` characters.
+
+    Orbax's errors append its whole handler registry (about a kilobyte) to
+    their first line; the cause stays chained for whoever needs it.
+    """
+    text = (str(error).strip().splitlines() or [""])[0]
+    at = text.lower().find("registry")
+    if at >= 0:
+        text = text[:at].rsplit(" found in", 1)[0].rstrip(" :,(")
+    if len(text) > limit:
+        text = text[: limit - 3] + "..."
+    return text + (" (Orbax's handler registry left out)" if at >= 0 else "")
 
 
 def _read_remote_json_item(step: storage.Location, name: str) -> Any:
