@@ -118,10 +118,16 @@ def plan_keras_hub(model: Any, dtype: Any, shard: int | None) -> Plan:
 
 def plan_safetensors(model: Any, dtype: Any, shard: int | None) -> Plan:
     from shardckpt.export.kerashub import spec_of
+    from shardckpt.export.model import lora_factors
 
     specs: dict[str, ArraySpec] = {}
     writes: list[tuple[Any, Tensor]] = []
+    # One function: a LoRA layer's kernel is stored merged (`value_getters`) and its factors
+    # not, as Keras' save_weights does; `load_sharded` then leaves them at zero delta.
+    factors = lora_factors(model)
     for v in model.weights:
+        if id(v) in factors:
+            continue
         specs[v.path] = spec_of(v, dtype)
         writes.append((v, Identity(v.path, specs[v.path].shape, specs[v.path].dtype)))
     return Plan(kind="safetensors", specs=specs, files=safetensors_writer.plan_files(specs, shard), writes=writes)
