@@ -49,12 +49,21 @@ def max_shard_bytes(max_shard_size: Any) -> int | None:
 def plan_hf(model: Any, dtype: Any, shard: int | None) -> Plan:
     from shardckpt import _keras_hub
     from shardckpt.errors import UnsupportedModelError
-    from shardckpt.export import hf
+    from shardckpt.export import hf, hf_heads
     from shardckpt.restore.keys import is_task
 
     task = is_task(model)
     backbone = model.backbone if task else model
-    plan = hf.plan(backbone, dtype)
+    # A task's head (`export.hf_heads`): every variable outside the backbone is placed or refused.
+    head = hf_heads.head_map(model) if task else None
+    plan = hf.plan(backbone, dtype, prefix=head.prefix if head is not None else "")
+    if head is not None:
+        tail = hf.plan_head(model, head, dtype)
+        clash = sorted(set(plan.specs) & set(tail.specs))
+        if clash:
+            raise UnsupportedModelError(f"{type(model).__name__}: head tensors {clash[:4]} clash with the backbone's.")
+        plan = hf.HFPlan(config={**plan.config, **tail.config, "architectures": [head.architecture]},
+                         specs=dict(sorted({**plan.specs, **tail.specs}.items())), remaps=plan.remaps + tail.remaps)
     tokenizer = getattr(getattr(model, "preprocessor", None), "tokenizer", None) if task else None
     if tokenizer is not None and not _keras_hub.exports_tokenizer(tokenizer):
         raise UnsupportedModelError(
