@@ -133,7 +133,7 @@ def test_export_formats_are_the_writers_of_the_format_table():
     from shardckpt.formats import registry
 
     writers = {name: fmt.writer for name, fmt in registry.FORMATS.items() if fmt.writer is not None}
-    assert sorted(writers) == ["hf", "orbax", "preset", "safetensors"]
+    assert sorted(writers) == ["hf", "orbax", "peft", "preset", "safetensors"]
     assert registry.writer_for("keras-hub") is writers["preset"]
     assert registry.writer_for("hf") is writers["hf"] and registry.writer_for("orbax") is writers["orbax"]
 

@@ -304,6 +304,7 @@ for _name, _writer in (
     ("hf", functools.partial(_export_files, plans.plan_hf)),
     ("preset", functools.partial(_export_files, plans.plan_keras_hub)),  # format="keras-hub"
     ("safetensors", functools.partial(_export_files, plans.plan_safetensors)),
+    ("peft", functools.partial(_export_files, plans.plan_peft)),
     ("orbax", _export_orbax),
 ):
     registry.provide(_name, writer=_writer)

@@ -140,3 +140,21 @@ def plan_safetensors(model: Any, dtype: Any, shard: int | None) -> Plan:
         specs[v.path] = spec_of(v, dtype)
         writes.append((v, Identity(v.path, specs[v.path].shape, specs[v.path].dtype)))
     return Plan(kind="safetensors", specs=specs, files=safetensors_writer.plan_files(specs, shard), writes=writes)
+
+
+def plan_peft(model: Any, dtype: Any, shard: int | None) -> Plan:
+    """The LoRA factors alone as a PEFT adapter (`export.peft`); one file, as PEFT reads it."""
+    from shardckpt.export import hf, hf_heads, peft
+    from shardckpt.restore.keys import is_task
+
+    task = is_task(model)
+    backbone = model.backbone if task else model
+    head = hf_heads.head_map(model) if task else None
+    base = hf.plan(backbone, None, prefix=head.prefix if head is not None else "")
+    specs, writes, config = peft.plan(model, base, dtype)
+
+    def small_files(folder: str) -> None:
+        peft.write_config(folder, config)
+
+    return Plan(kind="safetensors", specs=specs, files={peft.ADAPTER_FILE: list(specs)}, writes=writes,
+                small_files=small_files)
