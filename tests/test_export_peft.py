@@ -148,3 +148,41 @@ def test_peft_refuses_a_model_without_lora(tmp_path):
     with pytest.raises(UnsupportedModelError, match="no LoRA-enabled layer.*enable_lora"):
         shardckpt.export(task, tmp_path / "adapter", format="peft")
     assert os.listdir(tmp_path) == []
+
+
+def lora_on_mesh(src: str) -> keras.Model:
+    """The tiny Llama folder on a (2, 4) mesh, LoRA enabled, factors set from a seed (every process alike)."""
+    model = shardckpt.from_preset(src, mesh=(2, 4))
+    keras.utils.set_random_seed(0)  # enable_lora draws A: the same draw in every process
+    model.enable_lora(RANK)
+    rng = np.random.default_rng(21)
+    for layer in model._flatten_layers():
+        if getattr(layer, "lora_enabled", False):
+            for f in (layer.lora_kernel_a, layer.lora_kernel_b):
+                f.assign(rng.standard_normal(f.shape).astype("float32"))
+    return model
+
+
+@pytest.mark.multiprocess
+def test_two_processes_export_the_adapter_byte_for_byte_as_one(tmp_path):
+    import hf_fixtures as fx
+
+    from tests.mp import run_pair
+
+    fx.make_folder("llama", str(tmp_path / "src"))
+    model = lora_on_mesh(str(tmp_path / "src"))
+    sharded = [layer.lora_kernel_a for layer in model._flatten_layers() if getattr(layer, "lora_enabled", False)]
+    assert any(len(f.value.sharding.device_set) == 8 for f in sharded)
+    one = shardckpt.export(model, tmp_path / "one_adapter", format="peft")
+    keras.distribution.set_distribution(None)
+
+    run_pair("_export_peft_worker.py", str(tmp_path), timeout=300)
+
+    for name in ("adapter_config.json", "adapter_model.safetensors"):
+        a, b = (tmp_path / "one_adapter" / name).read_bytes(), (tmp_path / "mp_adapter" / name).read_bytes()
+        assert a == b, f"mp_adapter/{name} differs from the 1-process export"
+    results = [json.loads((tmp_path / f"result{i}.json").read_text()) for i in range(2)]
+    assert all(r["total"] == one.bytes_total for r in results)
+    # The processes together write what one process writes (B' off its block diagonal is the file's hole).
+    assert sum(r["written"] for r in results) == one.bytes_written < one.bytes_total
+    assert all(r["written"] > 0 for r in results), results
