@@ -118,3 +118,59 @@ def test_lora_export_into_a_trained_lora_model_zeroes_its_factors_as_keras(train
         v.path for v in model.weights if "lora" in v.path
     )
     np.testing.assert_array_equal(np.asarray(model(TOKENS)), trained["keras_lora=True"])
+
+
+def _llama(lora: bool) -> keras.Model:
+    import keras_hub
+
+    backbone = keras_hub.models.Llama3Backbone(
+        vocabulary_size=64, num_layers=2, num_query_heads=4, num_key_value_heads=2, hidden_dim=32,
+        intermediate_dim=64)
+    if lora:
+        backbone.enable_lora(2)
+    return backbone
+
+
+LLAMA_INPUTS = {"token_ids": TOKENS, "padding_mask": np.ones_like(TOKENS)}
+
+
+@pytest.fixture(scope="module")
+def llama_exports(tmp_path_factory):
+    """A keras-hub Llama 3 backbone with trained LoRA factors, exported to every format; Keras' references."""
+    pytest.importorskip("keras_hub")
+    tmp = tmp_path_factory.mktemp("llama_lora")
+    keras.distribution.set_distribution(None)
+    keras.backend.clear_session()
+    model = _llama(lora=True)
+    _randomize(model, 3)
+    h5 = str(tmp / "keras.weights.h5")
+    model.save_weights(h5)
+    paths = {}
+    for fmt in ("hf", "keras-hub", "safetensors", "orbax"):
+        shardckpt.export(model, tmp / fmt, format=fmt)
+        paths[fmt] = str(tmp / fmt / "model.safetensors") if fmt == "safetensors" else str(tmp / fmt)
+    refs = {}
+    for lora in (True, False):
+        ref = _llama(lora)
+        ref.load_weights(h5)
+        refs[lora] = np.asarray(ref(LLAMA_INPUTS))
+    return paths, refs
+
+
+@pytest.mark.parametrize("lora", [True, False], ids=["into_lora", "into_plain"])
+@pytest.mark.parametrize("fmt", ["hf", "keras-hub", "safetensors", "orbax"])
+def test_keras_hub_lora_export_round_trips_equal_keras_h5(llama_exports, fmt, lora, request):
+    """Every format, into the same LoRA architecture (lazily built) and a plain one: Keras' h5 round trip's output."""
+    if fmt == "orbax" and not lora:
+        # keras-hub's enable_lora freezes the whole backbone: its Orbax keys sit under
+        # non_trainable_variables/, a plain model wants trainable_variables/. Matching by path
+        # whichever collection is another part of this work (load_sharded, not export).
+        request.applymarker(pytest.mark.xfail(strict=True, raises=shardckpt.errors.CheckpointMismatchError,
+                                              reason="Orbax keys matched by collection"))
+    paths, refs = llama_exports
+    with shardckpt.lazy_init():
+        model = _llama(lora)
+    report = shardckpt.load_sharded(model, paths[fmt])
+    assert report.missing == [] and report.unexpected == [], report
+    assert len([p for p in report.initialized if "lora" in p]) == (2 * 2 * 2 if lora else 0)
+    np.testing.assert_array_equal(np.asarray(model(LLAMA_INPUTS)), refs[lora])
