@@ -54,7 +54,7 @@ def trained(tmp_path):
     _randomize(model, 3)
     reference_h5 = str(tmp_path / "keras.weights.h5")
     model.save_weights(reference_h5)
-    out = {"model": model, "output": np.asarray(model(TOKENS))}
+    out = {"model": model, "output": np.asarray(model(TOKENS)), "h5": reference_h5}
     for fmt in ("safetensors", "orbax"):
         report = shardckpt.export(model, tmp_path / fmt, format=fmt)
         assert report.arrays == 7  # embeddings, 3 kernels, 3 biases: no factor
@@ -107,7 +107,7 @@ def test_lora_export_reads_back_into_a_lazy_lora_model_exactly(trained, fmt):
     np.testing.assert_allclose(np.asarray(model(TOKENS)), trained["output"], rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("fmt", ["safetensors", "orbax"])
+@pytest.mark.parametrize("fmt", ["safetensors", "orbax", "h5"])
 def test_lora_export_into_a_trained_lora_model_zeroes_its_factors_as_keras(trained, fmt):
     """A built LoRA model with factors of its own: LoRA must not be applied on top of merged kernels."""
     model_parallel(RULES)

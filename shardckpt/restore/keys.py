@@ -411,6 +411,6 @@ def align_lora(model: Any, wanted: dict[str, Any], stored: Iterable[str]) -> tup
                 for other in state.WEIGHT_COLLECTIONS:
                     if f"{other}/{rest}" in stored:
                         renames[key] = f"{other}/{rest}"
-    if not drop:
+    if not absent:
         return wanted, []
     return {renames.get(k, k): v for k, v in wanted.items() if k not in drop}, absent
