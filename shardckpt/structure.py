@@ -34,7 +34,7 @@ from typing import Any
 
 from shardckpt import _keras
 
-__all__ = ["RecordingStore", "lora_off", "structural_paths", "variables_by_key"]
+__all__ = ["RecordingStore", "lora_layers", "lora_off", "structural_paths", "variables_by_key"]
 
 
 class RecordingStore(_keras.H5IOStore):
@@ -80,6 +80,25 @@ def lora_off(model: Any) -> Iterator[None]:
     finally:
         for layer in lora:
             layer.lora_enabled = True
+
+
+# A LoRA-enabled layer's base variable, its merged value (a property), and its factors:
+# Dense/EinsumDense (`_kernel`, `kernel`, `lora_kernel_a/b`), Embedding (`_embeddings`, ...).
+_LORA_PARTS = (("_kernel", "kernel", "lora_kernel_a", "lora_kernel_b"),
+               ("_embeddings", "embeddings", "lora_embeddings_a", "lora_embeddings_b"))
+
+
+def lora_layers(model: Any) -> list[tuple[Any, Any, str, tuple[Any, Any]]]:
+    """`(layer, base variable, merged attribute, (factor A, factor B))` of each LoRA-enabled layer."""
+    out = []
+    for layer in getattr(model, "_flatten_layers", list)():
+        if getattr(layer, "lora_enabled", False) is not True:
+            continue
+        for base, merged, a, b in _LORA_PARTS:
+            if getattr(layer, base, None) is not None and hasattr(layer, a) and hasattr(layer, b):
+                out.append((layer, getattr(layer, base), merged, (getattr(layer, a), getattr(layer, b))))
+                break
+    return out
 
 
 def structural_paths(model: Any) -> dict[int, str]:

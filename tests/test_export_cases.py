@@ -109,7 +109,7 @@ def test_refusals_happen_before_anything_is_written(llama_folder, tmp_path):
     plain = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3)])
     with pytest.raises(UnsupportedModelError, match="Sequential.*format='keras-hub'|Sequential.*format='safetensors'"):
         shardckpt.export(plain, tmp_path / "a")
-    with pytest.raises(ValueError, match="format must be one of safetensors, orbax, keras-hub, hf. Received: format='onnx'"):
+    with pytest.raises(ValueError, match="format must be one of safetensors, orbax, keras-hub, hf, peft. Received: format='onnx'"):
         shardckpt.export(plain, tmp_path / "b", format="onnx")
     with pytest.raises(ValueError, match="Received: format='h5'"):  # a format shardckpt only reads
         shardckpt.export(plain, tmp_path / "b", format="h5")
@@ -133,7 +133,7 @@ def test_export_formats_are_the_writers_of_the_format_table():
     from shardckpt.formats import registry
 
     writers = {name: fmt.writer for name, fmt in registry.FORMATS.items() if fmt.writer is not None}
-    assert sorted(writers) == ["hf", "orbax", "preset", "safetensors"]
+    assert sorted(writers) == ["hf", "orbax", "peft", "preset", "safetensors"]
     assert registry.writer_for("keras-hub") is writers["preset"]
     assert registry.writer_for("hf") is writers["hf"] and registry.writer_for("orbax") is writers["orbax"]
 

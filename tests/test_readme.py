@@ -340,6 +340,14 @@ def _gpt2_like() -> keras.Model:
     )
 
 
+def _llama_causal_lm(ws: Workspace) -> keras.Model:
+    import keras_hub
+
+    backbone = shardckpt.from_preset(ws.hf_folder())
+    keras.distribution.set_distribution(None)
+    return keras_hub.models.Llama3CausalLM(backbone=backbone, preprocessor=None)
+
+
 def _export_inputs(ws: Workspace) -> None:
     folder = ws.hf_folder()  # a tiny Hugging Face Llama folder: keras-hub builds a Llama3Backbone
     if not os.path.exists(ws.path("Llama-3.2-1B")):
@@ -401,6 +409,11 @@ FILLERS: dict[str, Filler] = {
         setup=_export_inputs,
         fixtures=("gcs_server", "s3_server"),
         reason="Llama-3.2-1B/ is a tiny Hugging Face Llama folder under that name",
+    ),
+    "task.backbone.enable_lora(rank=8)": Filler(
+        names=lambda ws: {"shardckpt": shardckpt, "task": _llama_causal_lm(ws)},
+        setup=_fresh_then("adapter"),
+        reason="task is a Llama 3 causal LM on the tiny Hugging Face Llama folder",
     ),
     # Quantized models
     "with shardckpt.lazy_init():": Filler(

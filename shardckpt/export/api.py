@@ -57,7 +57,7 @@ class ExportReport:
 
     Attributes:
         path: The exported folder.
-        format: "hf", "keras-hub" or "safetensors".
+        format: "hf", "keras-hub", "safetensors", "orbax" or "peft".
         files: Data files of the folder (every process's).
         arrays: Stored tensors in the folder.
         bytes_total: Bytes of tensor data in the folder.
@@ -198,7 +198,7 @@ def export(
     progress: bool | None = None,
     overwrite: bool = False,
 ) -> ExportReport:
-    """Writes a (sharded) model as a Hugging Face folder, a keras-hub preset or safetensors.
+    """Writes a (sharded) model as a Hugging Face folder, a keras-hub preset, safetensors, Orbax or a PEFT adapter.
 
     No tensor is gathered: each process writes only its own devices' pieces
     (a replicated piece once) straight into the files at their offsets.
@@ -222,7 +222,11 @@ def export(
             `from_preset` reads), "safetensors" (`model.safetensors`,
             keys = variable paths; any Keras model) or "orbax" (one Orbax
             step of the weights, as Keras' `load_weights(dir)` reads; one
-            process).
+            process) or "peft" (a LoRA model's factors alone as a PEFT
+            adapter folder: `adapter_config.json`, `adapter_model.safetensors`;
+            `export.peft`). A task's head goes to "hf" under its Hugging
+            Face head class (`export.hf_heads`); a LoRA layer is stored
+            merged, without factors, in every format but "peft".
         max_shard_size: Split weights into files of at most this size: a
             number of GB (as keras-hub's `save_to_preset`) or a string such
             as "500MB". None: one file.
@@ -239,7 +243,9 @@ def export(
     Raises:
         DestinationExistsError: `dst` exists and `overwrite` is False.
         UnsupportedModelError: no mapping to the format for this
-            architecture, or a quantized model (before anything is written).
+            architecture, a task head with no Hugging Face head map (naming
+            its variables), a LoRA layer PEFT cannot express, or a quantized
+            model (before anything is written).
         UnloadedVariableError: a variable holds no value.
     """
     start = time.perf_counter()
@@ -327,6 +333,7 @@ for _name, _writer in (
     ("hf", functools.partial(_export_files, plans.plan_hf)),
     ("preset", functools.partial(_export_files, plans.plan_keras_hub)),  # format="keras-hub"
     ("safetensors", functools.partial(_export_files, plans.plan_safetensors)),
+    ("peft", functools.partial(_export_files, plans.plan_peft)),
     ("orbax", _export_orbax),
 ):
     registry.provide(_name, writer=_writer)

@@ -111,8 +111,12 @@ def _covered(remap: Tensor, counts: dict[str, int]) -> None:
     counts[key] = counts.get(key, 0) + math.prod(remap.shape)
 
 
-def plan(backbone: Any, dtype: Any = None) -> HFPlan:
+def plan(backbone: Any, dtype: Any = None, *, prefix: str = "") -> HFPlan:
     """The Hugging Face tensors of `backbone` and how its variables fill them.
+
+    `prefix` goes before every tensor name (a head class's base model
+    prefix, `bert.`); keras-hub's key lookup finds the converter's names
+    under it, as it does when reading such a folder.
 
     Raises:
         UnsupportedModelError: no converter, no config that reads back, a
@@ -131,7 +135,7 @@ def plan(backbone: Any, dtype: Any = None) -> HFPlan:
         with lora_off(backbone):
             shapes = stored_shapes(backbone, converter, config)
             stored_dtype = np.dtype(dtype) if dtype is not None else np.dtype("float32")
-            specs = {k: ArraySpec(shape=tuple(s), dtype=stored_dtype) for k, s in sorted(shapes.items())}
+            specs = {prefix + k: ArraySpec(shape=tuple(s), dtype=stored_dtype) for k, s in sorted(shapes.items())}
             recorded = record(backbone, converter, "<export>", config, specs)
     except (Unsupported, MissingTensorError, KeyError, ValueError) as e:
         raise UnsupportedModelError(
@@ -157,3 +161,36 @@ def plan(backbone: Any, dtype: Any = None) -> HFPlan:
             + ". Fix: export with format='keras-hub' or format='safetensors'."
         )
     return HFPlan(config=config, specs=specs, remaps=remaps)
+
+
+def plan_head(task: Any, head: Any, dtype: Any = None) -> HFPlan:
+    """The head's tensors (`export.hf_heads.HeadMap`) and how the task's head variables fill them.
+
+    Raises:
+        UnsupportedModelError: a head variable the map leaves unplaced, or
+            a head tensor it does not fill exactly once.
+    """
+    from shardckpt.export.hf_heads import head_variables
+    from shardckpt.formats.hf_record import RecordingLoader
+
+    stored_dtype = np.dtype(dtype) if dtype is not None else np.dtype("float32")
+    specs = {k: ArraySpec(shape=tuple(s), dtype=stored_dtype) for k, s in sorted(head.shapes.items())}
+    loader = RecordingLoader("<export>", specs)
+    head.convert_head(task, loader, {})
+    remaps = list(loader.assigned.values())
+    if dtype is None:
+        stored = {k: np.dtype(v.dtype) for v, t in remaps for k in t.sources()}
+        specs = {k: ArraySpec(shape=s.shape, dtype=stored.get(k, s.dtype)) for k, s in specs.items()}
+    counts: dict[str, int] = {}
+    for _, t in remaps:
+        _covered(t, counts)
+    wrong = [k for k, s in specs.items() if counts.get(k, 0) != math.prod(s.shape)]
+    placed = {id(v) for v, _ in remaps}
+    unplaced = [v.path for v in head_variables(task) if id(v) not in placed]
+    if wrong or unplaced:
+        raise UnsupportedModelError(
+            f"{type(task).__name__}: the {head.architecture} head map "
+            + (f"leaves the variables {unplaced[:4]} unplaced" if unplaced else f"does not fill {wrong[:4]} exactly once")
+            + ". Fix: export model.backbone, or format='keras-hub' / 'safetensors'."
+        )
+    return HFPlan(config=dict(head.config), specs=specs, remaps=remaps)

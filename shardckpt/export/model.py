@@ -15,6 +15,7 @@ from collections.abc import Callable
 from typing import Any
 
 from shardckpt.errors import UnloadedVariableError, UnsupportedModelError
+from shardckpt.structure import lora_layers
 
 
 def quantized_layers(model: Any) -> list[str]:
@@ -51,26 +52,21 @@ def check_exportable(model: Any) -> None:
 
 def value_getters(model: Any) -> dict[int, Callable[[], Any]]:
     """`id(variable) -> () -> array to export`: merged kernels for LoRA layers, else the value."""
-    out: dict[int, Callable[[], Any]] = {}
-    for layer in model._flatten_layers(include_self=True):
-        if getattr(layer, "lora_enabled", False) is True:
-            base = getattr(layer, "_kernel", None)
-            if base is not None:
-                out[id(base)] = _merged(layer)
-    return out
+    return {id(base): _merged(layer, merged) for layer, base, merged, _ in lora_layers(model)}
 
 
 def lora_factors(model: Any) -> set[int]:
     """`id`s of the LoRA factor variables (merged into their kernels, never exported)."""
-    out: set[int] = set()
-    for layer in model._flatten_layers(include_self=True):
-        if getattr(layer, "lora_enabled", False) is True:
-            out.update(id(getattr(layer, n)) for n in ("lora_kernel_a", "lora_kernel_b") if hasattr(layer, n))
-    return out
+    return {id(f) for *_, factors in lora_layers(model) for f in factors}
 
 
-def _merged(layer: Any) -> Callable[[], Any]:
-    return lambda: layer.kernel
+def lora_bases(model: Any) -> set[int]:
+    """`id`s of the base variables of LoRA-enabled layers (exported merged)."""
+    return {id(base) for _, base, _, _ in lora_layers(model)}
+
+
+def _merged(layer: Any, attribute: str) -> Callable[[], Any]:
+    return lambda: getattr(layer, attribute)
 
 
 def value_of(variable: Any, getters: dict[int, Callable[[], Any]]) -> Any:

@@ -19,7 +19,7 @@ import numpy as np
 from shardckpt import state
 from shardckpt.budget import Budget
 from shardckpt.errors import UnsupportedModelError
-from shardckpt.export.model import value_getters, value_of
+from shardckpt.export.model import lora_bases, lora_factors, value_getters, value_of
 from shardckpt.export.pieces import owned_pieces
 from shardckpt.formats.orbax import writer as orbax_writer
 from shardckpt.restore.keys import state_keys
@@ -35,7 +35,17 @@ def export_orbax(model: Any, partial: str, *, dtype: Any, budget: Budget) -> tup
             "shardckpt.OrbaxCheckpoint (multi-process Orbax steps), or export format='safetensors'."
         )
     optional = tuple(f"{c}/" for c in state.OPTIONAL_COLLECTIONS)
-    keys = {k: v for k, v in state_keys(model).items() if not k.startswith(optional)}
+    # One function: LoRA kernels merged, factors left out (as Keras' save_weights), each merged
+    # kernel under the key a plain model of the architecture has (`trainable_variables/`).
+    factors = lora_factors(model)
+    bases = lora_bases(model)
+    keys = {}
+    for k, v in state_keys(model).items():
+        if k.startswith(optional) or id(v) in factors:
+            continue
+        if id(v) in bases:
+            k = f"{state.WEIGHT_COLLECTIONS[0]}/{v.path}"
+        keys[k] = v
     getters = value_getters(model)
     shutil.rmtree(partial, ignore_errors=True)
     writer = orbax_writer.OrbaxStepWriter(partial, compression="none", chunk_byte_size=None)

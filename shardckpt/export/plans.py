@@ -49,12 +49,21 @@ def max_shard_bytes(max_shard_size: Any) -> int | None:
 def plan_hf(model: Any, dtype: Any, shard: int | None) -> Plan:
     from shardckpt import _keras_hub
     from shardckpt.errors import UnsupportedModelError
-    from shardckpt.export import hf
+    from shardckpt.export import hf, hf_heads
     from shardckpt.restore.keys import is_task
 
     task = is_task(model)
     backbone = model.backbone if task else model
-    plan = hf.plan(backbone, dtype)
+    # A task's head (`export.hf_heads`): every variable outside the backbone is placed or refused.
+    head = hf_heads.head_map(model) if task else None
+    plan = hf.plan(backbone, dtype, prefix=head.prefix if head is not None else "")
+    if head is not None:
+        tail = hf.plan_head(model, head, dtype)
+        clash = sorted(set(plan.specs) & set(tail.specs))
+        if clash:
+            raise UnsupportedModelError(f"{type(model).__name__}: head tensors {clash[:4]} clash with the backbone's.")
+        plan = hf.HFPlan(config={**plan.config, **tail.config, "architectures": [head.architecture]},
+                         specs=dict(sorted({**plan.specs, **tail.specs}.items())), remaps=plan.remaps + tail.remaps)
     tokenizer = getattr(getattr(model, "preprocessor", None), "tokenizer", None) if task else None
     if tokenizer is not None and not _keras_hub.exports_tokenizer(tokenizer):
         raise UnsupportedModelError(
@@ -118,10 +127,34 @@ def plan_keras_hub(model: Any, dtype: Any, shard: int | None) -> Plan:
 
 def plan_safetensors(model: Any, dtype: Any, shard: int | None) -> Plan:
     from shardckpt.export.kerashub import spec_of
+    from shardckpt.export.model import lora_factors
 
     specs: dict[str, ArraySpec] = {}
     writes: list[tuple[Any, Tensor]] = []
+    # One function: a LoRA layer's kernel is stored merged (`value_getters`) and its factors
+    # not, as Keras' save_weights does; `load_sharded` then leaves them at zero delta.
+    factors = lora_factors(model)
     for v in model.weights:
+        if id(v) in factors:
+            continue
         specs[v.path] = spec_of(v, dtype)
         writes.append((v, Identity(v.path, specs[v.path].shape, specs[v.path].dtype)))
     return Plan(kind="safetensors", specs=specs, files=safetensors_writer.plan_files(specs, shard), writes=writes)
+
+
+def plan_peft(model: Any, dtype: Any, shard: int | None) -> Plan:
+    """The LoRA factors alone as a PEFT adapter (`export.peft`); one file, as PEFT reads it."""
+    from shardckpt.export import hf, hf_heads, peft
+    from shardckpt.restore.keys import is_task
+
+    task = is_task(model)
+    backbone = model.backbone if task else model
+    head = hf_heads.head_map(model) if task else None
+    base = hf.plan(backbone, None, prefix=head.prefix if head is not None else "")
+    specs, writes, config = peft.plan(model, base, dtype)
+
+    def small_files(folder: str) -> None:
+        peft.write_config(folder, config)
+
+    return Plan(kind="safetensors", specs=specs, files={peft.ADAPTER_FILE: list(specs)}, writes=writes,
+                small_files=small_files)

@@ -117,6 +117,8 @@ _TABLE = (
         folder=True,
         needs_model=True,
     ),
+    # Written only (`export(format="peft")`): LoRA factors as a PEFT adapter folder, no model to read.
+    Format(name="peft", description="PEFT LoRA adapter folders (written by export only)"),
 )
 
 FORMATS: dict[str, Format] = {fmt.name: fmt for fmt in _TABLE}
@@ -155,4 +157,4 @@ def writable() -> list[str]:
 
 def supported() -> str:
     """Every format shardckpt reads, as a sentence for error messages."""
-    return "; ".join(fmt.description for fmt in FORMATS.values())
+    return "; ".join(fmt.description for fmt in FORMATS.values() if fmt.keys)

@@ -40,6 +40,7 @@ from shardckpt.formats.hf import (
 from shardckpt.formats.hf_record import MissingTensorError, record
 from shardckpt.formats.hf_remap import Unsupported
 from shardckpt.lazy import is_unloaded, lazy_init, original_initializer
+from shardckpt.structure import lora_off
 
 __all__ = ["build", "initialize_states", "is_hf_folder", "open_reader", "preset_loader"]
 
@@ -148,7 +149,10 @@ def remaps(model: Any, folder: str, tensors: Any) -> dict[str, Any]:
     loader = preset_loader(folder)
     stored = {k: tensors.spec(k) for k in tensors.keys()}  # noqa: SIM118 (a Reader, not a dict)
     try:
-        recorded = record(model, loader.converter, folder, loader.config, stored, safetensors_index(folder))
+        # Converters port `layer.kernel`: with LoRA on, that is the merged kernel (computed from the
+        # factors); off, the base kernel variable, which the folder's merged tensor fills.
+        with lora_off(model):
+            recorded = record(model, loader.converter, folder, loader.config, stored, safetensors_index(folder))
     except Unsupported as e:
         raise UnsupportedModelError(
             f"{folder!r} ({loader.config['model_type']}): keras-hub's converter does a step that is "

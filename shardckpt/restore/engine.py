@@ -58,6 +58,9 @@ class LoadReport(ReadTally):
         initialized: Lazily built variables given their own initial value:
             the checkpoint lacked them (`strict=False` only), or the format
             never stores them (Keras h5: seed-generator states, LoRA factors).
+        lora_zeroed: LoRA factors of a normally built model set to zero
+            because the checkpoint holds merged kernels and no factors (as
+            Keras' `load_weights` does), so LoRA is not applied twice.
         max_inflight_bytes: The host-memory budget the load ran with (the
             host's default, `shardckpt.budget.default_max_inflight_bytes`,
             when none was given; on a host with accelerators, at least 4 GiB
@@ -79,6 +82,7 @@ class LoadReport(ReadTally):
     skipped: list[str] = dataclasses.field(default_factory=list)
     casts: list[str] = dataclasses.field(default_factory=list)
     initialized: list[str] = dataclasses.field(default_factory=list)
+    lora_zeroed: list[str] = dataclasses.field(default_factory=list)
     max_inflight_bytes: int = 0
     budget_rule: str = "given"
     transfer: str = "direct"
@@ -93,6 +97,7 @@ class LoadReport(ReadTally):
             ("skipped (model has no such variables)", self.skipped),
             ("cast", self.casts),
             ("initialised (not in checkpoint)", self.initialized),
+            ("LoRA factors zeroed (merged kernels loaded)", self.lora_zeroed),
         ))
         if self.transfer == "ring":
             lines.append(
@@ -218,8 +223,12 @@ def load_sharded(
         with ByteProgress(total, f"loading {os.path.basename(reader.path)}", enabled=show) as bar:
             _run(jobs, reader, report, max_inflight_bytes, bar.advance, transfer)
         for variable, target in to_init:
-            _initialize(variable, target)
-            report.initialized.append(variable.path)
+            if is_unloaded(variable):
+                _initialize(variable, target)
+                report.initialized.append(variable.path)
+            else:  # a LoRA factor beside a merged kernel: zero, as Keras' load_own_variables sets it
+                variable.assign(np.zeros(variable.shape, variable.dtype))
+                report.lora_zeroed.append(variable.path)
     finally:
         reader.close()
     report.seconds = time.perf_counter() - start
@@ -234,7 +243,7 @@ def match_jobs(
     layout_of: Callable[[Any], TargetLayout],
 ) -> tuple[list[Job], list[tuple[Any, TargetLayout]]]:
     """Pairs keys with variables and checks everything before any I/O."""
-    wanted = naming.keys_for(model, reader.format)
+    wanted, lora_absent = naming.align_lora(model, naming.keys_for(model, reader.format), reader.keys())
     found = naming.match(wanted, reader)
     report.missing = found.missing_lines()
     report.unexpected = found.unexpected
@@ -257,6 +266,8 @@ def match_jobs(
     # value, which is what Keras' build + load_weights leaves there.
     named = {id(v) for v in wanted.values()}
     to_init += [(v, layout_of(v)) for v in _unique(model.variables) if id(v) not in named and is_unloaded(v)]
+    # LoRA factors of a checkpoint of merged kernels, holding values: zeroed after the load.
+    to_init += [(v, layout_of(v)) for v in lora_absent if not is_unloaded(v)]
     for variable, target in to_init:
         _check_divisible(variable, target)
     return jobs, to_init

@@ -52,7 +52,7 @@ from shardckpt.errors import CheckpointMismatchError
 from shardckpt.formats.base import Reader
 from shardckpt.formats.registry import FORMATS
 from shardckpt.natsort import natural_sorted
-from shardckpt.structure import RecordingStore, lora_off
+from shardckpt.structure import RecordingStore, lora_layers, lora_off
 
 # Checkpoint collections that are optional: a weights-only checkpoint lacks
 # them, and a model without a built optimizer has nothing to put there.
@@ -377,3 +377,40 @@ def _refuse_quantized_into_float(result: KeyMatch, reader: Reader) -> None:
         else:
             kept.append((key, variable))
     result.pairs = kept
+
+
+def align_lora(model: Any, wanted: dict[str, Any], stored: Iterable[str]) -> tuple[dict[str, Any], list[Any]]:
+    """Matches a LoRA model to a checkpoint of merged kernels (one function, no factors).
+
+    A checkpoint that holds none of a LoRA layer's factors stores its merged
+    kernel (Keras' `save_weights`, shardckpt's exports): the factors' keys
+    are not wanted (a lazily built factor gets `enable_lora`'s initialisation,
+    B zeros), and the kernel's key is matched in the other weight collection
+    too (a plain model's kernel is trainable, a LoRA model's base is not).
+
+    Returns:
+        `wanted` adjusted, and the factor variables the checkpoint lacks
+        (`load_sharded` zeroes those that hold values, as Keras'
+        `load_own_variables` does, so the merged kernel is not added to twice).
+    """
+    stored = set(stored)
+    key_of = {id(v): k for k, v in wanted.items() if is_variable(v)}
+    drop: set[str] = set()
+    absent: list[Any] = []
+    renames: dict[str, str] = {}
+    for _, base, _, factors in lora_layers(model):
+        keys = [key_of[id(f)] for f in factors if id(f) in key_of]
+        if any(k in stored for k in keys):
+            continue  # the checkpoint holds this layer's factors (and its base kernel unmerged)
+        drop.update(keys)
+        absent.extend(factors)
+        key = key_of.get(id(base))
+        if key is not None and key not in stored:
+            head, _, rest = key.partition("/")
+            if head in state.WEIGHT_COLLECTIONS:
+                for other in state.WEIGHT_COLLECTIONS:
+                    if f"{other}/{rest}" in stored:
+                        renames[key] = f"{other}/{rest}"
+    if not absent:
+        return wanted, []
+    return {renames.get(k, k): v for k, v in wanted.items() if k not in drop}, absent
