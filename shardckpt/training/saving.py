@@ -11,6 +11,9 @@ barriers may run device collectives, which must be issued in the same order on
 every process. Bucket saves use the worker everywhere: their processes agree
 through JAX's coordination service (`agreement`), which runs no collective.
 
+Several `OrbaxCheckpoint`s in one process (a frequent local one beside a
+per-epoch one) write one Orbax save at a time: see `ORBAX_CALLS`.
+
 A wait for the save in flight is recorded (`waits_s`) and warned about once
 per `fit`, only when it is a real share of the training time it held up
 (`WAIT_SHARE` of the time since the previous save started): a few
@@ -20,8 +23,11 @@ milliseconds behind a long interval are no news.
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import logging
+import threading
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import jax
@@ -39,6 +45,24 @@ _log = logging.getLogger("shardckpt")
 WAIT_SHARE = 0.1
 """A wait for the previous save is warned about above this share of the time
 since that save started (the training it delayed)."""
+
+ORBAX_CALLS = threading.RLock()
+"""Held by every call into Orbax's local-folder saving (save, delete, wait,
+close), by every `StepWriter` in the process; a save holds it until committed.
+
+Orbax numbers its operations with one process-wide counter
+(`OperationIdGenerator`) that a save's background threads read again later
+to name their signals and barriers (`awaitable_signals_contract_<id>`). Two
+saves in flight at once, from two callbacks, take each other's number: one
+waits for the other's signals ("Timeout waiting for key ...") or creates the
+other's temporary folder (`FileExistsError`). One Orbax save at a time per
+process keeps the numbers apart. Bucket saves (`bucket_save`) do not go
+through Orbax's saving and do not take it."""
+
+_async_in_flight: tuple[Any, int, str, Any] | None = None
+"""(writer, step, directory, Orbax AsyncResponse) of the last async save
+(several processes, local folders), whose commit outlives `ORBAX_CALLS`: the
+next Orbax call of another writer waits for it first."""
 
 
 class StepWriter:
@@ -94,9 +118,11 @@ class StepWriter:
         if self._executor is not None:
             self._pending = self._executor.submit(self._write, *args)
         else:
+            global _async_in_flight
             metrics = metadata_lib.complete(payload, meta, logs, user, best)
-            with self.context:
+            with self._orbax(), self.context:
                 self._pending = self.checkpointer.save_checkpointables_async(step, payload, metrics=metrics, force=True)
+                _async_in_flight = (self, step, self.location.url, self._pending)
         self._pending_step = step
         self._pending_since = time.perf_counter()
 
@@ -106,8 +132,25 @@ class StepWriter:
         # training thread never touches the Checkpointer while a save is
         # pending, so Orbax sees one caller at a time.
         metrics = metadata_lib.complete(payload, meta, logs, user, best)
-        with self.context:
+        with self._orbax(), self.context:
             self.checkpointer.save_checkpointables(step, payload, metrics=metrics, force=True)
+
+    @contextlib.contextmanager
+    def _orbax(self) -> Iterator[None]:
+        """Holds `ORBAX_CALLS` (local folders), after another writer's async save in flight is committed."""
+        if self.location.is_remote:
+            yield
+            return
+        with ORBAX_CALLS:
+            global _async_in_flight
+            if _async_in_flight is not None and _async_in_flight[0] is not self:
+                _, step, directory, response = _async_in_flight
+                _async_in_flight = None
+                try:
+                    response.result()
+                except Exception as e:
+                    raise background_error(e, step, directory) from e
+            yield
 
     def finish_pending(self, waiting_for: int | None = None) -> None:
         """Waits for the save in flight and raises its error, if any.
@@ -121,8 +164,11 @@ class StepWriter:
         """
         if self._pending is None:
             return
+        global _async_in_flight
         pending, step = self._pending, self._pending_step
         self._pending = self._pending_step = None
+        if _async_in_flight is not None and _async_in_flight[3] is pending:
+            _async_in_flight = None  # its error, if any, is raised here
         start = time.perf_counter()
         still_running = not pending.done() if hasattr(pending, "done") else True
         try:
@@ -147,7 +193,8 @@ class StepWriter:
     def wait(self) -> None:
         """Blocks until every started save is committed."""
         self.finish_pending()
-        self.checkpointer.wait()
+        with self._orbax():
+            self.checkpointer.wait()
 
     def end(self) -> None:
         """Finishes the save in flight and closes the checkpointer (end of `fit`).
@@ -163,7 +210,8 @@ class StepWriter:
         self.close(None)
 
     def delete(self, step: int) -> None:
-        self.checkpointer.delete(step)
+        with self._orbax():
+            self.checkpointer.delete(step)
 
     def close(self, failure: BackgroundSaveError | None) -> None:
         """Closes the checkpointer (after `finish_pending`); `failure` is being raised already."""
@@ -171,7 +219,8 @@ class StepWriter:
             self._executor.shutdown(wait=True)
             self._executor = None
         try:
-            self.checkpointer.close()
+            with self._orbax():
+                self.checkpointer.close()
         except Exception as e:
             # Orbax keeps a failed save's error and raises it again on close;
             # that one is already being reported, anything else is new.
