@@ -44,7 +44,7 @@ import numpy as np
 from shardckpt import budget as budgets
 from shardckpt import dtypes, state, storage
 from shardckpt.convert import boxes, integrity
-from shardckpt.convert.architecture import load_architecture
+from shardckpt.convert.architecture import built, load_architecture
 from shardckpt.errors import DestinationExistsError, ModelRequiredError, UnknownFormatError
 from shardckpt.formats import FORMATS, detect_format, open_reader
 from shardckpt.formats.base import MappedReader, Reader
@@ -159,8 +159,10 @@ def convert(
             writing Orbax's `commit_success.txt` last (there is no rename):
             a conversion that dies leaves objects that every reader refuses
             as uncommitted, and which the next `force=True` run replaces.
-        model: The architecture (a Keras model, ideally built under
-            `shardckpt.lazy_init()`); needed for `.weights.h5` and
+        model: The architecture: a Keras model (ideally built under
+            `shardckpt.lazy_init()`), or a zero-argument function that builds
+            one (`model=build_model`: called under `lazy_init()`, so no
+            weight memory is allocated); needed for `.weights.h5` and
             safetensors sources, optional for `.keras` (its config is used)
             and Hugging Face folders (`shardckpt.presets.hf.build`).
         layout: Target layout (a `LayoutPlan`, `LayoutMap` or Distribution);
@@ -181,7 +183,9 @@ def convert(
 
     Raises:
         DestinationExistsError: `dst` exists and `force` is False.
-        ModelRequiredError: the source has no architecture and `model` is None.
+        ModelRequiredError: the source has no architecture and `model` is None;
+            `model` is neither a Keras model nor a zero-argument function
+            returning one.
         CheckpointNotFoundError, UnknownFormatError: `src` is missing, an Orbax
             checkpoint already, or no format shardckpt reads.
         CorruptCheckpointError: `src` is truncated or damaged.
@@ -203,6 +207,8 @@ def convert(
             "force=True (--force) to replace it once the new checkpoint is complete."
         )
     target_dtype = dtypes.float_dtype(dtype)
+    if model is not None:
+        model = built(model)
     if model is None:
         architecture = FORMATS[detect_format(src_location)].architecture
         if architecture is not None:  # a Hugging Face folder names its model
