@@ -20,6 +20,7 @@ import numpy as np
 
 from shardckpt import storage
 from shardckpt.errors import CheckpointNotFoundError, CorruptCheckpointError
+from shardckpt.formats import hf_remap
 from shardckpt.formats.base import ArraySpec, Box, MappedReader, full_box, strided
 from shardckpt.formats.safetensors import SafetensorsReader
 
@@ -122,6 +123,19 @@ class HFReader(MappedReader):
     def sources(self, key: str) -> list[str]:
         """The stored tensors variable `key` is made of."""
         return self._remaps[key].sources()
+
+    def source_dtype(self, key: str) -> np.dtype | None:
+        """The dtype of the stored tensors variable `key` is made of (None: they differ)."""
+        found = {np.dtype(self._tensors.spec(k).dtype) for k in self.sources(key)}
+        return found.pop() if len(found) == 1 else None
+
+    def round_once(self) -> None:
+        """Drops the float-to-float casts of keras-hub's hooks (`hf_remap.without_float_casts`).
+
+        `spec` then gives the stored dtype, for a caller that casts to its own
+        dtype in one rounding.
+        """
+        self._remaps = {key: hf_remap.without_float_casts(remap) for key, remap in self._remaps.items()}
 
     def view(self, key: str, box: Box) -> np.ndarray:
         """`box` of variable `key`: a view of the memory map where the remap is one
