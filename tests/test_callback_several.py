@@ -54,6 +54,8 @@ def test_local_and_bucket_callbacks_in_one_fit_each_save_and_resume_exactly(tmp_
     bucket = gcs_server.new_bucket()
     reference, (a, b, c) = _run(str(tmp_path / "ref_a"), f"{bucket}/ref_b", str(tmp_path / "ref_c"))
     expected = _state(reference)
+    shardings = {v.path: v.value.sharding for v in reference.trainable_variables}
+    assert str(shardings["hidden/kernel"].spec) == "P(None, 'model')"
     assert _steps(a.directory) == [2, 4, 6, 8, 10, 12]
     assert _steps(b.directory) == _steps(c.directory) == [0, 1, 2]
     # The last step of each holds the final state.
@@ -78,11 +80,13 @@ def test_local_and_bucket_callbacks_in_one_fit_each_save_and_resume_exactly(tmp_
     resumed, (a2, b2) = _run(frequent, str(tmp_path / "fresh1"), resume=frequent, seed=42)
     assert a2.resumed.step == 7 and not a2.resumed.epoch_complete
     _assert_same(resumed, expected)
+    assert all(v.value.sharding == shardings[v.path] for v in resumed.trainable_variables)
     assert _steps(frequent) == [2, 4, 6, 7, 8, 10, 12] and _steps(b2.directory) == [1, 2]
     for i, directory in enumerate((per_epoch, local_epoch)):
         resumed, (_, resumer) = _run(str(tmp_path / f"fresh_{i}"), directory, resume=directory, seed=42)
         assert resumer.resumed.step == 0 and resumer.resumed.epoch_complete, directory
         _assert_same(resumed, expected)
+        assert all(v.value.sharding == shardings[v.path] for v in resumed.trainable_variables)
         assert _steps(directory) == [0, 1, 2]
 
 
