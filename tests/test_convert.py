@@ -293,6 +293,26 @@ def test_h5_without_model_names_the_fix(tmp_path):
     assert not dst.exists()
 
 
+def test_model_may_be_a_function_that_builds_it(tmp_path):
+    """model=build_model converts as model=build_model() does; other callables get a typed error."""
+    src, expected = _source(tmp_path)
+    dst = str(tmp_path / "orbax")
+    report = convert(src, dst, model=build_zoo, progress=False)
+    assert report.arrays == len(expected) + 1  # (+ the GRU's seed state, see the round-trip test)
+    model, dist = lazy_zoo("float32", (2, 4))
+    shardckpt.load_sharded(model, dst)
+    _assert_values(model, {**expected, **{v.path: np.asarray(v.value) for v in model.weights
+                                          if "seed_generator" in v.path}}, dist)
+
+    with pytest.raises(errors.ModelRequiredError, match=r"needs arguments .*Fix: pass model=lambda: "):
+        convert(src, str(tmp_path / "o2"), model=lambda width: build_zoo(dim=width), progress=False)
+    with pytest.raises(errors.ModelRequiredError, match="returned dict, not a Keras model. Fix: return"):
+        convert(src, str(tmp_path / "o3"), model=lambda: {}, progress=False)
+    with pytest.raises(errors.ModelRequiredError, match="a zero-argument function that builds one"):
+        convert(src, str(tmp_path / "o4"), model="zoo", progress=False)
+    assert sorted(os.listdir(tmp_path)) == ["orbax", "src.weights.h5"]
+
+
 def test_existing_destination_is_refused_then_replaced_with_force(tmp_path):
     src, expected = _source(tmp_path)
     arch, _ = lazy_zoo()

@@ -207,6 +207,56 @@ def test_convert_cli_writes_orbax_from_a_hf_folder(tmp_path, capsys):
         np.testing.assert_array_equal(np.asarray(ours.value), np.asarray(src.value), err_msg=ours.path)
 
 
+def test_convert_says_when_keras_hubs_converter_stores_another_dtype_and_rounds_once(tmp_path, caplog):
+    """Mistral: keras-hub's converter rounds float32 tensors through float16. convert writes what
+    keras-hub loads and says so (report and one warning); with dtype= each value is rounded once."""
+    from shardckpt.formats.orbax.reader import OrbaxReader
+
+    folder = str(tmp_path / "mistral")
+    source = fx.make_folder("mistral", folder)  # float32 tensors
+    with caplog.at_level("WARNING", logger="shardckpt"):
+        report = shardckpt.convert(folder, str(tmp_path / "as_keras_hub"), progress=False)
+    said = [r.getMessage() for r in caplog.records if "rounds its tensors" in r.getMessage()]
+    assert len(said) == 1 and "21 of 21 arrays float32 -> float16" in said[0] and "dtype=" in said[0]
+    assert report.rounding is not None and "21 of 21 arrays float32 -> float16" in report.rounding
+    assert "dtype: keras-hub's converter" in str(report)
+    stored = OrbaxReader(str(tmp_path / "as_keras_hub"))
+    try:
+        assert {stored.spec(k).dtype for k in stored.keys()} == {np.dtype("float16")}
+    finally:
+        stored.close()
+    keras.backend.clear_session()
+    model = hf.build(folder)
+    shardckpt.load_sharded(model, str(tmp_path / "as_keras_hub"))
+    keras_hub_values = fx.keras_hub_load(folder)  # keras-hub's own load: the same values
+    for ours, theirs in zip(model.weights, keras_hub_values.weights):
+        np.testing.assert_array_equal(np.asarray(ours.value), np.asarray(theirs.value), err_msg=ours.path)
+
+    # dtype="bfloat16": float32 -> bfloat16 once, not float32 -> float16 -> bfloat16.
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="shardckpt"):
+        report = shardckpt.convert(folder, str(tmp_path / "bf16"), dtype="bfloat16", progress=False)
+    assert len([r for r in caplog.records if "rounds its tensors" in r.getMessage()]) == 1
+    assert "each value is cast once" in report.rounding and report.casts[0].endswith("float32 -> bfloat16")
+    keras.backend.clear_session()
+    model = hf.build(folder, dtype="bfloat16")
+    shardckpt.load_sharded(model, str(tmp_path / "bf16"))
+    twice = 0
+    for ours, src in zip(model.weights, source.weights):
+        value = np.asarray(src.value)
+        np.testing.assert_array_equal(np.asarray(ours.value), value.astype(ml_dtypes.bfloat16), err_msg=ours.path)
+        twice += int(np.sum(value.astype(np.float16).astype(ml_dtypes.bfloat16) != value.astype(ml_dtypes.bfloat16)))
+    assert twice > 0  # (rounding twice would differ here)
+
+    # A folder keras-hub converts without a cast: nothing said.
+    fx.make_folder("qwen3", str(tmp_path / "qwen3"))
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="shardckpt"):
+        report = shardckpt.convert(str(tmp_path / "qwen3"), str(tmp_path / "q"), progress=False)
+    assert report.rounding is None and "dtype:" not in str(report)
+    assert not [r for r in caplog.records if "rounds its tensors" in r.getMessage()]
+
+
 def test_folder_errors_are_typed(tmp_path):
     folder = str(tmp_path / "gemma")
     fx.make_folder("gemma", folder)

@@ -120,3 +120,53 @@ def test_damaged_index_names_every_array_without_stray_tracebacks(tmp_path, capf
     with pytest.raises(errors.CorruptCheckpointError):
         verify(dst)
     assert "Traceback" not in capfd.readouterr().err
+
+
+_ORBAX_MALFORMED = "TensorStore data files not found"
+
+
+def test_a_callback_step_reports_its_chunk_checksums_and_no_malformed_warning(tmp_path, caplog, capsys):
+    """OrbaxCheckpoint stores a crc32c on every chunk: verify counts them, and Orbax's
+    "malformed checkpoint" warning (about the strings-only model_config item) stays out."""
+    import shutil
+
+    from shardckpt.training import OrbaxCheckpoint
+    from tests.zoo import small_regressor
+
+    model = small_regressor(3, width=16)
+    x, y = np.ones((16, 6), "float32"), np.ones((16, 1), "float32")
+    ours, theirs = str(tmp_path / "ours"), str(tmp_path / "keras")
+    ckpt = OrbaxCheckpoint(ours)
+    model.fit(x, y, epochs=1, verbose=0, callbacks=[ckpt])
+    ckpt.wait_until_finished()
+    model.fit(x, y, epochs=1, verbose=0, callbacks=[keras.callbacks.OrbaxCheckpoint(theirs)])
+    caplog.clear()
+    with caplog.at_level("WARNING"):
+        report = verify(f"{ours}/0")
+        assert main(["verify", f"{ours}/0", "--quiet"]) == 0
+    # 18 arrays of this model, each one chunk (the largest is 6x16 float32).
+    assert report.ok and report.arrays == 18 and report.chunks_checksummed == 18 and report.checksummed == 0
+    assert "(18 chunks, crc32c verified by tensorstore)" in str(report)
+    assert "(18 chunks, crc32c verified by tensorstore)" in capsys.readouterr().out
+    assert not [r for r in caplog.records if _ORBAX_MALFORMED in r.getMessage()]
+    # Keras' callback stores none: said as before.
+    report = verify(f"{theirs}/0")
+    assert report.ok and report.chunks_checksummed == 0 and "(no checksums stored; read back)" in str(report)
+
+    # A step whose array item lost its data files still gets Orbax's warning (and an error).
+    broken = str(tmp_path / "broken")
+    shutil.copytree(f"{ours}/0", broken)
+    for name in ("manifest.ocdbt", "ocdbt.process_0", "d"):
+        path = os.path.join(broken, "pytree", name)
+        shutil.rmtree(path) if os.path.isdir(path) else os.remove(path)
+    caplog.clear()
+    with caplog.at_level("WARNING"), pytest.raises(errors.CorruptCheckpointError):
+        verify(broken)
+    assert [r for r in caplog.records if _ORBAX_MALFORMED in r.getMessage()]
+
+
+def test_converted_chunks_are_counted_beside_the_array_checksums(tmp_path):
+    dst, expected = _converted(tmp_path)
+    report = verify(dst)
+    assert report.checksummed == report.arrays == report.chunks_checksummed == len(expected) + 1
+    assert f"crc32 checksums of {report.arrays}; {report.arrays} chunks, crc32c verified by tensorstore" in str(report)

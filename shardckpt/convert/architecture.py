@@ -4,11 +4,14 @@
 function returning a Keras model) or a `.keras` file, of which only the
 config is read (no weights), deserialised with `safe_mode=True` so no lambda
 code runs. The model is built under `shardckpt.lazy_init()`: no weight memory.
+`convert(model=...)` also takes the function itself (`build_model`), called
+the same way (`built`).
 """
 
 from __future__ import annotations
 
 import importlib
+import inspect
 import json
 import zipfile
 from typing import Any
@@ -76,3 +79,44 @@ def load_architecture(spec: str) -> Any:
         raise ModelRequiredError(f"Module {module_name!r} has no function {attr!r}. Received: model={spec!r}")
     with lazy_init():
         return getattr(module, attr)()
+
+
+def built(model: Any) -> Any:
+    """`model` itself, or what a zero-argument builder returns, called under `lazy_init()`.
+
+    Args:
+        model: A Keras model, or a function (any zero-argument callable that
+            is not a model) that builds one.
+
+    Raises:
+        ModelRequiredError: a builder that needs arguments, or whose result
+            is not a Keras model; anything else without weights.
+    """
+    if hasattr(model, "trainable_variables"):
+        return model
+    if not callable(model):
+        raise ModelRequiredError(
+            "model must be a Keras model or a zero-argument function that builds one. "
+            f"Received: model={model!r} (of type {type(model).__name__})"
+        )
+    name = getattr(model, "__qualname__", repr(model))
+    try:
+        signature = inspect.signature(model)
+    except (TypeError, ValueError):  # builtins and C callables without one: just call
+        signature = None
+    if signature is not None:
+        try:
+            signature.bind()
+        except TypeError as e:
+            raise ModelRequiredError(
+                f"model={name} needs arguments ({e}); convert calls a builder with none. Fix: pass "
+                "model=lambda: " + f"{name}(...) with its arguments, or the built model. Received: model={model!r}"
+            ) from e
+    with lazy_init():
+        result = model()
+    if not hasattr(result, "trainable_variables"):
+        raise ModelRequiredError(
+            f"model={name} returned {type(result).__name__}, not a Keras model. Fix: return the built "
+            f"model from the function. Received: model={model!r}"
+        )
+    return result

@@ -31,11 +31,13 @@ edge, and a compressed array's chunks decode in parallel.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 import shutil
 import sys
 import tempfile
 import time
+from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -44,10 +46,11 @@ import numpy as np
 from shardckpt import budget as budgets
 from shardckpt import dtypes, state, storage
 from shardckpt.convert import boxes, integrity
-from shardckpt.convert.architecture import load_architecture
+from shardckpt.convert.architecture import built, load_architecture
 from shardckpt.errors import DestinationExistsError, ModelRequiredError, UnknownFormatError
 from shardckpt.formats import FORMATS, detect_format, open_reader
 from shardckpt.formats.base import MappedReader, Reader
+from shardckpt.formats.hf import HFReader
 from shardckpt.formats.orbax import ondisk, removal
 from shardckpt.formats.orbax import writer as orbax_writer
 from shardckpt.formats.orbax.writer import COMPRESSIONS, DEFAULT_COMPRESSION, OrbaxStepWriter
@@ -57,6 +60,8 @@ from shardckpt.progress import ByteProgress, format_bytes, key_lines, read_line
 from shardckpt.restore import keys as naming
 from shardckpt.restore.targets import resolve_layout
 from shardckpt.types import DType, Layout, Mesh, Model
+
+_log = logging.getLogger("shardckpt")
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -78,6 +83,10 @@ class ConvertReport:
         initialized: Variables the source format cannot hold (seed-generator
             states in Keras h5), written with their initial value as Keras'
             own build + load_weights + save would.
+        rounding: Set when the source's converter stores another dtype than
+            the source's (keras-hub's Mistral converter rounds every tensor
+            through float16): what was written, and how `dtype=` avoids a
+            second rounding. Also logged as a warning.
     """
 
     src: str
@@ -91,6 +100,7 @@ class ConvertReport:
     skipped: list[str] = dataclasses.field(default_factory=list)
     casts: list[str] = dataclasses.field(default_factory=list)
     initialized: list[str] = dataclasses.field(default_factory=list)
+    rounding: str | None = None
 
     def __str__(self) -> str:
         source = f"{self.format} {self.src!r} to Orbax {self.dst!r}"
@@ -104,6 +114,8 @@ class ConvertReport:
             ("cast", self.casts),
             ("initial values (not in the source format)", self.initialized),
         ))
+        if self.rounding:
+            lines.append(f"  dtype: {self.rounding}")
         return "\n".join(lines)
 
 
@@ -160,8 +172,10 @@ def convert(
             writing Orbax's `commit_success.txt` last (there is no rename):
             a conversion that dies leaves objects that every reader refuses
             as uncommitted, and which the next `force=True` run replaces.
-        model: The architecture (a Keras model, ideally built under
-            `shardckpt.lazy_init()`); needed for `.weights.h5` and
+        model: The architecture: a Keras model (ideally built under
+            `shardckpt.lazy_init()`), or a zero-argument function that builds
+            one (`model=build_model`: called under `lazy_init()`, so no
+            weight memory is allocated); needed for `.weights.h5` and
             safetensors sources, optional for `.keras` (its config is used)
             and Hugging Face folders (`shardckpt.presets.hf.build`).
         layout: Target layout (a `LayoutPlan`, `LayoutMap` or Distribution);
@@ -182,7 +196,9 @@ def convert(
 
     Raises:
         DestinationExistsError: `dst` exists and `force` is False.
-        ModelRequiredError: the source has no architecture and `model` is None.
+        ModelRequiredError: the source has no architecture and `model` is None;
+            `model` is neither a Keras model nor a zero-argument function
+            returning one.
         CheckpointNotFoundError, UnknownFormatError: `src` is missing, an Orbax
             checkpoint already, or no format shardckpt reads.
         CorruptCheckpointError: `src` is truncated or damaged.
@@ -204,6 +220,8 @@ def convert(
             "force=True (--force) to replace it once the new checkpoint is complete."
         )
     target_dtype = dtypes.float_dtype(dtype)
+    if model is not None:
+        model = built(model)
     if model is None:
         architecture = FORMATS[detect_format(src_location)].architecture
         if architecture is not None:  # a Hugging Face folder names its model
@@ -218,6 +236,9 @@ def convert(
         if model is None:
             model = _model_for(src, reader.format)
         report = ConvertReport(src=src, dst=dst, format=reader.format, compression=compression)
+        report.rounding = _converter_rounding(reader, target_dtype)
+        if report.rounding:
+            _log.warning("convert %r: %s", src, report.rounding)
         items = _match(reader, model, report, target_dtype, _shard_fn(model, layout, mesh))
         report.casts = [f"{i.src_key}: {i.stored} -> {i.target}" for i in items if i.stored != i.target]
         if not storage.backend(dst_location).renames:  # no atomic rename: write in place, commit last
@@ -229,6 +250,35 @@ def convert(
     report.bytes_on_disk = storage.du(dst_location)
     report.seconds = time.perf_counter() - start
     return report
+
+
+def _converter_rounding(reader: Reader, target: np.dtype | None) -> str | None:
+    """Says when keras-hub's converter stores another float dtype than the folder's; with
+    `target`, drops that rounding so each value is cast once, from the source.
+
+    keras-hub's Mistral converter casts every tensor to float16 in its hooks:
+    a float32 folder comes out as float16 (what its `from_preset` loads), and
+    a cast to bfloat16 after it would round every value twice.
+    """
+    if not isinstance(reader, HFReader):
+        return None
+    changed: Counter[tuple[str, str]] = Counter()
+    keys = reader.keys()
+    for key in keys:
+        source, given = reader.source_dtype(key), np.dtype(reader.spec(key).dtype)
+        if source is not None and source != given and dtypes.is_float(source) and dtypes.is_float(given):
+            changed[(str(source), str(given))] += 1
+    if not changed:
+        return None
+    what = ", ".join(f"{n} of {len(keys)} arrays {a} -> {b}" for (a, b), n in sorted(changed.items()))
+    said = f"keras-hub's converter for this folder rounds its tensors to another dtype ({what})"
+    if target is None:
+        return (f"{said}; written as it gives them (the values keras-hub's from_preset loads), not in the "
+                "folder's dtype. Fix: pass dtype=... (--dtype) to cast the folder's values into that dtype "
+                "instead, rounded once.")
+    reader.round_once()
+    return (f"{said}; with dtype={target} each value is cast once from the folder's dtype instead (keras-hub's "
+            "from_preset(dtype=...) rounds twice: through its converter's dtype, then into the model's).")
 
 
 def _model_for(src: str, fmt: str) -> Any:

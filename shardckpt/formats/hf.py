@@ -20,6 +20,7 @@ import numpy as np
 
 from shardckpt import storage
 from shardckpt.errors import CheckpointNotFoundError, CorruptCheckpointError
+from shardckpt.formats import hf_remap
 from shardckpt.formats.base import ArraySpec, Box, MappedReader
 from shardckpt.formats.safetensors import SafetensorsReader
 
@@ -119,6 +120,19 @@ class HFReader(MappedReader):
     def is_mapped(self, key: str) -> bool:
         """True when the stored tensors of `key` are memory-mapped (`view` holds no memory)."""
         return all(self._tensors.is_mapped(source) for source in self.sources(key))
+
+    def source_dtype(self, key: str) -> np.dtype | None:
+        """The dtype of the stored tensors variable `key` is made of (None: they differ)."""
+        found = {np.dtype(self._tensors.spec(k).dtype) for k in self.sources(key)}
+        return found.pop() if len(found) == 1 else None
+
+    def round_once(self) -> None:
+        """Drops the float-to-float casts of keras-hub's hooks (`hf_remap.without_float_casts`).
+
+        `spec` then gives the stored dtype, for a caller that casts to its own
+        dtype in one rounding.
+        """
+        self._remaps = {key: hf_remap.without_float_casts(remap) for key, remap in self._remaps.items()}
 
     def view(self, key: str, box: Box) -> np.ndarray:
         """`box` of variable `key`: a view of the memory map where the remap is one

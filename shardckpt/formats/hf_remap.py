@@ -34,6 +34,8 @@ from typing import Any
 
 import numpy as np
 
+from shardckpt import dtypes
+
 Box = tuple[slice, ...]
 Fetch = Callable[[str, int, tuple[int, ...], tuple[int, ...]], np.ndarray]
 """`(key, first, shape, strides) -> stored.flat[first + i . strides]` for every
@@ -423,3 +425,21 @@ _FUNCTIONS: dict[Any, Callable[..., Any]] = {
     np.moveaxis: _moveaxis,
     np.shape: _shape,
 }
+
+
+def without_float_casts(tensor: Tensor) -> Tensor:
+    """`tensor` without its casts from one floating-point dtype to another.
+
+    For a caller that casts to its own dtype once: a hook that rounds
+    through float16 (keras-hub's Mistral converter), followed by a cast to
+    bfloat16, rounds twice; without the hook's cast the stored values are
+    rounded once. Integer casts are kept.
+    """
+    if isinstance(tensor, Cast):
+        child = without_float_casts(tensor.child)
+        if dtypes.is_float(tensor.dtype) and dtypes.is_float(child.dtype):
+            return child
+        return Cast(child, tensor.dtype)
+    if isinstance(tensor, Concat):
+        return Concat([without_float_casts(p) for p in tensor.parts], tensor.axis)
+    return tensor

@@ -18,6 +18,11 @@ A second SIGTERM while the first is being handled gives the signal back to
 the previous handler (by default: terminate), so a job whose save hangs, or
 whose `fit` ended by an exception before the handler was removed, can still be
 stopped.
+
+Several callbacks in one `fit` each have a watch. The process has one handler
+per signal (`_Handlers`), installed by the first watch to start and removed,
+putting back the handler found then, by the last to stop, whatever their order:
+a notice reaches every watch, so each callback saves its own stopping step.
 """
 
 from __future__ import annotations
@@ -76,7 +81,7 @@ class PreemptionWatch:
     def __init__(self, signals: tuple[int, ...] = (signal.SIGTERM,)) -> None:
         self.signals = signals
         self.notice = threading.Event()
-        self._previous: dict[int, Any] = {}
+        self._installed = False
         self._jax: Any = None  # JAX's (untyped, private) preemption sync manager while attached
         self._jax_base = 0  # `_jax_steps_used` when this fit started
         self.mode = "off"
@@ -94,32 +99,17 @@ class PreemptionWatch:
             _log.warning("OrbaxCheckpoint: fit runs outside the main thread; no save on SIGTERM.")
             self.mode = "off"
             return
-        for sig in self.signals:
-            self._previous[sig] = signal.signal(sig, self._handle)
+        _HANDLERS.add(self)
+        self._installed = True
         self.mode = "signal" if jax.process_count() == 1 else "signal+allgather"
 
     def stop(self) -> None:
-        """Puts back the handlers that were there before `start`."""
-        for sig, previous in self._previous.items():
-            signal.signal(sig, previous)
-        self._previous = {}
+        """Puts back the handlers that were there before the first watch started."""
+        if self._installed:
+            _HANDLERS.remove(self)
+            self._installed = False
         self._jax = None
         self.mode = "off"
-
-    def _handle(self, signum: int, frame: Any) -> None:
-        if self.notice.is_set():
-            # Second notice: whoever sends it wants the process gone now.
-            previous = self._previous.get(signum, signal.SIG_DFL)
-            self.stop()
-            if callable(previous):
-                previous(signum, frame)
-            else:
-                signal.signal(signum, previous)
-                os.kill(os.getpid(), signum)
-            return
-        self.notice.set()
-        _log.warning("OrbaxCheckpoint: %s received; saving at the next step boundary, then stopping fit.",
-                     signal.Signals(signum).name)
 
     def reached(self, step: int) -> bool:
         """True at the step where every process must save and stop.
@@ -140,3 +130,54 @@ class PreemptionWatch:
             flags = multihost_utils.process_allgather(np.array([self.notice.is_set()], np.int32))
             return bool(np.max(flags))
         return self.notice.is_set()
+
+
+class _Handlers:
+    """The process's one handler per signal, shared by the started watches.
+
+    Python keeps one handler per signal: a second watch installing its own
+    would hide the first (which then never saves), and stopping in start
+    order would leave a stopped watch's handler installed after `fit`.
+    """
+
+    def __init__(self) -> None:
+        self._watches: list[PreemptionWatch] = []
+        self._previous: dict[int, Any] = {}
+        # Re-entrant: the handler runs on the main thread, maybe inside add/remove.
+        self._lock = threading.RLock()
+
+    def add(self, watch: PreemptionWatch) -> None:
+        with self._lock:
+            for sig in watch.signals:
+                if sig not in self._previous:
+                    self._previous[sig] = signal.signal(sig, self._handle)
+            if watch not in self._watches:  # (a fit that raised never stopped its watch)
+                self._watches.append(watch)
+
+    def remove(self, watch: PreemptionWatch) -> None:
+        with self._lock:
+            self._watches = [w for w in self._watches if w is not watch]
+            wanted = {sig for w in self._watches for sig in w.signals}
+            for sig in [sig for sig in self._previous if sig not in wanted]:
+                signal.signal(sig, self._previous.pop(sig))
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        watches = [w for w in self._watches if signum in w.signals]
+        if any(w.notice.is_set() for w in watches):
+            # Second notice: whoever sends it wants the process gone now.
+            previous = self._previous.get(signum, signal.SIG_DFL)
+            for w in watches:
+                w.stop()
+            if callable(previous):
+                previous(signum, frame)
+            else:
+                signal.signal(signum, previous)
+                os.kill(os.getpid(), signum)
+            return
+        for w in watches:
+            w.notice.set()
+        _log.warning("OrbaxCheckpoint: %s received; saving at the next step boundary, then stopping fit.",
+                     signal.Signals(signum).name)
+
+
+_HANDLERS = _Handlers()

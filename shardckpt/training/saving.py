@@ -11,6 +11,9 @@ barriers may run device collectives, which must be issued in the same order on
 every process. Bucket saves use the worker everywhere: their processes agree
 through JAX's coordination service (`agreement`), which runs no collective.
 
+Several `OrbaxCheckpoint`s in one process (a frequent local one beside a
+per-epoch one) write one Orbax save at a time: see `ORBAX_CALLS`.
+
 A wait for the save in flight is recorded (`waits_s`) and warned about once
 per `fit`, only when it is a real share of the training time it held up
 (`WAIT_SHARE` of the time since the previous save started): a few
@@ -20,10 +23,12 @@ milliseconds behind a long interval are no news.
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import functools
 import logging
+import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import jax
@@ -42,6 +47,24 @@ _log = logging.getLogger("shardckpt")
 WAIT_SHARE = 0.1
 """A wait for the previous save is warned about above this share of the time
 since that save started (the training it delayed)."""
+
+ORBAX_CALLS = threading.RLock()
+"""Held by every call into Orbax's local-folder saving (save, delete, wait,
+close), by every `StepWriter` in the process; a save holds it until committed.
+
+Orbax numbers its operations with one process-wide counter
+(`OperationIdGenerator`) that a save's background threads read again later
+to name their signals and barriers (`awaitable_signals_contract_<id>`). Two
+saves in flight at once, from two callbacks, take each other's number: one
+waits for the other's signals ("Timeout waiting for key ...") or creates the
+other's temporary folder (`FileExistsError`). One Orbax save at a time per
+process keeps the numbers apart. Bucket saves (`bucket_save`) do not go
+through Orbax's saving and do not take it."""
+
+_async_in_flight: tuple[Any, int, str, Any] | None = None
+"""(writer, step, directory, Orbax AsyncResponse) of the last async save
+(several processes, local folders), whose commit outlives `ORBAX_CALLS`: the
+next Orbax call of another writer waits for it first."""
 
 
 class StepWriter:
@@ -111,11 +134,13 @@ class StepWriter:
         if self._executor is not None:
             self._pending = self._executor.submit(self._timed_write, *args)
         else:
+            global _async_in_flight
             if before_write is not None:
                 before_write()
             metrics = metadata_lib.complete(payload, meta, logs, user, best)
-            with self.context:
+            with self._one_orbax_call(), self.context:
                 self._pending = self.checkpointer.save_checkpointables_async(step, payload, metrics=metrics, force=True)
+                _async_in_flight = (self, step, self.location.url, self._pending)
         self._pending_step = step
         self._pending_since = time.perf_counter()
 
@@ -132,13 +157,30 @@ class StepWriter:
         if before_write is not None:
             before_write()
         metrics = metadata_lib.complete(payload, meta, logs, user, best)
-        with self.context:
+        with self._one_orbax_call(), self.context:
             self.checkpointer.save_checkpointables(step, payload, metrics=metrics, force=True)
 
     def busy(self) -> bool:
         """True while a background save is still being written."""
         pending = self._pending
         return pending is not None and not (pending.done() if hasattr(pending, "done") else False)
+
+    @contextlib.contextmanager
+    def _one_orbax_call(self) -> Iterator[None]:
+        """Holds `ORBAX_CALLS` (local folders), after another writer's async save in flight is committed."""
+        if self.location.is_remote:
+            yield
+            return
+        with ORBAX_CALLS:
+            global _async_in_flight
+            if _async_in_flight is not None and _async_in_flight[0] is not self:
+                _, step, directory, response = _async_in_flight
+                _async_in_flight = None
+                try:
+                    response.result()
+                except Exception as e:
+                    raise background_error(e, step, directory) from e
+            yield
 
     def finish_pending(self, waiting_for: int | None = None) -> None:
         """Waits for the save in flight and raises its error, if any.
@@ -152,8 +194,11 @@ class StepWriter:
         """
         if self._pending is None:
             return
+        global _async_in_flight
         pending, step = self._pending, self._pending_step
         self._pending = self._pending_step = None
+        if _async_in_flight is not None and _async_in_flight[3] is pending:
+            _async_in_flight = None  # its error, if any, is raised here
         start = time.perf_counter()
         still_running = not pending.done() if hasattr(pending, "done") else True
         try:
@@ -178,7 +223,8 @@ class StepWriter:
     def wait(self) -> None:
         """Blocks until every started save is committed."""
         self.finish_pending()
-        self.checkpointer.wait()
+        with self._one_orbax_call():
+            self.checkpointer.wait()
 
     def end(self) -> None:
         """Finishes the save in flight and closes the checkpointer (end of `fit`).
@@ -194,7 +240,8 @@ class StepWriter:
         self.close(None)
 
     def delete(self, step: int) -> None:
-        self.checkpointer.delete(step)
+        with self._one_orbax_call():
+            self.checkpointer.delete(step)
 
     def close(self, failure: BackgroundSaveError | None) -> None:
         """Closes the checkpointer (after `finish_pending`); `failure` is being raised already."""
@@ -202,7 +249,8 @@ class StepWriter:
             self._executor.shutdown(wait=True)
             self._executor = None
         try:
-            self.checkpointer.close()
+            with self._one_orbax_call():
+                self.checkpointer.close()
         except Exception as e:
             # Orbax keeps a failed save's error and raises it again on close;
             # that one is already being reported, anything else is new.

@@ -280,6 +280,25 @@ class OrbaxReader(ChunkedReader):
         chunk = self._read_chunk(key)
         return math.prod(c or n for c, n in zip(chunk, spec.shape)) * spec.dtype.itemsize
 
+    def chunk_checksums(self, key: str) -> int:
+        """How many stored chunks of `key` carry a `crc32c` codec (0: none).
+
+        tensorstore checks each one as it decodes the chunk, on every read;
+        shardckpt's writers store one per chunk, Keras' callback does not.
+        """
+        spec = self._store(key).spec().to_json()
+        metadata = spec.get("base", spec).get("metadata") or {}  # (a "cast" spec wraps the zarr3 one)
+        shape = self._specs[key].shape
+        for codec in metadata.get("codecs") or ():
+            if codec.get("name") == "crc32c":  # on each chunk of the grid
+                chunk = ((metadata.get("chunk_grid") or {}).get("configuration") or {}).get("chunk_shape")
+                return _chunks(shape, chunk)
+            inner = codec.get("configuration") or {}
+            if codec.get("name") == "sharding_indexed" and any(
+                    c.get("name") == "crc32c" for c in inner.get("codecs") or ()):
+                return _chunks(shape, inner.get("chunk_shape"))
+        return 0
+
     def is_chunk(self, key: str, box: Box) -> bool:
         # `read` of such a box hands back tensorstore's decoded chunk itself.
         spec = self._specs[key]
@@ -342,6 +361,11 @@ class OrbaxReader(ChunkedReader):
         """
         self._stores.clear()
         self._check_pinned()
+
+
+def _chunks(shape: tuple[int, ...], chunk: list[int] | None) -> int:
+    """Chunks of `chunk` shape that tile `shape` (one for a scalar)."""
+    return math.prod(-(-n // max(c, 1)) for n, c in zip(shape, chunk or shape))
 
 
 def _key_str(entry: object) -> str:

@@ -1,0 +1,99 @@
+"""Several `OrbaxCheckpoint`s in one `fit`: each saves every step it should and resumes exactly.
+
+Users keep a frequent local checkpoint and a per-epoch one in a bucket. The
+two callbacks share one process (one Orbax, one signal table), so neither may
+break the other's saves, and each folder alone must resume bit-identically to
+a run never interrupted. The data repeats every epoch (32 rows, 4 batches of
+8), so the per-epoch folder resumes with fresh batches and the frequent one
+resumes mid-epoch through `batches()`.
+"""
+
+from __future__ import annotations
+
+import signal
+
+import keras
+import numpy as np
+
+from shardckpt import load_sharded
+from shardckpt.formats.orbax import ondisk
+from shardckpt.training import OrbaxCheckpoint
+from tests._train_worker import sigterm_at
+from tests.test_callback import _assert_same, _mesh_distribution, _model, _state
+from tests.zoo import CountingIterator
+
+STEPS, EPOCHS, ROWS = 4, 3, 32
+
+
+def _run(frequent: str, per_epoch: str, also: str | None = None, *, seed: int = 3, resume: str = "", extra: list | None = None) -> tuple[keras.Model, list[OrbaxCheckpoint]]:
+    """One fit with a save_freq=2 callback into `frequent` and per-epoch ones into `per_epoch` (and `also`).
+
+    `resume` names the folder that resumes; the fit draws from the frequent
+    one's `batches()` unless a per-epoch one resumes (a per-epoch step resumes
+    with fresh batches: the data repeats each epoch).
+    """
+    keras.backend.clear_session()
+    keras.distribution.set_distribution(_mesh_distribution())
+    model = _model(seed)
+    ckpts = [OrbaxCheckpoint(frequent, save_freq=2, max_to_keep=None, data_iterator=CountingIterator(ROWS),
+                             resume=resume == frequent)]
+    ckpts += [OrbaxCheckpoint(d, max_to_keep=None, resume=resume == d) for d in (per_epoch, also) if d]
+    callbacks = (extra or []) + ckpts  # (a SIGTERM sent first is seen at the same batch by every one)
+    data = ckpts[0].batches() if resume in ("", frequent) else (batch for batch in CountingIterator(ROWS))
+    model.fit(data, steps_per_epoch=STEPS, epochs=EPOCHS, callbacks=callbacks, verbose=0)
+    for ckpt in ckpts:
+        ckpt.wait_until_finished()
+    return model, ckpts
+
+
+def _steps(directory: str) -> list[int]:
+    return sorted(ondisk.committed_steps(directory))
+
+
+def test_local_and_bucket_callbacks_in_one_fit_each_save_and_resume_exactly(tmp_path, gcs_server):
+    bucket = gcs_server.new_bucket()
+    reference, (a, b, c) = _run(str(tmp_path / "ref_a"), f"{bucket}/ref_b", str(tmp_path / "ref_c"))
+    expected = _state(reference)
+    shardings = {v.path: v.value.sharding for v in reference.trainable_variables}
+    assert str(shardings["hidden/kernel"].spec) == "P(None, 'model')"
+    assert _steps(a.directory) == [2, 4, 6, 8, 10, 12]
+    assert _steps(b.directory) == _steps(c.directory) == [0, 1, 2]
+    # The last step of each holds the final state.
+    for step in (f"{a.directory}/12", f"{b.directory}/2", f"{c.directory}/2"):
+        keras.backend.clear_session()  # (also clears the distribution)
+        keras.distribution.set_distribution(_mesh_distribution())
+        again = _model(seed=42)
+        again.optimizer.build(again.trainable_variables)
+        again.evaluate(np.ones((8, 6), "float32"), np.ones((8, 1), "float32"), verbose=0)  # builds the metrics
+        load_sharded(again, step, progress=False)
+        _assert_same(again, expected)
+
+    # Preempted after 7 batches (epoch 1, batch 3 of 4): each callback saves
+    # the stopping point (the per-epoch ones as an unfinished epoch 1).
+    frequent, per_epoch, local_epoch = str(tmp_path / "a"), f"{bucket}/b", str(tmp_path / "c")
+    _, ckpts = _run(frequent, per_epoch, local_epoch, extra=[sigterm_at(7)])
+    assert [ckpt.preempted_step for ckpt in ckpts] == [7, 1, 1]
+    assert _steps(frequent) == [2, 4, 6, 7]
+    assert _steps(per_epoch) == _steps(local_epoch) == [0, 1]
+
+    # Each folder alone resumes to the unbroken run's state, beside a fresh callback that saves.
+    resumed, (a2, b2) = _run(frequent, str(tmp_path / "fresh1"), resume=frequent, seed=42)
+    assert a2.resumed.step == 7 and not a2.resumed.epoch_complete
+    _assert_same(resumed, expected)
+    assert all(v.value.sharding == shardings[v.path] for v in resumed.trainable_variables)
+    assert _steps(frequent) == [2, 4, 6, 7, 8, 10, 12] and _steps(b2.directory) == [1, 2]
+    for i, directory in enumerate((per_epoch, local_epoch)):
+        resumed, (_, resumer) = _run(str(tmp_path / f"fresh_{i}"), directory, resume=directory, seed=42)
+        assert resumer.resumed.step == 0 and resumer.resumed.epoch_complete, directory
+        _assert_same(resumed, expected)
+        assert all(v.value.sharding == shardings[v.path] for v in resumed.trainable_variables)
+        assert _steps(directory) == [0, 1, 2]
+
+
+def test_a_sigterm_saves_in_every_callback_and_fit_leaves_the_handler_it_found(tmp_path):
+    """Both callbacks see the notice (each saves the stopping step); the handler is put back."""
+    before = signal.getsignal(signal.SIGTERM)
+    _, (a, b) = _run(str(tmp_path / "a"), str(tmp_path / "b"), extra=[sigterm_at(5)])
+    assert (a.preempted_step, b.preempted_step) == (5, 1)
+    assert _steps(a.directory) == [2, 4, 5] and _steps(b.directory) == [0, 1]
+    assert signal.getsignal(signal.SIGTERM) is before
