@@ -18,6 +18,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from shardckpt.layout.placement import Axis, Placement
+from shardckpt.structure import LORA_FACTORS
 
 # Keras' LoRA (`layer.enable_lora(rank)`): a layer's base weight and its two
 # factors, as attributes of the layer (Dense and EinsumDense, Embedding).
@@ -26,7 +27,7 @@ from shardckpt.layout.placement import Axis, Placement
 _LORA_ATTRIBUTES = (("_kernel", "lora_kernel_a", "lora_kernel_b"), ("_embeddings", "lora_embeddings_a", "lora_embeddings_b"))
 # The names Keras gives the factors' variables, for plans made before
 # `enable_lora` creates them (`lora_layout`): base name -> factor names.
-_LORA_NAMES = {"kernel": ("lora_kernel_a", "lora_kernel_b"), "embeddings": ("lora_embeddings_a", "lora_embeddings_b")}
+_LORA_NAMES = LORA_FACTORS
 
 
 def lora_triples(model: Any) -> list[tuple[Any, Any, Any]]:
