@@ -6,7 +6,8 @@ The public API, re-exported here (internals live in one module per concept):
 - restore: `lazy_init`, `load_sharded` -> `LoadReport`;
 - layouts: `auto_layout` -> `LayoutPlan`, `parallelize`;
 - training: `OrbaxCheckpoint`, `restore_latest` -> `ResumeInfo`;
-- files: `convert` -> `ConvertReport`, `inspect` -> `CheckpointInfo`,
+- files: `convert` -> `ConvertReport` (to Orbax; `to="hf" | "keras-hub" |
+  "safetensors"` -> `ExportReport`), `inspect` -> `CheckpointInfo`,
   `verify` -> `VerifyReport`;
 - the way out: `export` -> `ExportReport` (Hugging Face folders, keras-hub
   presets, safetensors; each process writes its own pieces);
@@ -45,12 +46,12 @@ from shardckpt.convert import (  # noqa: E402
     CheckpointInfo,
     ConvertReport,
     VerifyReport,
-    convert,
     inspect,
     verify,
 )
 from shardckpt.export import ExportReport, export  # noqa: E402
 from shardckpt.layout import LayoutPlan, auto_layout, parallelize  # noqa: E402
+from shardckpt.pipeline import convert  # noqa: E402
 from shardckpt.presets import from_preset  # noqa: E402
 from shardckpt.restore import LoadReport, lazy_init, load_sharded  # noqa: E402
 from shardckpt.training import OrbaxCheckpoint, ResumeInfo, restore_latest  # noqa: E402

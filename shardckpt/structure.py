@@ -59,6 +59,19 @@ class RecordingStore(_keras.H5IOStore):
         pass
 
 
+LORA_FACTORS = {"kernel": ("lora_kernel_a", "lora_kernel_b"), "embeddings": ("lora_embeddings_a", "lora_embeddings_b")}
+"""Keras' names of the LoRA factors `enable_lora` creates beside a layer's base weight."""
+
+
+def lora_factor_paths(paths: list[str]) -> set[str]:
+    """The paths `enable_lora` would give the LoRA factors of the base weights among `paths`."""
+    out: set[str] = set()
+    for path in paths:
+        owner, _, name = path.rpartition("/")
+        out.update(f"{owner}/{factor}" for factor in LORA_FACTORS.get(name, ()))
+    return out
+
+
 @contextlib.contextmanager
 def lora_off(model: Any) -> Iterator[None]:
     """Turns `lora_enabled` off on every LoRA-enabled layer of `model` for the block.

@@ -86,14 +86,16 @@ def test_rerunning_a_finished_job_says_so_in_one_line(tmp_path, caplog):
     assert len(lines) == 1, lines
     level, line = lines[0]
     assert level == logging.WARNING, "a rerun that trains nothing is said at default verbosity"
-    assert "resumed from step 1" in line and "epoch 1 complete" in line and "already complete" in line
+    # 1-based like Keras' progress bar ("Epoch 2/2"): the second of two epochs, both trained.
+    assert "resumed from step 1" in line and "(epoch 2/2 complete)" in line and "all 2 epochs are trained" in line
 
     caplog.clear()
     with caplog.at_level(logging.INFO, logger="shardckpt"):
         more = OrbaxCheckpoint(str(tmp_path), resume=True)
         _model().fit(x, y, batch_size=8, epochs=3, callbacks=[more], verbose=0)
     resumed = [r.getMessage() for r in caplog.records if "resumed" in r.getMessage()]
-    assert len(resumed) == 1 and "resumed from step 1" in resumed[0] and "continues at epoch 2" in resumed[0]
+    assert len(resumed) == 1 and "resumed from step 1" in resumed[0] and "(epoch 2/3 complete)" in resumed[0]
+    assert "fit continues at epoch 3/3." in resumed[0]
     assert all(r.levelno == logging.INFO for r in caplog.records if r.name == "shardckpt")
 
 

@@ -97,11 +97,11 @@ def test_from_preset_casts_to_dtype_like_keras_hub(llama_presets):
     _assert_loaded(model, want, keras.distribution.distribution())
 
 
-def test_from_preset_default_plans_with_auto_layout_on_every_device(llama_presets):
-    """mesh=None: all 8 devices on the "model" axis, planned by shardckpt.auto_layout."""
+def test_from_preset_on_every_device_plans_with_auto_layout(llama_presets):
+    """mesh=(1, 8): all 8 devices on the "model" axis, planned by shardckpt.auto_layout."""
     root, saved = llama_presets
     keras.backend.clear_session()
-    model = shardckpt.from_preset(str(root / "single"))
+    model = shardckpt.from_preset(str(root / "single"), mesh=(1, 8))
     dist = keras.distribution.distribution()
     assert dist.device_mesh.shape == (1, 8) and dist.device_mesh.axis_names == ["data", "model"]
     _assert_loaded(model, saved, dist)

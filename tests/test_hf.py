@@ -332,7 +332,7 @@ def test_from_preset_of_a_folder_plans_and_loads_bit_equal(arch, tmp_path):
     folder = str(tmp_path / arch)
     fx.make_folder(arch, folder)
     keras.backend.clear_session()
-    model = shardckpt.from_preset(folder)
+    model = shardckpt.from_preset(folder, mesh=(1, 8))
     dist = keras.distribution.distribution()
     assert isinstance(dist, keras.distribution.ModelParallel)
     plan = shardckpt.auto_layout(model, dist.device_mesh)

@@ -199,7 +199,10 @@ def test_layout_map_exact_keys_and_distribution():
     model = keras.Model(inputs, b)
     plan = auto_layout(model, (1, 8))
     layout_map = plan.layout_map()
-    assert set(layout_map) == {re.escape(v.path) for v in model.variables}
+    # Plus the LoRA factors enable_lora would create beside each kernel (layout.lora).
+    lora = {re.escape(f"{layer}/lora_kernel_{f}") for layer in ("blk.0", "blkx0") for f in "ab"}
+    assert set(layout_map) == {re.escape(v.path) for v in model.variables} | lora
+    assert layout_map["blk.0/lora_kernel_b"].axes == (None, M) and layout_map["blkx0/lora_kernel_a"].axes == (M, None)
     for v in model.variables:
         assert layout_map[v.path].axes == plan[v.path].axes
     assert layout_map["blk.0/kernel"].axes == (None, M)

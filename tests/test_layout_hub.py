@@ -120,7 +120,7 @@ def _check_parallelize_then_fit_equals_one_device(name: str, xs: dict) -> None:
         return history.history["loss"], [np.asarray(v.value) for v in model.variables]
 
     model, (losses_one, after_one) = fit_twice_started(lambda: B.HUB_BACKBONES[name](1), fit)
-    plan = parallelize(model)
+    plan = parallelize(model, (1, 8))
     assert plan.sharded_fraction() >= 0.9
     losses_tp, after_tp = fit(model)
     np.testing.assert_allclose(losses_tp, losses_one, rtol=1e-5)

@@ -64,7 +64,7 @@ def test_twenty_steps_match_one_device_with_built_optimizer():
     model = _compiled(models.build_transformer(SHAPE))
     model.set_weights(weights)
     model.optimizer.build(model.trainable_variables)  # slots exist before parallelize
-    plan = parallelize(model)
+    plan = parallelize(model, (1, 8))
     assert tuple(plan.mesh.shape) == (1, 8) and plan.sharded_fraction() >= 0.9
     assert keras.distribution.distribution().device_mesh is plan.mesh
     _check_placed(model, plan)
@@ -105,7 +105,7 @@ def test_lazy_model_loaded_then_parallelized(tmp_path):
 def test_still_unloaded_variables_get_layout_only():
     with shardckpt.lazy_init():
         lazy = models.build_transformer(SHAPE)
-    plan = parallelize(lazy)
+    plan = parallelize(lazy, (1, 8))
     for v in lazy.variables:
         assert v._value is None
         assert tuple(v._layout.axes) == plan[v.path].axes
@@ -114,7 +114,7 @@ def test_still_unloaded_variables_get_layout_only():
 def test_twice_replans_and_moves():
     model = _compiled(models.build_transformer(SHAPE))
     x, y = _data()
-    first = parallelize(model)
+    first = parallelize(model, (1, 8))
     model.train_on_batch(x[0], y[0])
     mesh = keras.distribution.DeviceMesh((2, 4), ["batch", "tp"], jax.devices())
     second = parallelize(model, mesh, model_axis="tp")
@@ -160,7 +160,7 @@ def test_peak_device_memory_is_model_plus_one_variable(monkeypatch):
         return out
 
     monkeypatch.setattr(parallel, "_device_put", measured_put)
-    plan = parallelize(model)
+    plan = parallelize(model, (1, 8))
     assert len(peaks) == len(state) + len(model.metrics_variables)
     assert max(peaks) <= before + largest
     # Afterwards each device holds its share: the plan's weights + Adam slots + scalars.

@@ -430,6 +430,8 @@ FILLERS: dict[str, Filler] = {
     ),
     "shardckpt convert m.weights.json out/ --model mypkg.models:build --force": _cli(lambda ws: ws.weights_files()),
     "shardckpt convert hf_llama_folder/ hf_orbax/": _cli(lambda ws: ws.hf_folder()),
+    "shardckpt convert llama_preset/ llama_orbax/": _cli(lambda ws: ws.llama_preset()),
+    "shardckpt convert llama_preset/ llama_st/ --to safetensors --mesh 2x4": _cli(lambda ws: ws.llama_preset()),
     "shardckpt convert model.keras gs://my-bucket/ckpts/0": _cli(
         lambda ws: (ws.buckets(), ws.fresh("gs://my-bucket/ckpts")), fixtures=("gcs_server", "s3_server")
     ),

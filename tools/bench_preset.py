@@ -14,7 +14,7 @@ map (`LlamaBackbone.get_layout_map`, an 8-way "model" axis):
 - shardckpt: `shardckpt.from_preset(dir, layout=layout_map)` (same layout:
   builds under `lazy_init()`, each device reads its piece);
 - shardckpt-auto: `shardckpt.from_preset(dir)`, its default (`auto_layout` on
-  all devices).
+  all devices, the mesh chosen for the model: `mesh="auto"`).
 
 For each it prints seconds to a ready model (from the call until every
 variable's value is ready), peak anonymous memory (sampled RssAnon) over the

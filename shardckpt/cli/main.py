@@ -39,10 +39,15 @@ def _parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     p = sub.add_parser(
-        "convert", help="convert .keras / .weights.h5 / safetensors / a Hugging Face folder to an Orbax checkpoint"
+        "convert",
+        help="convert .keras / .weights.h5 / safetensors / a keras-hub preset or Hugging Face folder to "
+        "orbax | hf | keras-hub | safetensors (--to; default orbax)",
+        description="Convert a checkpoint to an Orbax checkpoint (streamed, no device), a Hugging Face folder, "
+        "a keras-hub preset or safetensors (loaded sharded, then exported piece by piece).",
     )
     p.add_argument(
-        "src", help=".keras, .weights.h5, .safetensors, *.safetensors.index.json or a Hugging Face folder"
+        "src", help=".keras, .weights.h5, .safetensors, *.safetensors.index.json, a keras-hub preset folder "
+        "or a Hugging Face folder"
     )
     p.add_argument("dst", help="folder to create (an Orbax checkpoint unless --to says otherwise)")
     p.add_argument("--to", choices=("orbax", "hf", "keras-hub", "safetensors"), default="orbax",
@@ -51,11 +56,14 @@ def _parser() -> argparse.ArgumentParser:
                    "export it (shardckpt.export)")
     p.add_argument("--max-shard-size", help="--to hf/keras-hub/safetensors: files of at most this size "
                    "(e.g. 5GB, 500MB)")
-    p.add_argument("--model", help="architecture for .weights.h5/safetensors: package.module:function or a .keras file")
-    p.add_argument("--mesh", help="align chunks to the auto layout on this mesh, e.g. 1x8")
+    p.add_argument("--model", help="architecture for .weights.h5/safetensors: package.module:function (found in "
+                   "the current directory too), a .keras file or a keras-hub preset folder")
+    p.add_argument("--mesh", help="data x model, e.g. 2x4 (simulated CPU devices): --to orbax aligns chunks to "
+                   "the auto layout on it; the other targets load the model on it (default: the mesh chosen "
+                   "for the model)")
     p.add_argument("--dtype", help="cast floating-point arrays, e.g. bfloat16")
-    p.add_argument("--compression", choices=COMPRESSIONS, default=DEFAULT_COMPRESSION,
-                   help=f"chunk compression (default: {DEFAULT_COMPRESSION})")
+    p.add_argument("--compression", choices=COMPRESSIONS, default=None,
+                   help=f"--to orbax: chunk compression (default: {DEFAULT_COMPRESSION})")
     p.add_argument("--max-inflight-mb", type=_positive_int, default=default_max_inflight_bytes() // 2**20,
                    help="array data in memory at once (MiB; default: this host's, 64 per core within "
                    "256 and min(4096, memory/32): %(default)s)")
@@ -106,6 +114,11 @@ def _positive_int(text: str) -> int:
 def main(argv: Sequence[str] | None = None) -> int:
     """Runs the command line; returns the exit code (0, 1 or 2)."""
     args = _parser().parse_args(argv)
+    # `--model module:function` names a module beside the user, as under
+    # `python -m shardckpt` (which puts the current directory first); the
+    # console script's sys.path starts at its own bin folder instead.
+    if os.getcwd() not in [os.path.abspath(p or ".") for p in sys.path]:
+        sys.path.insert(0, os.getcwd())
     if args.command == "demo":
         simulate_cpu_devices(8)
     elif args.command == "plan" and args.devices and not args.mesh:
@@ -137,22 +150,23 @@ def _one_line(error: BaseException) -> str:
 
 
 def _convert(args: argparse.Namespace) -> int:
-    from shardckpt.convert.architecture import load_architecture
-    from shardckpt.convert.converter import convert
+    from shardckpt.pipeline import convert
 
-    mesh = _mesh_shape(args.mesh) if args.mesh else None
-    if args.to != "orbax":
-        from shardckpt.cli.export import convert_to
-
-        return convert_to(args, mesh)
-    model = load_architecture(args.model) if args.model else None
+    # Options of the other kind of target: a usage error (exit 2), never ignored.
+    if args.to != "orbax" and args.compression is not None:
+        _parser().error(f"--compression applies to --to orbax; --to {args.to} writes uncompressed files")
+    if args.to == "orbax" and args.max_shard_size is not None:
+        _parser().error("--max-shard-size applies to --to hf, keras-hub and safetensors; an Orbax checkpoint "
+                        "is chunked, not split into files")
     report = convert(
         args.src,
         args.dst,
-        model=model,
-        mesh=mesh,
+        to=args.to,
+        model=_architecture(args.model) if args.model else None,
+        mesh=_mesh_shape(args.mesh) if args.mesh else None,
         dtype=args.dtype,
-        compression=args.compression,
+        compression=args.compression or DEFAULT_COMPRESSION,
+        max_shard_size=args.max_shard_size,
         max_inflight_bytes=args.max_inflight_mb * 2**20,
         force=args.force,
         progress=False if args.quiet else None,
@@ -162,6 +176,14 @@ def _convert(args: argparse.Namespace) -> int:
     else:
         print(report)
     return 0
+
+
+def _architecture(spec: str) -> Any:
+    """`--model`: a keras-hub preset folder, package.module:function or a .keras file, built lazily."""
+    from shardckpt.cli.plan import load_preset_architecture
+    from shardckpt.convert.architecture import load_architecture
+
+    return load_preset_architecture(spec) if os.path.isdir(spec) else load_architecture(spec)
 
 
 def _inspect(args: argparse.Namespace) -> int:

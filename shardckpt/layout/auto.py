@@ -16,11 +16,12 @@ from shardckpt.layout.choose import choose_mesh
 from shardckpt.layout.companions import place_companions
 from shardckpt.layout.decision import Decision
 from shardckpt.layout.fsdp import fsdp_axes
+from shardckpt.layout.lora import lora_triples, place_lora
 from shardckpt.layout.mesh import resolve_mesh
 from shardckpt.layout.plan import Axis, LayoutPlan, Placement
 from shardckpt.layout.rules import RulesLike, match_rule, normalize_rules
 from shardckpt.layout.trace import trace_model
-from shardckpt.structure import structural_paths
+from shardckpt.structure import lora_off, structural_paths
 from shardckpt.types import Mesh, Model
 
 
@@ -168,7 +169,12 @@ class Context:
 
     def __init__(self, model: Any, rules: list) -> None:
         self.variables = list(model.variables)
-        self.graph = trace_model(model)
+        # The base weights are planned as without LoRA; its factors follow them (layout.lora).
+        with lora_off(model):
+            self.graph = trace_model(model)
+        index = {id(v): i for i, v in enumerate(self.variables)}
+        self.lora = [(index[id(base)], index[id(a)], index[id(b)]) for base, a, b in lora_triples(model)
+                     if {id(base), id(a), id(b)} <= index.keys()]
         self.keys = structural_paths(model)
         self.trainable = {id(v) for v in model.trainable_variables}
         self.rules = rules
@@ -230,6 +236,7 @@ def plan_on(
             )
         )
     placements = place_companions(placements, model_axis=model_axis, axis_size=axis_size[model_axis])
+    placements = place_lora(placements, ctx.lora)
     if fsdp:
         for i, (p, use) in enumerate(zip(placements, uses)):
             if use is not None:

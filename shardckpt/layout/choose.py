@@ -10,6 +10,7 @@ the most loaded device, the fewest extra all-reduces, the larger model axis.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -24,6 +25,8 @@ from shardckpt.layout.plan import LayoutPlan
 BALANCED = 1.15
 # Bytes per device within this factor of the fewest count as equal.
 _EQUAL_BYTES = 1.05
+
+_log = logging.getLogger("shardckpt")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,6 +69,33 @@ def device_limit(devices: Sequence[Any]) -> int | None:
     stats = own[0].memory_stats() if hasattr(own[0], "memory_stats") else None
     limit = (stats or {}).get("bytes_limit")
     return int(limit) if limit else None
+
+
+def _why(best: Candidate) -> str:
+    """The chosen shape's own figures, as one clause."""
+    figures = (
+        f"balance {best.plan.balance():.2f}, {best.extra} extra all-reduces, {best.gathers} gathered lookups, "
+        f"{best.nbytes:,} bytes on the most loaded device"
+    )
+    if best.model == 1:
+        return f"data parallel, no collective in the forward pass ({figures})"
+    if best.clean:
+        return f"the fewest bytes per device among the clean shapes ({figures})"
+    return f"no shape is clean; the fewest bytes per device ({figures})"
+
+
+def announce(plan: LayoutPlan, caller: str) -> None:
+    """Logs (INFO, logger "shardckpt") the mesh `mesh="auto"` chose and why, in one line.
+
+    For callers that chose "auto" for the user (no mesh given); the other
+    shapes' figures stay in `plan.explain()`.
+    """
+    first = plan.notes[0] if plan.notes else f"mesh {tuple(plan.mesh.shape)}"
+    n = int(np.prod(plan.mesh.shape))
+    _log.info(
+        "%s: %s. Pass mesh=(1, %d) for every device on the model axis; plan.explain() lists every shape.",
+        caller, first.split(" (shapes", 1)[0], n,
+    )
 
 
 def choose_mesh(
@@ -129,7 +159,8 @@ def choose_mesh(
     memory = "" if limit is None else f" fitting {limit:,} bytes per device ({source}),"
     lines.insert(
         0,
-        f"mesh chosen for {n} devices{' with FSDP' if fsdp else ''}: ({n // best.model}, {best.model}) "
+        f"mesh chosen for {n} devices{' with FSDP' if fsdp else ''}: ({n // best.model}, {best.model}): "
+        f"{_why(best)} "
         f"(shapes{memory} clean first: balanced within {BALANCED - 1:.0%}, no extra all-reduce and no "
         "gathered output, or pure data parallel; then the fewest bytes on the most loaded device within "
         f"{_EQUAL_BYTES - 1:.0%}, then the fewest extra all-reduces, then the largest model axis)",

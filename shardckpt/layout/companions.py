@@ -22,6 +22,8 @@ generated name), the scale instead follows the kernel:
   indices (lookup indices) whole;
 - a smaller variable of the layer that the forward pass never reads
   (float8's amax histories, updated through their gradient) is replicated.
+
+LoRA factors, companions of another kind, are placed by `layout.lora`.
 """
 
 from __future__ import annotations
@@ -102,3 +104,4 @@ def _matching_dim(kernel: Placement, companion: Placement, model_axis: str, axis
         return aligned
     same = [d for d, size in enumerate(companion.shape) if size == width]
     return same[0] if len(same) == 1 else None
+

@@ -19,11 +19,15 @@ def parse_mesh(text: str) -> tuple[int, ...]:
     """`"1x8"` -> `(1, 8)`: the mesh shape of `--mesh`.
 
     Raises:
-        LayoutError: The text is not positive integers joined by "x".
+        LayoutError: The text is not one or two positive integers joined by "x".
     """
     parts = text.lower().split("x")
-    if not all(p.isdigit() and int(p) >= 1 for p in parts):
-        raise LayoutError(f"--mesh must look like 1x8 or 2x4 (data x model). Received: mesh={text!r}")
+    # The command line names no axes: one or two sizes, read as model or data x model.
+    if not all(p.isdigit() and int(p) >= 1 for p in parts) or len(parts) > 2:
+        raise LayoutError(
+            "--mesh must look like 1x8 or 2x4 (data x model: two sizes joined by x; the command line "
+            f"plans on those two axes). Fix: e.g. --mesh 2x4. Received: --mesh {text}"
+        )
     return tuple(int(p) for p in parts)
 
 

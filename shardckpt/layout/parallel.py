@@ -11,13 +11,14 @@ here communicates by hand.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Literal
 
 import jax
 from keras import distribution as kd
 
 from shardckpt import _keras, state
 from shardckpt.layout.auto import auto_layout
+from shardckpt.layout.choose import announce
 from shardckpt.layout.mesh import resolve_mesh
 from shardckpt.layout.plan import LayoutPlan
 from shardckpt.layout.rules import RulesLike
@@ -30,7 +31,7 @@ _device_put = jax.device_put
 
 def parallelize(
     model: Model,
-    mesh: Mesh | None = None,
+    mesh: Mesh | Literal["auto"] | None = None,
     *,
     devices: Sequence[jax.Device] | None = None,
     model_axis: str = "model",
@@ -41,7 +42,10 @@ def parallelize(
     """Makes `model` run tensor-parallel on `mesh`, in place.
 
     With no `mesh`, all devices (every process's under `jax.distributed`)
-    form a `(1, n)` mesh with axes `("data", model_axis)`. Variables move one
+    form the `("data", model_axis)` mesh `mesh="auto"` chooses for the model
+    (clean and balanced; see `auto_layout`), logged with the reason in one
+    line (INFO, logger "shardckpt"); `mesh=(1, n)` puts every device on the
+    model axis. Variables move one
     at a time, so device memory peaks at the model plus one variable. Calling
     it again (another mesh, or a model already under a distribution) re-plans
     and moves everything again. Variables still unloaded (`lazy_init()`) get
@@ -52,15 +56,16 @@ def parallelize(
     ```python
     model = build_model()
     model.compile(optimizer="adam", loss="mse")
-    plan = shardckpt.parallelize(model)      # all devices, (1, n) mesh
+    plan = shardckpt.parallelize(model)      # all devices, the mesh chosen for the model
     model.fit(x, y)                          # runs sharded
     ```
 
     Args:
         model: A built Keras model (compiled or not).
-        mesh: None, a shape such as `(2, 4)`, `(shape, axis_names)`, a
+        mesh: A shape such as `(2, 4)`, `(shape, axis_names)`, a
             `keras.distribution.DeviceMesh`, or "auto" (the `(data, model)`
-            shape `auto_layout` picks for the model; see there).
+            shape `auto_layout` picks for the model; see there). None:
+            "auto", the choice logged.
         devices: Devices for a mesh given by shape (default: `jax.devices()`).
         model_axis: Mesh axis to split weights over.
         batch_axis: Mesh axis to split batches over (default: the other one).
@@ -75,9 +80,7 @@ def parallelize(
         LayoutError: The mesh does not fit the devices or lacks the axes.
     """
     pool = list(devices) if devices is not None else jax.devices()
-    if mesh is None:
-        mesh = kd.DeviceMesh((1, len(pool)), ["data", model_axis], pool)
-    if isinstance(mesh, str) and mesh == "auto":
+    if mesh is None or (isinstance(mesh, str) and mesh == "auto"):
         device_mesh: Any = "auto"
     else:
         device_mesh, batch_axis = resolve_mesh(mesh, model_axis=model_axis, batch_axis=batch_axis, devices=pool)
@@ -92,6 +95,8 @@ def parallelize(
     except BaseException:
         kd.set_distribution(previous)
         raise
+    if mesh is None:
+        announce(plan, "parallelize")
     model_ids = {id(v) for v in model.variables}
     for variable in _all_variables(model):
         _place(variable, plan, planned=id(variable) in model_ids)

@@ -33,6 +33,7 @@ from keras import distribution as kd
 
 from shardckpt import _keras
 from shardckpt.errors import LayoutError, UnplannedVariableError
+from shardckpt.layout.lora import lora_layout
 from shardckpt.layout.memory import slots_per_variable
 from shardckpt.layout.mesh import check_device_count
 from shardckpt.layout.placement import Axis, Placement, axis_from_json, axis_json, flat_axes
@@ -220,13 +221,18 @@ class LayoutPlan:
         """A `keras.distribution.LayoutMap` with one exact key per variable.
 
         Keys are `re.escape(path)`, so Keras' `re.fullmatch` lookup matches
-        exactly one variable and never two. The layer outputs of
+        exactly one variable and never two. Keys for the LoRA factors that
+        `enable_lora` would add beside a kernel or embedding table place them
+        with it when they are created (`layout.lora`). The layer outputs of
         `gathered_outputs` get an activation layout (batch axis only) under
         `<layer path>/output`, the key Keras' `Layer.__call__` looks up.
         """
         layout_map = kd.LayoutMap(self.mesh)
         for p in self.placements:
             layout_map[re.escape(p.path)] = _keras.tensor_layout(p.axes, self.mesh)
+        # LoRA factors `enable_lora` may create later, split with their base weight.
+        for path, axes in lora_layout(self.placements):
+            layout_map[re.escape(path)] = _keras.tensor_layout(axes, self.mesh)
         by_key = {p.key: p for p in self.placements}
         for key in self.gathered_outputs:
             owner = by_key[key].path.rsplit("/", 1)[0]

@@ -22,6 +22,7 @@ from typing import Any
 
 from shardckpt import _keras, _keras_hub, storage
 from shardckpt.errors import CheckpointNotFoundError, CorruptCheckpointError, MissingDependencyError
+from shardckpt.formats import registry
 from shardckpt.formats.preset import (
     CONFIG_FILE,
     MODEL_WEIGHTS,
@@ -187,3 +188,19 @@ def download(handle: str, *, task: bool) -> str:
     for name in names:
         preset_utils.get_file(handle, name)
     return os.path.dirname(config)
+
+
+def architecture(folder: str) -> Any:
+    """The backbone of the keras-hub preset at `folder` (local or in a bucket), built lazily.
+
+    Fills the formats' `architecture` slot of keras-hub presets, so that
+    `convert` takes a preset folder with no model given (its `config.json`
+    names the class), as it takes a Hugging Face folder.
+    """
+    if storage.parse(folder).local_path is None:
+        with local_configs(folder) as local:
+            return build(local)
+    return build(folder)
+
+
+registry.provide("preset", architecture=architecture)

@@ -25,6 +25,7 @@ from shardckpt import _keras, _keras_hub, storage
 from shardckpt.errors import CheckpointMismatchError, CheckpointNotFoundError, UnknownFormatError
 from shardckpt.formats.preset import CONFIG_FILE, TASK_WEIGHTS, has_files, is_preset_dir
 from shardckpt.layout import auto_layout
+from shardckpt.layout.choose import announce
 from shardckpt.presets import hf, kerashub
 from shardckpt.restore import load_sharded
 from shardckpt.types import DType, Layout, Mesh, Model
@@ -115,7 +116,8 @@ def from_preset(
     Example:
 
     ```python
-    model = shardckpt.from_preset("llama3_preset/")          # all devices on "model"
+    model = shardckpt.from_preset("llama3_preset/")          # mesh="auto": chosen for the model
+    model = shardckpt.from_preset("llama3_preset/", mesh=(1, 8))   # all 8 devices on "model"
     model = shardckpt.from_preset("gemma_preset/", mesh=(2, 4), dtype="bfloat16")
     lm = shardckpt.from_preset("preset/", cls=keras_hub.models.CausalLM)
     ```
@@ -130,9 +132,12 @@ def from_preset(
             (`kaggle://...`, `hf://...`, a built-in preset name), fetched
             through keras-hub's download cache.
         mesh: The device mesh to plan on: a `keras.distribution.DeviceMesh`,
-            a shape such as `(2, 4)` over ("data", "model"), or None for every
-            device on the "model" axis, or "auto" (the shape `auto_layout`
-            picks for the model). Ignored when `layout` is given.
+            a shape such as `(2, 4)` over ("data", "model") (`(1, n)`: every
+            device on the "model" axis), or "auto" (the shape `auto_layout`
+            picks for the model: clean and balanced, fitting the device
+            memory where the platform reports it). None: "auto", and the
+            chosen mesh and why are logged (INFO, logger "shardckpt") in one
+            line. Ignored when `layout` is given.
         layout: Where variables go, instead of `auto_layout`: a `LayoutPlan`
             (bound to the built model by structure, `plan.bind`), a
             `keras.distribution.LayoutMap` or a `Distribution`.
@@ -248,14 +253,13 @@ def _is_builtin(name: str) -> bool:
 
 def _distribution(model: Any, mesh: Any, layout: Any, *, fsdp: bool = False, devices: Any = None) -> Any:
     """The Keras distribution to load into: `layout`'s, or `auto_layout`'s on `mesh`."""
-    import jax
     import keras
 
     if layout is None:
+        plan = auto_layout(model, "auto" if mesh is None else mesh, devices=devices, fsdp=fsdp)
         if mesh is None:
-            count = devices if isinstance(devices, int) else len(devices) if devices is not None else jax.device_count()
-            mesh = (1, count)
-        return auto_layout(model, mesh, devices=devices, fsdp=fsdp).distribution()
+            announce(plan, "from_preset")
+        return plan.distribution()
     if callable(getattr(layout, "bind", None)):
         # A LayoutPlan made on another instance: matched by structure, so the
         # distribution's exact-path layout map fits this model's names.

@@ -22,6 +22,7 @@ from keras import distribution as kd
 from shardckpt import _keras
 from shardckpt.errors import MeshMismatchError
 from shardckpt.progress import some
+from shardckpt.structure import lora_factor_paths
 from shardckpt.types import Layout
 
 
@@ -153,7 +154,12 @@ def warn_unmatched_keys(layout: Layout, model: Any) -> list[str]:
     if not isinstance(layout_map, kd.LayoutMap):
         return []
     paths = [v.path for v in model.variables]
-    unmatched = [key for key in layout_map if not any(p == key or re.fullmatch(key, p) for p in paths)]
+    # A LayoutPlan's map also places the LoRA factors `enable_lora` may add later: not a mistake.
+    reserved = lora_factor_paths(paths)
+    unmatched = [
+        key for key in layout_map
+        if not any(p == key or re.fullmatch(key, p) for p in paths) and not any(re.fullmatch(key, r) for r in reserved)
+    ]
     if unmatched and tuple(unmatched) not in _warned_unmatched:
         _warned_unmatched.add(tuple(unmatched))
         warnings.warn(

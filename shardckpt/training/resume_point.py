@@ -130,8 +130,13 @@ def describe(point: ResumePoint, info: ResumeInfo | None, *, epochs: int | None,
             f"not resuming from step {point.latest} in {directory}: {point.why}, and no step holds a whole "
             f"epoch; training starts from the beginning (exact). Steps {point.newer} will be written again. "
             "Fix: feed fit from OrbaxCheckpoint.batches() to resume mid-epoch.")
-    where = (f"epoch {info.epoch} complete" if info.epoch_complete
-             else f"epoch {info.epoch}, batch {info.batch} of {info.metadata.get('steps_per_epoch')}")
+    # Epochs are counted from 1 here, as Keras' progress bar shows them ("Epoch 2/2").
+    def epoch(index: int) -> str:
+        return f"epoch {index + 1}" + (f"/{epochs}" if epochs is not None else "")
+
+    where = (f"{epoch(info.epoch)} complete" if info.epoch_complete
+             else f"{epoch(info.epoch)}, {info.batch}/{info.metadata.get('steps_per_epoch')} batches done"
+             ) if info.epoch is not None else ""
     if info.epoch is None:
         where = ("a step its writer (Keras' callback?) gave no shardckpt metadata: weights restored, epoch and "
                  "data position not known, so the run is not exact")
@@ -144,4 +149,4 @@ def describe(point: ResumePoint, info: ResumeInfo | None, *, epochs: int | None,
         done = f"The run is already complete: all {epochs} epochs are trained; fit trains nothing."
         return logging.WARNING, f"{line}. {done}"
     level = logging.WARNING if point.why or info.epoch is None else logging.INFO
-    return level, f"{line}; fit continues at epoch {info.next_epoch}." if info.epoch is not None else f"{line}."
+    return level, f"{line}; fit continues at {epoch(info.next_epoch)}." if info.epoch is not None else f"{line}."

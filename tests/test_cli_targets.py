@@ -1,0 +1,150 @@
+"""`shardckpt convert` does what its help says: a keras-hub preset folder to every target,
+`shardckpt.convert(to=...)` beside it, `--model` found in the current directory, shell-speaking
+help and errors."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import os
+import subprocess
+import sys
+
+import keras
+import numpy as np
+import pytest
+from safetensors.numpy import load_file
+
+import shardckpt
+from shardckpt.cli import main
+
+keras_hub = pytest.importorskip("keras_hub")
+LLAMA = dict(vocabulary_size=64, num_layers=1, num_query_heads=8, num_key_value_heads=8, hidden_dim=32,
+             intermediate_dim=64)
+
+
+def _run(argv):
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = main(argv)
+    return code, out.getvalue(), err.getvalue()
+
+
+@pytest.fixture(scope="module")
+def preset(tmp_path_factory):
+    """A keras-hub Llama preset folder (save_to_preset) with random values, and those values by path."""
+    keras.backend.clear_session()
+    backbone = keras_hub.models.Llama3Backbone(**LLAMA)
+    rng = np.random.default_rng(0)
+    for v in backbone.weights:
+        v.assign(rng.standard_normal(v.shape).astype(np.float32))
+    folder = tmp_path_factory.mktemp("cli_targets") / "preset"
+    backbone.save_to_preset(str(folder))
+    values = {v.path: np.asarray(v.value) for v in backbone.weights}
+    keras.backend.clear_session()
+    return str(folder), values
+
+
+def _lazy_llama():
+    keras.backend.clear_session()
+    with shardckpt.lazy_init():
+        return keras_hub.models.Llama3Backbone(**LLAMA)
+
+
+def test_convert_a_keras_hub_preset_folder_to_orbax_reads_back_bit_equal(preset, tmp_path):
+    folder, values = preset
+    out = str(tmp_path / "orbax")
+    code, stdout, err = _run(["convert", folder, out, "--quiet"])
+    assert code == 0, err
+    assert "to Orbax" in stdout
+    model = _lazy_llama()
+    mesh = keras.distribution.DeviceMesh((2, 4), ["data", "model"])
+    plan = shardckpt.auto_layout(model, mesh)
+    shardckpt.load_sharded(model, out, layout=plan)
+    assert sorted(v.path for v in model.weights) == sorted(values)
+    for v in model.weights:
+        assert v.value.sharding == plan.sharding_for(v), v.path
+        np.testing.assert_array_equal(np.asarray(v.value), values[v.path], err_msg=v.path)
+
+
+@pytest.mark.parametrize("target", ["keras-hub", "hf", "safetensors"])
+def test_convert_a_keras_hub_preset_folder_to_every_other_target(preset, tmp_path, target):
+    folder, values = preset
+    out = str(tmp_path / target)
+    code, stdout, err = _run(["convert", folder, out, "--to", target, "--mesh", "2x4", "--quiet"])
+    assert code == 0, err
+    keras.backend.clear_session()
+    if target == "safetensors":  # keyed by variable path
+        stored = {}
+        for name in os.listdir(out):
+            if name.endswith(".safetensors"):
+                stored.update(load_file(os.path.join(out, name)))
+        assert sorted(stored) == sorted(values)
+        for path, want in values.items():
+            np.testing.assert_array_equal(stored[path], want, err_msg=path)
+        return
+    model = shardckpt.from_preset(out, mesh=(2, 4))
+    keras.distribution.set_distribution(None)
+    assert sorted(v.path for v in model.weights) == sorted(values)
+    for v in model.weights:
+        np.testing.assert_array_equal(np.asarray(v.value), values[v.path], err_msg=v.path)
+
+
+def test_python_convert_takes_to_like_the_cli(preset, tmp_path):
+    folder, values = preset
+    report = shardckpt.convert(folder, tmp_path / "kh", to="keras-hub")
+    assert isinstance(report, shardckpt.ExportReport) and report.arrays == len(values)
+    keras.distribution.set_distribution(None)
+    assert isinstance(shardckpt.convert(folder, tmp_path / "ob"), shardckpt.ConvertReport)
+    with pytest.raises(ValueError, match="to must be one of orbax, hf, keras-hub, safetensors"):
+        shardckpt.convert(folder, tmp_path / "x", to="onnx")
+    with pytest.raises(ValueError, match="max_shard_size applies to"):
+        shardckpt.convert(folder, tmp_path / "y", max_shard_size="1GB")
+    assert not (tmp_path / "x").exists() and not (tmp_path / "y").exists()
+
+
+def test_model_given_as_a_keras_hub_preset_folder(preset, tmp_path):
+    """`--model preset_folder/` gives the architecture of a bare .weights.h5."""
+    folder, values = preset
+    out = str(tmp_path / "orbax")
+    code, _, err = _run(["convert", os.path.join(folder, "model.weights.h5"), out, "--model", folder, "--quiet"])
+    assert code == 0, err
+    model = _lazy_llama()
+    shardckpt.load_sharded(model, out)
+    for v in model.weights:
+        np.testing.assert_array_equal(np.asarray(v.value), values[v.path], err_msg=v.path)
+
+
+def test_console_script_finds_model_modules_in_the_current_directory(preset, tmp_path):
+    folder, values = preset
+    (tmp_path / "mymodels.py").write_text(
+        "import keras_hub\n\n\ndef build():\n"
+        f"    return keras_hub.models.Llama3Backbone(**{LLAMA!r})\n"
+    )
+    script = os.path.join(os.path.dirname(sys.executable), "shardckpt")
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    done = subprocess.run(
+        [script, "convert", os.path.join(folder, "model.weights.h5"), "out", "--model", "mymodels:build", "--quiet"],
+        cwd=tmp_path, capture_output=True, text=True, timeout=300, env=env,
+    )
+    assert done.returncode == 0, done.stderr
+    model = _lazy_llama()
+    shardckpt.load_sharded(model, str(tmp_path / "out"))
+    for v in model.weights:
+        np.testing.assert_array_equal(np.asarray(v.value), values[v.path], err_msg=v.path)
+
+
+def test_help_and_errors_speak_shell(capsys):
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    top = " ".join(capsys.readouterr().out.split())
+    assert "orbax | hf | keras-hub | safetensors" in top and "to an Orbax checkpoint" not in top
+    with pytest.raises(SystemExit) as e:
+        main(["plan", "mymodels:build", "--mesh", "2x4x1"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2
+    assert "--mesh 2x4" in err and "Received: --mesh 2x4x1" in err
+    assert "DeviceMesh" not in err and "axis_names" not in err
+    with pytest.raises(SystemExit) as e:
+        main(["convert", "a", "b", "--to", "hf", "--compression", "zstd"])
+    assert e.value.code == 2 and "--compression applies to --to orbax" in capsys.readouterr().err
