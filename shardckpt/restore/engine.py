@@ -25,7 +25,7 @@ import numpy as np
 
 from shardckpt import _keras, dtypes
 from shardckpt import budget as budgets
-from shardckpt.errors import IndivisibleLayoutError
+from shardckpt.errors import CheckpointMismatchError, IndivisibleLayoutError
 from shardckpt.formats import Reader, open_reader
 from shardckpt.lazy import is_unloaded, original_initializer
 from shardckpt.progress import ByteProgress, ReadTally, key_lines, read_line
@@ -212,8 +212,11 @@ def match_jobs(
         target = layout_of(variable)
         _check_divisible(variable, target)
         jobs.append(Job(key, variable, target))
+    found.fix = _unbuilt_state_fix(model, found)
     found.raise_if_mismatched(reader.path, strict=strict)
-    missing_vars = [variable for _, variable in found.missing]
+    if not strict:
+        _refuse_little(model, found, reader.path)
+    missing_vars = [variable for _, variable in found.missing + found.fresh]
     to_init = [(v, layout_of(v)) for v in missing_vars if is_unloaded(v)]
     # Variables the format never stores (Keras h5 keeps no seed-generator
     # state and no LoRA factors): a lazily built one gets its own initial
@@ -223,6 +226,77 @@ def match_jobs(
     for variable, target in to_init:
         _check_divisible(variable, target)
     return jobs, to_init
+
+
+def _unbuilt_state_fix(model: Any, found: naming.KeyMatch) -> str | None:
+    """The advice for a full-state checkpoint into a model whose optimizer or metrics are not built yet.
+
+    A compiled model's optimizer has its step counter and learning rate, and
+    no slots before its first step; compiled metrics get their variables on
+    the first fit/evaluate. Every such key of the checkpoint is then
+    unexpected, and the fix is to build them, not to rename layers. None when
+    the problems are others.
+    """
+    if found.missing or found.mismatched or not found.unexpected:
+        return None
+    if not all(naming.is_optional_key(k, found.format) for k in found.unexpected):
+        return None
+    optimizer = getattr(model, "optimizer", None)
+    fixes = []
+    if optimizer is not None and not getattr(optimizer, "built", True):
+        fixes.append(
+            "the model's optimizer is not built yet, so it has no slots for the checkpoint's "
+            "optimizer state: build it first (model.optimizer.build(model.trainable_variables)), "
+            "or resume with shardckpt.restore_latest(model, directory), which builds it"
+        )
+    if any(k.startswith("metrics_variables/") for k in found.unexpected):
+        fixes.append(
+            "the model's compiled metrics have no variables until the first fit/evaluate: run one "
+            "(model.evaluate on a batch) before loading, or pass strict=False to load everything "
+            "else and leave the metrics at zero"
+        )
+    return "; ".join(fixes) + "." if fixes else None
+
+
+def _refuse_little(model: Any, found: naming.KeyMatch, path: str) -> None:
+    """Refuses a `strict=False` load that fills less than half of the model's weights.
+
+    `strict=False` skips a few differing variables; a checkpoint that fills
+    none, or under half of the weight bytes, is another model (or keyed for
+    another build of it), and returning would leave the model random without a word.
+
+    Raises:
+        CheckpointMismatchError: listing what is missing and unexpected.
+    """
+    weights = _unique(list(model.weights))
+    total = sum(_nbytes(v) for v in weights)
+    if not weights or not total:
+        return
+    ids = {id(v) for _, v in found.pairs}
+    loaded = [v for v in weights if id(v) in ids]
+    share = sum(_nbytes(v) for v in loaded) / total
+    if loaded and share >= 0.5:
+        return
+    raise CheckpointMismatchError(
+        path,
+        missing=found.missing_lines(),
+        unexpected=found.unexpected,
+        fmt=found.format,
+        note=(
+            f"strict=False would load {len(loaded)} of the model's {len(weights)} weights "
+            f"({share:.0%} of their bytes) and leave the rest at their initial values: the "
+            "checkpoint holds another model, or names its variables otherwise."
+        ),
+        fix=(
+            "load the checkpoint into the architecture that wrote it (same layers and "
+            "configuration), or check the path; strict=False is for a few differing variables, "
+            "not for most of the model."
+        ),
+    )
+
+
+def _nbytes(variable: Any) -> int:
+    return int(np.prod(variable.shape, dtype=np.int64)) * np.dtype(variable.dtype).itemsize
 
 
 def _unique(variables: list[Any]) -> list[Any]:
