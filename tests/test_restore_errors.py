@@ -130,6 +130,24 @@ def test_indivisible_layout(files):
     _untouched(model)
 
 
+@pytest.mark.parametrize(
+    ("key", "axes", "shape"),
+    [("head/bias", (None, "model"), "(32,)"), ("head/kernel", (None, "model", None), "(8, 32)")],
+)
+def test_layout_map_entry_of_another_rank_is_named(files, key, axes, shape):
+    """Longer than the rank: JAX raises a bare IndexError mid-load (a bias), or
+    keeps a sharding of another rank on the array (a kernel); refused before any read."""
+    layout_map = keras.distribution.LayoutMap(keras.distribution.DeviceMesh((1, 8), ["data", "model"]))
+    layout_map[key] = axes
+    model = _lazy()
+    with pytest.raises(errors.LayoutError) as info:
+        shardckpt.load_sharded(model, files / "m.weights.h5", layout=layout_map)
+    message = str(info.value)
+    assert f"Variable '{key}' of shape {shape}" in message and f"its layout {axes}" in message
+    assert "one mesh axis or None per dimension" in message
+    _untouched(model)
+
+
 def _keras_orbax(path):
     keras.backend.clear_session()
     model = build_zoo(rnn=False)

@@ -25,7 +25,7 @@ import numpy as np
 
 from shardckpt import _keras, dtypes
 from shardckpt import budget as budgets
-from shardckpt.errors import CheckpointMismatchError, IndivisibleLayoutError
+from shardckpt.errors import CheckpointMismatchError, IndivisibleLayoutError, LayoutError
 from shardckpt.formats import Reader, open_reader
 from shardckpt.lazy import is_unloaded, original_initializer
 from shardckpt.progress import ByteProgress, ReadTally, key_lines, read_line
@@ -310,6 +310,17 @@ def _check_divisible(variable: Any, target: TargetLayout) -> None:
     mesh = getattr(sharding, "mesh", None)
     if spec is None or mesh is None:
         return
+    if len(spec) > len(variable.shape):
+        # JAX fails on it deep inside (an IndexError, or a sharding of
+        # another rank kept on the array); said here, before any read.
+        where = f"its layout {tuple(target.keras_layout.axes)}" if target.keras_layout is not None else "its layout"
+        raise LayoutError(
+            f"Variable {variable.path!r} of shape {tuple(variable.shape)} (rank {len(variable.shape)}) gets "
+            f"{where}, partition spec {spec}: {len(spec)} axes for {len(variable.shape)} dimension(s). Fix: "
+            "give its LayoutMap entry (or rule) one mesh axis or None per dimension, e.g. "
+            f"{tuple([None] * len(variable.shape))}, or a key that matches the variables of that rank only. "
+            f"Received: layout={spec}"
+        )
     for dim, axes in enumerate(spec):
         if axes is None or dim >= len(variable.shape):
             continue
