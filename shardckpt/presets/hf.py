@@ -195,8 +195,8 @@ def _folder_fix(model: Any, loader: Any) -> str:
         "the model differs from what the folder holds: build it from the folder (shardckpt.from_preset"
         "(folder), or shardckpt.presets.hf.build(folder)) or with the configuration in its config.json "
         "(layers, widths, heads, vocabulary, tied embeddings). If the model was built from this "
-        "config.json, the folder is incomplete: re-download it (config.json with the safetensors "
-        "files it was saved with)."
+        "config.json, the Hugging Face folder is incomplete: Re-download the complete folder "
+        "(config.json with the safetensors files it was saved with)."
     )
 
 

@@ -22,6 +22,7 @@ from typing import Any
 
 import jax
 import numpy as np
+from keras import distribution as kd
 
 from shardckpt import _keras, dtypes
 from shardckpt import budget as budgets
@@ -118,7 +119,9 @@ def load_sharded(
             safetensors) into the keras-hub model `shardckpt.presets.hf.build`
             builds.
         layout: Where variables go. None: the active Keras distribution, else
-            each variable's current sharding (or device 0 for a lazy one). Also
+            each variable's current sharding; a lazily built variable has
+            none: device 0 on a one-device host, a `LayoutError` on a host of
+            several devices (it would compute on one device only). Also
             a `keras.distribution.LayoutMap`, a `Distribution`, or a plan with
             `layout_map()` / `sharding_for(variable)` (`shardckpt.auto_layout`);
             a `LayoutPlan` is first bound to `model` (`plan.bind`: matched
@@ -159,9 +162,17 @@ def load_sharded(
         IndivisibleLayoutError: a mesh axis does not divide a sharded dimension.
         MeshMismatchError: `layout` is on another mesh (see `allow_other_mesh`).
         UnplannedVariableError: a `LayoutPlan` has no placement for a variable.
+        LayoutError: no layout for a lazily built variable on a host of several
+            devices, or a layout of more axes than its variable has dimensions.
     """
     start = time.perf_counter()
     max_inflight_bytes = budgets.resolve(max_inflight_bytes)
+    if layout is None:
+        # A plan's distribution (`LayoutPlan.distribution()`): its plan bound
+        # to this model by structure, whatever names Keras generated.
+        for_model = getattr(kd.distribution(), "for_model", None)
+        if callable(for_model):
+            layout = for_model(model)
     if isinstance(layout, PlanLike):
         # A LayoutPlan matches variables by structure: bound to this instance,
         # generated layer names that differ from the planned model's do not
@@ -175,7 +186,10 @@ def load_sharded(
     )
     try:
         report = LoadReport(path=reader.path, format=reader.format, max_inflight_bytes=max_inflight_bytes)
-        jobs, to_init = match_jobs(model, reader, report, strict, resolve_layout(layout))
+        # On a host of several devices, a lazily built variable is never put on
+        # one device by default (see `resolve_layout`).
+        unplaced = "raise" if jax.device_count() > 1 else "first_device"
+        jobs, to_init = match_jobs(model, reader, report, strict, resolve_layout(layout, unplaced=unplaced))
         total = sum(reader.spec(job.key).nbytes for job in jobs)
         show = sys.stderr.isatty() if progress is None else progress
         with ByteProgress(total, f"loading {os.path.basename(reader.path)}", enabled=show) as bar:
@@ -202,20 +216,22 @@ def match_jobs(
     report.missing = found.missing_lines()
     report.unexpected = found.unexpected
     report.skipped = found.skipped
-    jobs: list[Job] = []
-    # Dtype and layout problems are raised first, as they are found.
+    # Checkpoint problems first (dtypes as they are found, then keys and
+    # shapes), then where each variable goes.
     for key, variable in found.pairs:
         stored, target_dtype = reader.spec(key).dtype, np.dtype(variable.dtype)
         dtypes.check_cast(variable.path, key, stored, target_dtype)
         if stored != target_dtype:
             report.casts.append(f"{variable.path}: {stored} -> {target_dtype}")
-        target = layout_of(variable)
-        _check_divisible(variable, target)
-        jobs.append(Job(key, variable, target))
     found.fix = _unbuilt_state_fix(model, found)
     found.raise_if_mismatched(reader.path, strict=strict)
     if not strict:
         _refuse_little(model, found, reader.path)
+    jobs: list[Job] = []
+    for key, variable in found.pairs:
+        target = layout_of(variable)
+        _check_divisible(variable, target)
+        jobs.append(Job(key, variable, target))
     missing_vars = [variable for _, variable in found.missing + found.fresh]
     to_init = [(v, layout_of(v)) for v in missing_vars if is_unloaded(v)]
     # Variables the format never stores (Keras h5 keeps no seed-generator
