@@ -22,6 +22,9 @@ Private modules:
   not exported by `keras.distribution`.
 - `MonitorCallback` (training.callback): the base class of Keras' own
   `OrbaxCheckpoint` (monitor / mode / best handling), not exported.
+- `global_state`'s "name_scope_stack" (layout.distribution, through
+  `name_scope_callers`): which layer, optimizer or metric is creating the
+  variable Keras asks a distribution to place.
 
 Private attributes of `keras.Variable`, through the functions below:
 
@@ -77,6 +80,7 @@ __all__ = [
     "initializer",
     "save_assets",
     "save_state",
+    "name_scope_callers",
     "serialize_model_config",
     "set_global_attribute",
     "set_initial_epoch",
@@ -126,6 +130,19 @@ def layout_map_of(distribution: Any) -> Any:
     Keras keeps it as `_layout_map` with no public accessor.
     """
     return getattr(distribution, "_layout_map", None)
+
+
+def name_scope_callers() -> list[Any]:
+    """The objects whose name scopes are open, outermost first (layers, an optimizer, a metric).
+
+    Keras opens `name_scope(name, caller=self)` around every variable a
+    layer, optimizer or metric creates, and keeps the stack in its global
+    state (`name_scope_stack`) with no public accessor: it is how a
+    distribution can tell, when Keras asks for a new variable's layout,
+    whether a layer or an optimizer is creating it.
+    """
+    stack = global_state.get_global_attribute("name_scope_stack", default=None) or []
+    return [getattr(scope, "caller", None) for scope in stack]
 
 
 def current_layout(variable: Any) -> Any:

@@ -101,15 +101,19 @@ class CheckpointMismatchError(ShardckptError, ValueError):
         mismatched: Sequence[str] = (),
         fmt: str = "",
         fix: str | None = None,
+        note: str = "",
     ) -> None:
         """Args: the checkpoint `path`, the problems, the checkpoint's format
-        (`LoadReport.format`: selects the advice) and, optionally, the whole fix."""
+        (`LoadReport.format`: selects the advice), optionally the whole fix, and
+        a `note` said before the problems."""
         self.path = path
         self.missing = list(missing)
         self.unexpected = list(unexpected)
         self.mismatched = list(mismatched)
         total = len(self.missing) + len(self.unexpected) + len(self.mismatched)
         lines = [f"A total of {total} problem(s) between the model and checkpoint {path!r}:"]
+        if note:
+            lines.insert(0, note)
         lines += [f"  missing from checkpoint: {p}" for p in self.missing]
         lines += [f"  not in the model: {k}" for k in self.unexpected]
         lines += [f"  mismatch: {m}" for m in self.mismatched]

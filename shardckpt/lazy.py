@@ -39,7 +39,8 @@ class _Unloaded:
         raise UnloadedVariableError(
             f"Variable {self.path!r} was built under shardckpt.lazy_init() and has "
             "no value yet. Fix: call shardckpt.load_sharded(model, path) before "
-            "using the model (strict=False initialises variables the checkpoint "
+            "using the model (with layout= or a Keras distribution set where there are "
+            "several devices; strict=False initialises variables the checkpoint "
             "lacks), or build the model outside lazy_init()."
         )
 

@@ -87,4 +87,4 @@ def test_callback_saves_carry_chunk_checksums_and_keras_callback_saves_do_not(tm
         inputs = keras.Input((16,))
         again = keras.Model(inputs, keras.layers.Dense(64, name="hidden")(inputs))
     with pytest.raises(errors.ChecksumMismatchError, match="hidden.kernel|hidden/kernel"):
-        shardckpt.load_sharded(again, ours, strict=False)
+        shardckpt.load_sharded(again, ours, strict=False, layout=keras.distribution.DataParallel())

@@ -42,7 +42,7 @@ def test_convert_then_inspect_json_and_verify(tmp_path, h5, capsys):
     keras.backend.clear_session()
     with shardckpt.lazy_init():
         model = build_zoo()
-    shardckpt.load_sharded(model, dst)
+    shardckpt.load_sharded(model, dst, layout=keras.distribution.DataParallel())
     for v in model.weights:
         np.testing.assert_array_equal(np.asarray(v.value), expected[v.path])
 

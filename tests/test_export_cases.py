@@ -86,7 +86,8 @@ def test_safetensors_format_keys_are_variable_paths_and_load_back(llama_folder, 
     keras.backend.clear_session()
     with shardckpt.lazy_init():
         fresh = shardckpt.presets.hf.build(llama_folder)
-    report = shardckpt.load_sharded(fresh, str(tmp_path / "st" / "model.safetensors.index.json"))
+    report = shardckpt.load_sharded(
+        fresh, str(tmp_path / "st" / "model.safetensors.index.json"), layout=keras.distribution.DataParallel())
     assert not report.missing and not report.unexpected
     for a, b in zip(model.weights, fresh.weights):
         np.testing.assert_array_equal(np.asarray(a.value), np.asarray(b.value), err_msg=a.path)
@@ -279,7 +280,7 @@ def test_orbax_format_loads_back_in_keras_and_shardckpt(llama_folder, tmp_path):
     keras.backend.clear_session()
     with shardckpt.lazy_init():
         fresh = shardckpt.presets.hf.build(llama_folder)
-    shardckpt.load_sharded(fresh, str(tmp_path / "orbax"))
+    shardckpt.load_sharded(fresh, str(tmp_path / "orbax"), layout=keras.distribution.DataParallel())
     for v in fresh.weights:
         np.testing.assert_array_equal(np.asarray(v.value), values[v.path], err_msg=v.path)
     keras.distribution.set_distribution(None)

@@ -345,3 +345,59 @@ def test_from_preset_of_a_folder_plans_and_loads_bit_equal(arch, tmp_path):
     for ours, theirs in zip(model.weights, reference.weights):
         assert ours.value.sharding.spec == specs[ours.path], ours.path
         np.testing.assert_array_equal(np.asarray(ours.value), np.asarray(theirs.value), err_msg=ours.path)
+
+
+def _other_llama(folder, **changes):
+    """The folder's keras-hub backbone, rebuilt lazily with `changes` to its config."""
+    built = hf.build(folder)
+    # (keras-hub's get_config leaves tie_word_embeddings out.)
+    config = {**built.get_config(), "tie_word_embeddings": built.tie_word_embeddings}
+    keras.backend.clear_session()
+    with shardckpt.lazy_init():
+        return keras_hub.models.Llama3Backbone.from_config({**config, **changes})
+
+
+@pytest.mark.parametrize("strict", [True, False])
+def test_folder_into_a_model_of_another_width_names_each_variable_and_tensor(tmp_path, strict):
+    folder = str(tmp_path / "llama")
+    fx.make_folder("llama3", folder)
+    model = _other_llama(folder, hidden_dim=64, num_query_heads=8, num_key_value_heads=4)
+    with pytest.raises(CheckpointMismatchError) as info:
+        shardckpt.load_sharded(model, folder, strict=strict)
+    lines = info.value.mismatched
+    assert any(
+        line.startswith("transformer_layer_0/self_attention/query/kernel: expected shape (64, 8, 8), the folder's "
+                        "Hugging Face tensor 'model.layers.0.self_attn.q_proj.weight' of shape (32, 32)")
+        for line in lines
+    ), lines
+    assert any(line.startswith("token_embedding/embeddings: expected shape (64, 64)") for line in lines), lines
+    fix = str(info.value).split("Fix: ", 1)[1]
+    assert "the model differs from the folder's config.json" in fix and "hidden_dim=64 (the folder's: 32)" in fix
+    assert all(v._value is None for v in model.weights)
+
+
+def test_folder_with_fewer_layers_lists_every_missing_tensor(tmp_path):
+    folder = str(tmp_path / "llama")
+    fx.make_folder("llama3", folder)
+    model = _other_llama(folder, num_layers=fx.L + 1)
+    with pytest.raises(CheckpointMismatchError) as info:
+        shardckpt.load_sharded(model, folder, strict=False)
+    missing = info.value.missing
+    names = ["input_layernorm", "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
+             "post_attention_layernorm", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"]
+    for name in names:
+        assert sum(f"model.layers.{fx.L}.{name}.weight" in line for line in missing) == 1, (name, missing)
+    assert len(missing) == len(names)
+    fix = str(info.value).split("Fix: ", 1)[1]
+    assert f"num_layers={fx.L + 1} (the folder's: {fx.L})" in fix
+    assert "Re-download" not in fix and "re-download" not in fix
+
+
+def test_folder_into_an_untied_model_names_the_config_difference(tmp_path):
+    folder = str(tmp_path / "llama")
+    fx.make_folder("llama3", folder)  # tied embeddings: no lm_head.weight
+    model = _other_llama(folder, tie_word_embeddings=False)
+    with pytest.raises(CheckpointMismatchError) as info:
+        shardckpt.load_sharded(model, folder)
+    assert info.value.missing == ["token_embedding/reverse_embeddings (Hugging Face tensor 'lm_head.weight')"]
+    assert "tie_word_embeddings=False (the folder's: True)" in str(info.value).split("Fix: ", 1)[1]

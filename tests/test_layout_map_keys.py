@@ -76,5 +76,5 @@ def test_the_same_unmatched_keys_are_warned_about_once(saved):
         model = _sequential()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        shardckpt.load_sharded(model, path, progress=False)
+        shardckpt.load_sharded(model, path, progress=False, layout=keras.distribution.DataParallel())
     assert len(first) == 1 and [w for w in caught if "LayoutMap key" in str(w.message)] == []

@@ -201,7 +201,7 @@ def _load(path: str) -> dict[str, np.ndarray]:
     keras.backend.clear_session()
     with shardckpt.lazy_init():
         model = _build()
-    shardckpt.load_sharded(model, path, layout=None)
+    shardckpt.load_sharded(model, path, layout=keras.distribution.DataParallel())
     return {v.path: np.asarray(v) for v in model.weights}
 
 

@@ -92,7 +92,9 @@ def test_lazy_model_loaded_then_parallelized(tmp_path):
     keras.backend.clear_session()
     with shardckpt.lazy_init():
         lazy = models.build_transformer(SHAPE)
-    shardckpt.load_sharded(lazy, path)
+    # Onto device 0 on purpose (a lazily built model is never put there by default).
+    one = keras.distribution.DeviceMesh((1,), ["batch"], [jax.devices()[0]])
+    shardckpt.load_sharded(lazy, path, layout=keras.distribution.LayoutMap(one), allow_other_mesh=True)
     plan = parallelize(lazy, (2, 4))
     assert plan.batch_axis == "data" and tuple(plan.mesh.shape) == (2, 4)
     for v, src in zip(lazy.variables, model.variables):

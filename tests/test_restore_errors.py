@@ -12,7 +12,7 @@ import safetensors.numpy as stnp
 
 import shardckpt
 from shardckpt import errors
-from tests.zoo import build_zoo, randomize
+from tests.zoo import build_zoo, randomize, zoo_layout_map
 
 
 def _lazy(dim=16, mesh=None, layout_map=None):
@@ -109,7 +109,7 @@ def test_missing_and_unexpected_keys_in_one_error(files, tmp_path):
     assert info.value.missing == ["head/bias (key 'head/bias')"]
     assert info.value.unexpected == ["extra/weight"]
     _untouched(lazy)
-    report = shardckpt.load_sharded(lazy, path, strict=False)
+    report = shardckpt.load_sharded(lazy, path, strict=False, layout=keras.distribution.DataParallel())
     assert report.unexpected == ["extra/weight"] and report.initialized == ["head/bias"]
 
 
@@ -127,6 +127,24 @@ def test_indivisible_layout(files):
     src.save_weights(path)
     with pytest.raises(errors.IndivisibleLayoutError, match="block/norm/gamma.*12.*8"):
         shardckpt.load_sharded(model, path, layout=layout_map)
+    _untouched(model)
+
+
+@pytest.mark.parametrize(
+    ("key", "axes", "shape"),
+    [("head/bias", (None, "model"), "(32,)"), ("head/kernel", (None, "model", None), "(8, 32)")],
+)
+def test_layout_map_entry_of_another_rank_is_named(files, key, axes, shape):
+    """Longer than the rank: JAX raises a bare IndexError mid-load (a bias), or
+    keeps a sharding of another rank on the array (a kernel); refused before any read."""
+    layout_map = keras.distribution.LayoutMap(keras.distribution.DeviceMesh((1, 8), ["data", "model"]))
+    layout_map[key] = axes
+    model = _lazy()
+    with pytest.raises(errors.LayoutError) as info:
+        shardckpt.load_sharded(model, files / "m.weights.h5", layout=layout_map)
+    message = str(info.value)
+    assert f"Variable '{key}' of shape {shape}" in message and f"its layout {axes}" in message
+    assert "one mesh axis or None per dimension" in message
     _untouched(model)
 
 
@@ -163,7 +181,7 @@ def test_truncated_orbax_data_file(tmp_path):
     for name in os.listdir(data_dir):  # array chunks; the OCDBT index stays intact
         os.truncate(data_dir / name, os.path.getsize(data_dir / name) // 2)
     with pytest.raises(errors.CorruptCheckpointError, match=r"Reading array '[\w/]+' .*restore from another step"):
-        shardckpt.load_sharded(_lazy(), tmp_path / "ck")
+        shardckpt.load_sharded(_lazy(), tmp_path / "ck", layout=keras.distribution.DataParallel())
 
 
 def test_corrupt_orbax_chunk(tmp_path):
@@ -192,3 +210,31 @@ def test_no_pickle_loaded(tmp_path):
         shardckpt.load_sharded(_lazy(), path)
     with pytest.raises(errors.UnknownFormatError):
         shardckpt.load_sharded(_lazy(), path.rename(tmp_path / "evil.pkl"))
+
+
+def test_lazy_model_with_no_layout_on_several_devices_is_refused(files):
+    """No distribution, no layout=: never a silent load onto device 0 of 8."""
+    model = _lazy()
+    with pytest.raises(errors.LayoutError) as info:
+        shardckpt.load_sharded(model, files / "m.weights.h5")
+    message = str(info.value)
+    assert "has no sharding yet" in message and "host of 8 devices" in message
+    assert "pass layout=" in message and "keras.distribution.set_distribution" in message
+    _untouched(model)
+    # The fix, followed: a distribution set (here one that replicates).
+    keras.distribution.set_distribution(keras.distribution.DataParallel())
+    shardckpt.load_sharded(model, files / "m.weights.h5")
+    assert all(len(v.value.sharding.device_set) == 8 for v in model.weights)
+
+
+def test_built_model_with_no_layout_keeps_each_variables_sharding(files):
+    mesh = keras.distribution.DeviceMesh((2, 4), ["data", "model"])
+    keras.backend.clear_session()
+    keras.distribution.set_distribution(keras.distribution.ModelParallel(layout_map=zoo_layout_map(mesh)))
+    model = build_zoo(rnn=False)
+    before = {v.path: v.value.sharding for v in model.weights}
+    keras.distribution.set_distribution(None)
+    shardckpt.load_sharded(model, files / "m.weights.h5")
+    for v in model.weights:
+        assert v.value.sharding == before[v.path], v.path
+    assert any(not s.is_fully_replicated for s in before.values())

@@ -187,6 +187,8 @@ def _tour(work: str, echo: Callable[[Any], None]) -> int:
     slots = {v.path: np.asarray(v.value) for v in model.optimizer.variables}
     loss_before = float(model.evaluate(x, y, batch_size=32, verbose=0))
     keras.backend.clear_session()
+    # Resumed in the plan's sharding (clear_session also cleared the distribution).
+    keras.distribution.set_distribution(distribution)
     with shardckpt.lazy_init():
         resumed = build_transformer()
     resumed.compile(optimizer=keras.optimizers.Adam(1e-3), loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))

@@ -30,6 +30,25 @@ class MissingTensorError(KeyError):
     """The converter asked for a tensor the folder does not hold."""
 
 
+class ConversionProblems(ValueError):
+    """Tensors the converter needs that the folder lacks, or holds in another shape.
+
+    Collected over the whole conversion and raised once (`record`), so one
+    error lists every difference between the model and the folder.
+
+    Attributes:
+        missing: `"<variable path> (Hugging Face tensor '<key>')"` per tensor
+            the folder lacks.
+        mismatched: One line per variable whose tensor has another shape:
+            the variable, the tensor, expected and found shapes.
+    """
+
+    def __init__(self, missing: list[str], mismatched: list[str]) -> None:
+        super().__init__("; ".join([*missing, *mismatched]))
+        self.missing = missing
+        self.mismatched = mismatched
+
+
 class RecordingLoader:
     """keras-hub's `SafetensorLoader` interface, recording instead of reading.
 
@@ -47,6 +66,8 @@ class RecordingLoader:
         self._stored = stored
         self.assigned: dict[int, tuple[Any, Tensor]] = {}
         self.used: set[str] = set()
+        self.missing: list[str] = []
+        self.mismatched: list[str] = []
 
     def get_prefixed_key(self, hf_weight_key: str, dict_like: Any) -> str:
         # keras-hub's resolution (exact, cached prefix, then suffix match),
@@ -61,10 +82,31 @@ class RecordingLoader:
         return Strided.stored(key, spec.dtype, tuple(spec.shape))
 
     def port_weight(self, keras_variable: Any, hf_weight_key: str, hook_fn: Any = None) -> None:
-        value = self.get_tensor(hf_weight_key)
+        # Missing tensors and shapes that do not fit are collected, not
+        # raised, so that `record` names every one of them at once.
+        try:
+            value = self.get_tensor(hf_weight_key)
+        except MissingTensorError:
+            self.missing.append(f"{keras_variable.path} (Hugging Face tensor {hf_weight_key!r})")
+            return
         if hook_fn:
-            value = hook_fn(value, list(keras_variable.shape))
+            try:
+                value = hook_fn(value, list(keras_variable.shape))
+            except Unsupported:
+                raise
+            except ValueError as e:  # a reshape to the variable's shape that cannot be
+                self._mismatch(keras_variable, value, f" ({e})")
+                return
         self.assign(keras_variable, value)
+
+    def _mismatch(self, variable: Any, value: Tensor, detail: str = "") -> None:
+        stored = ", ".join(
+            f"{key!r} of shape {tuple(self._stored[key].shape)}" for key in value.sources() if key in self._stored
+        )
+        self.mismatched.append(
+            f"{variable.path}: expected shape {tuple(variable.shape)}, the folder's Hugging Face "
+            f"tensor {stored} gives {tuple(value.shape)}{detail}"
+        )
 
     def assign(self, variable: Any, value: Any) -> None:
         if not isinstance(value, Tensor):
@@ -72,6 +114,9 @@ class RecordingLoader:
                 f"the converter assigns {variable.path!r} a value computed on the host "
                 f"({type(value).__name__}), not a remap of stored tensors"
             )
+        if tuple(value.shape) != tuple(variable.shape):
+            self._mismatch(variable, value)
+            return
         self.assigned[id(variable)] = (variable, value)
         self.used.update(value.sources())
 
@@ -115,9 +160,21 @@ def record(model: Any, converter: Any, preset: str, config: dict, stored: Mappin
 
     Raises:
         Unsupported: a hook is not an index remap (e.g. arithmetic on values).
-        MissingTensorError: the converter needs a tensor the folder lacks.
+        ConversionProblems: every tensor the converter needs that the folder
+            lacks, and every variable its tensor does not fit.
     """
     loader = RecordingLoader(preset, stored, safetensor_config)
     with _assigns_recorded(model, loader):
-        converter.convert_weights(model, loader, config)
+        try:
+            converter.convert_weights(model, loader, config)
+        except MissingTensorError as e:  # read outside port_weight: the converter stops here
+            loader.missing.append(f"(read by the converter) Hugging Face tensor {e.args[0]}")
+        except ValueError as e:
+            # A converter's own reshape of a tensor read outside port_weight
+            # (stacked experts); reported beside what was found so far.
+            if isinstance(e, Unsupported) or not (loader.missing or loader.mismatched):
+                raise
+            loader.mismatched.append(f"(the converter stopped: {e})")
+    if loader.missing or loader.mismatched:
+        raise ConversionProblems(loader.missing, loader.mismatched)
     return loader

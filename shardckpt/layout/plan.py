@@ -33,6 +33,7 @@ from keras import distribution as kd
 
 from shardckpt import _keras
 from shardckpt.errors import LayoutError, UnplannedVariableError
+from shardckpt.layout.distribution import PlannedDistribution
 from shardckpt.layout.lora import lora_layout
 from shardckpt.layout.memory import slots_per_variable
 from shardckpt.layout.mesh import check_device_count
@@ -111,6 +112,10 @@ class LayoutPlan:
 
     def __getitem__(self, path: str) -> Placement:
         return self._by_path[path]
+
+    def placement(self, path: str) -> Placement | None:
+        """The placement of the variable at `path` (exactly), or None."""
+        return self._by_path.get(path)
 
     def bind(self, model: Any, *, unknown: str | None = None) -> LayoutPlan:
         """This plan for `model`: another instance of the architecture it was made for.
@@ -242,15 +247,17 @@ class LayoutPlan:
     def distribution(self, *, auto_shard_dataset: bool = True) -> kd.ModelParallel:
         """A `keras.distribution.ModelParallel` that places variables by this plan.
 
+        It places any instance of the planned architecture, built under it
+        after the plan was made (generated layer names may differ), and
+        raises `UnplannedVariableError` for a layer's variable the plan does
+        not know, instead of replicating it
+        (`shardckpt.layout.distribution.PlannedDistribution`).
+
         Args:
             auto_shard_dataset: Passed to Keras (False for multi-process
                 input pipelines that shard themselves).
         """
-        return kd.ModelParallel(
-            layout_map=self.layout_map(),
-            batch_dim_name=self.batch_axis,
-            auto_shard_dataset=auto_shard_dataset,
-        )
+        return PlannedDistribution(self, auto_shard_dataset=auto_shard_dataset)
 
     # -- memory --------------------------------------------------------------
     def split_factor(self, axes: Sequence[Axis]) -> int:

@@ -37,7 +37,7 @@ from shardckpt.formats.hf import (
     read_config,
     safetensors_index,
 )
-from shardckpt.formats.hf_record import MissingTensorError, record
+from shardckpt.formats.hf_record import ConversionProblems, record
 from shardckpt.formats.hf_remap import Unsupported
 from shardckpt.lazy import is_unloaded, lazy_init, original_initializer
 from shardckpt.structure import lora_off
@@ -159,9 +159,52 @@ def remaps(model: Any, folder: str, tensors: Any) -> dict[str, Any]:
             f"not an index remap of stored tensors: {e}. Fix: load it with keras-hub's from_preset, "
             "or convert it there and save with save_to_preset."
         ) from e
-    except MissingTensorError as e:
-        raise CheckpointMismatchError(folder, missing=[str(e.args[0])], fmt="hf") from e
+    except ConversionProblems as e:
+        raise CheckpointMismatchError(
+            folder, missing=e.missing, mismatched=e.mismatched, fmt="hf", fix=_folder_fix(model, loader)
+        ) from e
     return {variable.path: value for variable, value in recorded.assigned.values()}
+
+
+def _config_differences(model: Any, loader: Any) -> list[str]:
+    """Constructor arguments of `model` that differ from those of the folder's config.json.
+
+    keras-hub's converter turns the Hugging Face config into the backbone's
+    constructor arguments (`convert_backbone_config`); compared with the
+    model's own `get_config()`, they name what makes the model another one.
+    """
+    try:
+        wanted = loader.converter.convert_backbone_config(loader.config)
+        ours = model.get_config()
+    except (AttributeError, KeyError, TypeError, ValueError, NotImplementedError):
+        return []  # no comparable config (a converter without one): the generic advice stands
+    missing = object()
+    out = []
+    for name, value in wanted.items():
+        # Some backbones keep an argument as an attribute only (Llama's tie_word_embeddings).
+        mine = ours.get(name, getattr(model, name, missing))
+        if mine is not missing and mine != value and not isinstance(value, dict):
+            out.append(f"{name}={mine!r} (the folder's: {value!r})")
+    return out
+
+
+def _folder_fix(model: Any, loader: Any) -> str:
+    """The advice for tensors a folder lacks or holds in other shapes, for `model`."""
+    differences = _config_differences(model, loader)
+    if differences:
+        return (
+            f"the model differs from the folder's config.json ({loader.config.get('model_type')}): "
+            + ", ".join(differences)
+            + ". Build the model from the folder (shardckpt.from_preset(folder), or "
+            "shardckpt.presets.hf.build(folder)) or with the folder's configuration."
+        )
+    return (
+        "the model differs from what the folder holds: build it from the folder (shardckpt.from_preset"
+        "(folder), or shardckpt.presets.hf.build(folder)) or with the configuration in its config.json "
+        "(layers, widths, heads, vocabulary, tied embeddings). If the model was built from this "
+        "config.json, the Hugging Face folder is incomplete: Re-download the complete folder "
+        "(config.json with the safetensors files it was saved with)."
+    )
 
 
 def open_reader(folder: str | os.PathLike | storage.Location, model: Any) -> HFReader:

@@ -22,10 +22,11 @@ from typing import Any
 
 import jax
 import numpy as np
+from keras import distribution as kd
 
 from shardckpt import _keras, dtypes
 from shardckpt import budget as budgets
-from shardckpt.errors import IndivisibleLayoutError
+from shardckpt.errors import CheckpointMismatchError, IndivisibleLayoutError, LayoutError
 from shardckpt.formats import Reader, open_reader
 from shardckpt.lazy import is_unloaded, original_initializer
 from shardckpt.progress import ByteProgress, ReadTally, key_lines, read_line
@@ -145,7 +146,9 @@ def load_sharded(
             safetensors) into the keras-hub model `shardckpt.presets.hf.build`
             builds.
         layout: Where variables go. None: the active Keras distribution, else
-            each variable's current sharding (or device 0 for a lazy one). Also
+            each variable's current sharding; a lazily built variable has
+            none: device 0 on a one-device host, a `LayoutError` on a host of
+            several devices (it would compute on one device only). Also
             a `keras.distribution.LayoutMap`, a `Distribution`, or a plan with
             `layout_map()` / `sharding_for(variable)` (`shardckpt.auto_layout`);
             a `LayoutPlan` is first bound to `model` (`plan.bind`: matched
@@ -195,11 +198,19 @@ def load_sharded(
         IndivisibleLayoutError: a mesh axis does not divide a sharded dimension.
         MeshMismatchError: `layout` is on another mesh (see `allow_other_mesh`).
         UnplannedVariableError: a `LayoutPlan` has no placement for a variable.
+        LayoutError: no layout for a lazily built variable on a host of several
+            devices, or a layout of more axes than its variable has dimensions.
     """
     start = time.perf_counter()
     accelerators = sum(1 for d in jax.local_devices() if d.platform != "cpu")
     chosen = "given" if max_inflight_bytes is not None else budgets.describe_default(accelerators)
     max_inflight_bytes = budgets.resolve(max_inflight_bytes, accelerators=accelerators)
+    if layout is None:
+        # A plan's distribution (`LayoutPlan.distribution()`): its plan bound
+        # to this model by structure, whatever names Keras generated.
+        for_model = getattr(kd.distribution(), "for_model", None)
+        if callable(for_model):
+            layout = for_model(model)
     if isinstance(layout, PlanLike):
         # A LayoutPlan matches variables by structure: bound to this instance,
         # generated layer names that differ from the planned model's do not
@@ -217,7 +228,10 @@ def load_sharded(
         report = LoadReport(
             path=reader.path, format=reader.format, max_inflight_bytes=max_inflight_bytes, budget_rule=chosen
         )
-        jobs, to_init = match_jobs(model, reader, report, strict, resolve_layout(layout))
+        # On a host of several devices, a lazily built variable is never put on
+        # one device by default (see `resolve_layout`).
+        unplaced = "raise" if jax.device_count() > 1 else "first_device"
+        jobs, to_init = match_jobs(model, reader, report, strict, resolve_layout(layout, unplaced=unplaced))
         total = sum(reader.spec(job.key).nbytes for job in jobs)
         show = sys.stderr.isatty() if progress is None else progress
         with ByteProgress(total, f"loading {os.path.basename(reader.path)}", enabled=show) as bar:
@@ -248,18 +262,23 @@ def match_jobs(
     report.missing = found.missing_lines()
     report.unexpected = found.unexpected
     report.skipped = found.skipped
-    jobs: list[Job] = []
-    # Dtype and layout problems are raised first, as they are found.
+    # Checkpoint problems first (dtypes as they are found, then keys and
+    # shapes), then where each variable goes.
     for key, variable in found.pairs:
         stored, target_dtype = reader.spec(key).dtype, np.dtype(variable.dtype)
         dtypes.check_cast(variable.path, key, stored, target_dtype)
         if stored != target_dtype:
             report.casts.append(f"{variable.path}: {stored} -> {target_dtype}")
+    found.fix = _unbuilt_state_fix(model, found)
+    found.raise_if_mismatched(reader.path, strict=strict)
+    if not strict:
+        _refuse_little(model, found, reader.path)
+    jobs: list[Job] = []
+    for key, variable in found.pairs:
         target = layout_of(variable)
         _check_divisible(variable, target)
         jobs.append(Job(key, variable, target))
-    found.raise_if_mismatched(reader.path, strict=strict)
-    missing_vars = [variable for _, variable in found.missing]
+    missing_vars = [variable for _, variable in found.missing + found.fresh]
     to_init = [(v, layout_of(v)) for v in missing_vars if is_unloaded(v)]
     # Variables the format never stores (Keras h5 keeps no seed-generator
     # state and no LoRA factors): a lazily built one gets its own initial
@@ -273,6 +292,77 @@ def match_jobs(
     return jobs, to_init
 
 
+def _unbuilt_state_fix(model: Any, found: naming.KeyMatch) -> str | None:
+    """The advice for a full-state checkpoint into a model whose optimizer or metrics are not built yet.
+
+    A compiled model's optimizer has its step counter and learning rate, and
+    no slots before its first step; compiled metrics get their variables on
+    the first fit/evaluate. Every such key of the checkpoint is then
+    unexpected, and the fix is to build them, not to rename layers. None when
+    the problems are others.
+    """
+    if found.missing or found.mismatched or not found.unexpected:
+        return None
+    if not all(naming.is_optional_key(k, found.format) for k in found.unexpected):
+        return None
+    optimizer = getattr(model, "optimizer", None)
+    fixes = []
+    if optimizer is not None and not getattr(optimizer, "built", True):
+        fixes.append(
+            "the model's optimizer is not built yet, so it has no slots for the checkpoint's "
+            "optimizer state: build it first (model.optimizer.build(model.trainable_variables)), "
+            "or resume with shardckpt.restore_latest(model, directory), which builds it"
+        )
+    if any(k.startswith("metrics_variables/") for k in found.unexpected):
+        fixes.append(
+            "the model's compiled metrics have no variables until the first fit/evaluate: run one "
+            "(model.evaluate on a batch) before loading, or pass strict=False to load everything "
+            "else and leave the metrics at zero"
+        )
+    return "; ".join(fixes) + "." if fixes else None
+
+
+def _refuse_little(model: Any, found: naming.KeyMatch, path: str) -> None:
+    """Refuses a `strict=False` load that fills less than half of the model's weights.
+
+    `strict=False` skips a few differing variables; a checkpoint that fills
+    none, or under half of the weight bytes, is another model (or keyed for
+    another build of it), and returning would leave the model random without a word.
+
+    Raises:
+        CheckpointMismatchError: listing what is missing and unexpected.
+    """
+    weights = _unique(list(model.weights))
+    total = sum(_nbytes(v) for v in weights)
+    if not weights or not total:
+        return
+    ids = {id(v) for _, v in found.pairs}
+    loaded = [v for v in weights if id(v) in ids]
+    share = sum(_nbytes(v) for v in loaded) / total
+    if loaded and share >= 0.5:
+        return
+    raise CheckpointMismatchError(
+        path,
+        missing=found.missing_lines(),
+        unexpected=found.unexpected,
+        fmt=found.format,
+        note=(
+            f"strict=False would load {len(loaded)} of the model's {len(weights)} weights "
+            f"({share:.0%} of their bytes) and leave the rest at their initial values: the "
+            "checkpoint holds another model, or names its variables otherwise."
+        ),
+        fix=(
+            "load the checkpoint into the architecture that wrote it (same layers and "
+            "configuration), or check the path; strict=False is for a few differing variables, "
+            "not for most of the model."
+        ),
+    )
+
+
+def _nbytes(variable: Any) -> int:
+    return int(np.prod(variable.shape, dtype=np.int64)) * np.dtype(variable.dtype).itemsize
+
+
 def _unique(variables: list[Any]) -> list[Any]:
     # In order of first appearance; keyed by identity (variables hash by value).
     return list({id(v): v for v in variables}.values())
@@ -284,6 +374,17 @@ def _check_divisible(variable: Any, target: TargetLayout) -> None:
     mesh = getattr(sharding, "mesh", None)
     if spec is None or mesh is None:
         return
+    if len(spec) > len(variable.shape):
+        # JAX fails on it deep inside (an IndexError, or a sharding of
+        # another rank kept on the array); said here, before any read.
+        where = f"its layout {tuple(target.keras_layout.axes)}" if target.keras_layout is not None else "its layout"
+        raise LayoutError(
+            f"Variable {variable.path!r} of shape {tuple(variable.shape)} (rank {len(variable.shape)}) gets "
+            f"{where}, partition spec {spec}: {len(spec)} axes for {len(variable.shape)} dimension(s). Fix: "
+            "give its LayoutMap entry (or rule) one mesh axis or None per dimension, e.g. "
+            f"{tuple([None] * len(variable.shape))}, or a key that matches the variables of that rank only. "
+            f"Received: layout={spec}"
+        )
     for dim, axes in enumerate(spec):
         if axes is None or dim >= len(variable.shape):
             continue

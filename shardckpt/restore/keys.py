@@ -25,6 +25,15 @@ Two adjustments to what Keras names:
   (`optimizer_variables/adam/...`), which becomes `adam_1` in a process that
   created another optimizer first. `align_optimizer_keys` matches by the path
   under the optimizer when model and checkpoint each have one optimizer.
+- Frozen or not: Orbax keys hold the collection, and `trainable` decides it
+  (`enable_lora` freezes the base, `backbone.trainable = False` a backbone),
+  so the same variable is `non_trainable_variables/<path>` in a checkpoint
+  saved frozen and `trainable_variables/<path>` in the model built again.
+  Variables match by path whichever of the two collections they sit in, on
+  either side (`align_generated_names` treats the two as one). Optimizer
+  slots follow trainability: those of a variable that became trainable are
+  not in the checkpoint and start fresh; those of a variable that became
+  frozen have no target and are skipped (one warning says which).
 - Generated layer names: Orbax keys hold `variable.path`, and Keras names an
   unnamed layer by a process-wide counter, so a model built a second time has
   `sequential_2/dense_2/kernel` where the checkpoint has
@@ -41,6 +50,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import re
+import warnings
 from collections.abc import Iterable, Iterator
 from typing import Any
 
@@ -52,6 +62,7 @@ from shardckpt.errors import CheckpointMismatchError
 from shardckpt.formats.base import Reader
 from shardckpt.formats.registry import FORMATS
 from shardckpt.natsort import natural_sorted
+from shardckpt.progress import some
 from shardckpt.structure import RecordingStore, lora_layers, lora_off
 
 # Checkpoint collections that are optional: a weights-only checkpoint lacks
@@ -63,6 +74,10 @@ _UNIQUIFIED = re.compile(r"_\d+$")
 # The same inside a key, at the end of each name ("/" between layers, "_"
 # where an optimizer slot embeds its variable's path): `sequential_1/dense_12/kernel`.
 _SUFFIXES = re.compile(r"_(\d+)(?=[/_]|$)")
+# Both weight collections of a state tree, as one: which of the two holds a
+# variable follows its `trainable` flag, which changes between runs.
+_WEIGHT_COLLECTION = re.compile(rf"^(?:{'|'.join(state.WEIGHT_COLLECTIONS)})/")
+_OPTIMIZER_PREFIX = "optimizer_variables/"
 # The roles of a preset's weights files (see `preset_keys`).
 PRESET_PREFIXES = ("model/", "task/")
 
@@ -155,8 +170,9 @@ def align_optimizer_keys(wanted: dict[str, Any], stored: Iterable[str]) -> dict[
 
 
 def _pattern(key: str) -> str:
-    """`key` without Keras' uniquifying suffixes: the same for every build of a model."""
-    return _SUFFIXES.sub("", key)
+    """`key` without Keras' uniquifying suffixes nor its weight collection: the
+    same for every build of a model, frozen or not."""
+    return _SUFFIXES.sub("", _WEIGHT_COLLECTION.sub("weights/", key))
 
 
 def _creation_order(key: str) -> tuple[int, ...]:
@@ -170,9 +186,10 @@ def align_generated_names(wanted: dict[str, Any], reader: Reader) -> dict[str, A
     Keys are grouped by their pattern: the key without the `_<n>` counters
     Keras appends to generated names (`trainable_variables/sequential/dense/
     kernel`; an optimizer slot embeds its variable's path and is grouped the
-    same way). The pattern carries the collection, the layer classes along the
-    path (a generated name is the class name in snake case) and the variable
-    name. In a group where model and checkpoint hold the same keys, nothing
+    same way). The pattern carries the collection (trainable and
+    non-trainable variables count as one: a variable frozen on one side sits
+    in the other collection), the layer classes along the path (a generated
+    name is the class name in snake case) and the variable name. In a group where model and checkpoint hold the same keys, nothing
     changes: explicit names match by name, whatever their position. In a group
     where they differ, the model's keys and the checkpoint's are paired in
     creation order (the counters, oldest first: the position in the model),
@@ -271,7 +288,13 @@ class KeyMatch:
             entirely (optimizer state into a model without an optimizer).
         mismatched: One line per variable that cannot be loaded from its key:
             shapes differ, or the layer saves a computed value.
+        fresh: `(key, variable)` of optimizer slots the checkpoint cannot
+            hold: their variable was frozen when it was saved and is
+            trainable now (they keep their values, or start from their
+            initializer under `lazy_init()`).
         format: The checkpoint's format (`Reader.format`), for the error's advice.
+        fix: Advice replacing the format's generic one (see `CheckpointMismatchError`).
+        note: A line said before the problems.
     """
 
     pairs: list[tuple[str, Any]] = dataclasses.field(default_factory=list)
@@ -279,7 +302,10 @@ class KeyMatch:
     unexpected: list[str] = dataclasses.field(default_factory=list)
     skipped: list[str] = dataclasses.field(default_factory=list)
     mismatched: list[str] = dataclasses.field(default_factory=list)
+    fresh: list[tuple[str, Any]] = dataclasses.field(default_factory=list)
     format: str = ""
+    fix: str | None = None
+    note: str = ""
 
     def missing_lines(self) -> list[str]:
         """`missing` as `CheckpointMismatchError` lists it."""
@@ -299,6 +325,8 @@ class KeyMatch:
                 unexpected=self.unexpected if strict else (),
                 mismatched=self.mismatched,
                 fmt=self.format,
+                fix=self.fix,
+                note=self.note,
             )
 
 
@@ -312,6 +340,8 @@ def match(wanted: dict[str, Any], reader: Reader) -> KeyMatch:
     """
     fmt = reader.format
     stored = set(reader.keys())
+    # Each variable's key as the model names it (its collection: trainable now or not).
+    model_keys = {id(v): k for k, v in reversed(list(wanted.items()))}
     wanted = align_optimizer_keys(wanted, stored)
     if fmt == "orbax":
         wanted = align_generated_names(wanted, reader)
@@ -350,9 +380,85 @@ def match(wanted: dict[str, Any], reader: Reader) -> KeyMatch:
             result.skipped.append(key)
         else:
             result.unexpected.append(key)
+    if fmt == "orbax":
+        _follow_trainability(result, model_keys, reader.keys())
     if result.unexpected or result.skipped:  # (Orbax: scales are non-trainable variables)
         _refuse_quantized_into_float(result, reader)
     return result
+
+
+def _stem(weight_key: str) -> str:
+    """How an optimizer slot embeds its variable (`<collection>/d1/kernel` -> `d1_kernel`)."""
+    return weight_key.split("/", 1)[1].replace("/", "_")
+
+
+def _slot_owner(slot_key: str, stems: Iterable[str]) -> str | None:
+    """The stem of the variable an optimizer slot key was made from (longest prefix), or None.
+
+    Keras names a slot `<optimizer>/<variable path, / -> _>_<slot name>`
+    (`BaseOptimizer.add_variable_from_reference`).
+    """
+    parts = slot_key.split("/", 2)
+    if len(parts) < 3 or not slot_key.startswith(_OPTIMIZER_PREFIX):
+        return None
+    name = parts[2]
+    owners = [s for s in stems if name.startswith(f"{s}_")]
+    return max(owners, key=len) if owners else None
+
+
+def _follow_trainability(result: KeyMatch, model_keys: dict[int, str], stored: Iterable[str]) -> None:
+    """Optimizer slots of variables frozen on one side only: fresh, or skipped, said once.
+
+    A variable loaded from the other weight collection than the model puts it
+    in changed its `trainable` flag. An optimizer has slots only for trainable
+    variables, so one that became trainable has slots the checkpoint lacks
+    (they start fresh: `fresh`, not `missing`), and one that became frozen has
+    slots in the checkpoint nothing wants (`skipped`, not `unexpected`).
+    """
+    weights = tuple(f"{c}/" for c in state.WEIGHT_COLLECTIONS)
+    thawed: set[str] = set()
+    frozen: set[str] = set()
+    for key, variable in result.pairs:
+        ours = model_keys.get(id(variable), key)
+        if not key.startswith(weights) or collection(ours) == collection(key):
+            continue
+        if collection(ours) == "trainable_variables":
+            thawed.add(_stem(ours))
+        else:
+            frozen.add(_stem(key))
+    if not thawed and not frozen:
+        return
+    our_stems = [_stem(k) for k in model_keys.values() if k.startswith(weights)]
+    their_stems = [_stem(k) for k in stored if k.startswith(weights)]
+    missing: list[tuple[str, Any]] = []
+    for key, variable in result.missing:
+        if _slot_owner(model_keys.get(id(variable), key), our_stems) in thawed:
+            result.fresh.append((key, variable))
+        else:
+            missing.append((key, variable))
+    result.missing = missing
+    unexpected: list[str] = []
+    dropped: list[str] = []
+    for key in result.unexpected:
+        (dropped if _slot_owner(key, their_stems) in frozen else unexpected).append(key)
+    result.unexpected = unexpected
+    result.skipped = natural_sorted([*result.skipped, *dropped])
+    said = []
+    if thawed:
+        said.append(
+            f"trainable now, frozen in the checkpoint: {some(natural_sorted(thawed))}; their "
+            f"{len(result.fresh)} optimizer slot(s) are not in it and start fresh"
+        )
+    if frozen:
+        said.append(
+            f"frozen now, trainable in the checkpoint: {some(natural_sorted(frozen))}; their "
+            f"{len(dropped)} stored optimizer slot(s) are skipped"
+        )
+    warnings.warn(
+        "Variables changed their trainable flag since the checkpoint was saved (enable_lora, "
+        "layer.trainable = ...); their values load by path. " + "; ".join(said) + ".",
+        stacklevel=4,
+    )
 
 
 def _refuse_quantized_into_float(result: KeyMatch, reader: Reader) -> None:

@@ -20,7 +20,7 @@ import numpy as np
 from keras import distribution as kd
 
 from shardckpt import _keras
-from shardckpt.errors import MeshMismatchError
+from shardckpt.errors import LayoutError, MeshMismatchError
 from shardckpt.progress import some
 from shardckpt.structure import lora_factor_paths
 from shardckpt.types import Layout
@@ -41,17 +41,27 @@ class TargetLayout:
     keras_layout: Any = None
 
 
-def resolve_layout(layout: Layout) -> Callable[[Any], TargetLayout]:
+def resolve_layout(layout: Layout, *, unplaced: str = "first_device") -> Callable[[Any], TargetLayout]:
     """Returns `variable -> TargetLayout` for any accepted `layout` form.
+
+    Args:
+        layout: The `layout=` value.
+        unplaced: With no `layout` and no active distribution, where a variable
+            with no sharding yet (built under `lazy_init()`) goes:
+            "first_device", or "raise" (`load_sharded` on a host of several
+            devices: the model would compute on one device, and the next
+            sharded step fails inside JAX on incompatible devices).
 
     Raises:
         TypeError: `layout` is none of the accepted forms.
+        LayoutError: from the returned function, for an unplaced variable
+            when `unplaced="raise"`.
     """
     if layout is None:
         active = kd.distribution()
         if active is not None:
             return _from_distribution(active)
-        return _current
+        return _current if unplaced == "first_device" else _current_or_raise
     sharding_for = getattr(layout, "sharding_for", None)
     if sharding_for is not None:
         return lambda v: TargetLayout(sharding_for(v))
@@ -179,6 +189,20 @@ def _current(variable: Any) -> TargetLayout:
     if layout is not None:
         return _from_keras_layout(layout)
     return TargetLayout(jax.sharding.SingleDeviceSharding(jax.local_devices()[0]))
+
+
+def _current_or_raise(variable: Any) -> TargetLayout:
+    value, layout = _keras.current_value(variable), _keras.current_layout(variable)
+    if (value is not None and hasattr(value, "sharding")) or layout is not None:
+        return _current(variable)
+    raise LayoutError(
+        f"Variable {variable.path!r} (shape {tuple(variable.shape)}) has no sharding yet (built under "
+        f"lazy_init()), no layout= was given and no Keras distribution is set, on a host of "
+        f"{jax.device_count()} devices: it would load onto one device, and a later sharded step fails "
+        "on incompatible devices. Fix: pass layout= (shardckpt.auto_layout(model, mesh), a LayoutMap "
+        "or a Distribution), or call keras.distribution.set_distribution(...) before building and "
+        "loading the model (keras.distribution.DataParallel() to replicate it on every device)."
+    )
 
 
 def _from_keras_layout(layout: Any) -> TargetLayout:
