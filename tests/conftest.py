@@ -31,6 +31,7 @@ def _clean_keras_state():
 LONG_FILES = (
     "test_layout_hub.py", "test_restore.py", "test_bucket_multiprocess.py", "test_preemption_inputs.py",
     "test_resume_kill.py", "test_storage_pinning.py", "test_export.py", "test_bench_smoke.py",
+    "test_fault_injection.py", "test_export_configs.py", "test_export_transformers.py",
 )
 
 
