@@ -57,11 +57,12 @@ def test_report_says_how_the_budget_was_chosen(tmp_path):
     path = str(tmp_path / "m.weights.h5")
     build_zoo().save_weights(path)
     model, _ = lazy_zoo()
-    report = shardckpt.load_sharded(model, path)
+    report = shardckpt.load_sharded(model, path, layout=keras.distribution.DataParallel())
     assert report.budget_rule.startswith(f"host default: {budget.usable_cores()} cores")
     assert report.max_inflight_bytes == budget.default_max_inflight_bytes()  # CPU devices: no accelerator
     model, _ = lazy_zoo()
-    assert shardckpt.load_sharded(model, path, max_inflight_bytes=3 * MIB).budget_rule == "given"
+    report = shardckpt.load_sharded(model, path, max_inflight_bytes=3 * MIB, layout=keras.distribution.DataParallel())
+    assert report.budget_rule == "given"
 
 
 def test_rule_rounds_to_whole_mib():

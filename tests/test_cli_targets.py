@@ -110,7 +110,7 @@ def test_model_given_as_a_keras_hub_preset_folder(preset, tmp_path):
     code, _, err = _run(["convert", os.path.join(folder, "model.weights.h5"), out, "--model", folder, "--quiet"])
     assert code == 0, err
     model = _lazy_llama()
-    shardckpt.load_sharded(model, out)
+    shardckpt.load_sharded(model, out, layout=keras.distribution.DataParallel())
     for v in model.weights:
         np.testing.assert_array_equal(np.asarray(v.value), values[v.path], err_msg=v.path)
 
@@ -129,7 +129,7 @@ def test_console_script_finds_model_modules_in_the_current_directory(preset, tmp
     )
     assert done.returncode == 0, done.stderr
     model = _lazy_llama()
-    shardckpt.load_sharded(model, str(tmp_path / "out"))
+    shardckpt.load_sharded(model, str(tmp_path / "out"), layout=keras.distribution.DataParallel())
     for v in model.weights:
         np.testing.assert_array_equal(np.asarray(v.value), values[v.path], err_msg=v.path)
 

@@ -125,7 +125,7 @@ def test_bfloat16_folder_casts_as_keras_hub(model_dtype, tmp_path):
         assert b'"BF16"' in f.read(4096)
     keras.backend.clear_session()
     model = hf.build(folder, dtype=model_dtype)
-    report = shardckpt.load_sharded(model, folder)
+    report = shardckpt.load_sharded(model, folder, layout=keras.distribution.DataParallel())
     reference = fx.keras_hub_load(folder, dtype=model_dtype)
     assert bool(report.casts) == (model_dtype == "float32")
     for ours, theirs in zip(model.weights, reference.weights):
@@ -202,7 +202,7 @@ def test_convert_cli_writes_orbax_from_a_hf_folder(tmp_path, capsys):
     assert "Converted 25 arrays" in out and "from hf" in out, out
     keras.backend.clear_session()
     model = hf.build(folder)
-    shardckpt.load_sharded(model, dst)
+    shardckpt.load_sharded(model, dst, layout=keras.distribution.DataParallel())
     for ours, src in zip(model.weights, source.weights):
         np.testing.assert_array_equal(np.asarray(ours.value), np.asarray(src.value), err_msg=ours.path)
 
@@ -227,7 +227,7 @@ def test_convert_says_when_keras_hubs_converter_stores_another_dtype_and_rounds_
         stored.close()
     keras.backend.clear_session()
     model = hf.build(folder)
-    shardckpt.load_sharded(model, str(tmp_path / "as_keras_hub"))
+    shardckpt.load_sharded(model, str(tmp_path / "as_keras_hub"), layout=keras.distribution.DataParallel())
     keras_hub_values = fx.keras_hub_load(folder)  # keras-hub's own load: the same values
     for ours, theirs in zip(model.weights, keras_hub_values.weights):
         np.testing.assert_array_equal(np.asarray(ours.value), np.asarray(theirs.value), err_msg=ours.path)
@@ -240,7 +240,7 @@ def test_convert_says_when_keras_hubs_converter_stores_another_dtype_and_rounds_
     assert "each value is cast once" in report.rounding and report.casts[0].endswith("float32 -> bfloat16")
     keras.backend.clear_session()
     model = hf.build(folder, dtype="bfloat16")
-    shardckpt.load_sharded(model, str(tmp_path / "bf16"))
+    shardckpt.load_sharded(model, str(tmp_path / "bf16"), layout=keras.distribution.DataParallel())
     twice = 0
     for ours, src in zip(model.weights, source.weights):
         value = np.asarray(src.value)

@@ -32,7 +32,7 @@ def test_model_layout_and_mesh_parameters_are_typed():
     hints = _hints(shardckpt.auto_layout)
     assert hints["model"] is keras.Model and hints["mesh"] == mesh | Literal["auto"] | None
     hints = _hints(shardckpt.parallelize)
-    assert hints["model"] is keras.Model and hints["mesh"] == mesh | None
+    assert hints["model"] is keras.Model and hints["mesh"] == mesh | Literal["auto"] | None
     hints = _hints(shardckpt.convert)
     assert hints["model"] == keras.Model | None and hints["layout"] == layout and hints["mesh"] == mesh | None
     assert _hints(shardckpt.LayoutPlan.bytes_per_device)["optimizer"] == str | keras.optimizers.Optimizer | None
