@@ -491,8 +491,10 @@ def align_lora(model: Any, wanted: dict[str, Any], stored: Iterable[str]) -> tup
     A checkpoint that holds none of a LoRA layer's factors stores its merged
     kernel (Keras' `save_weights`, shardckpt's exports): the factors' keys
     are not wanted (a lazily built factor gets `enable_lora`'s initialisation,
-    B zeros), and the kernel's key is matched in the other weight collection
-    too (a plain model's kernel is trainable, a LoRA model's base is not).
+    B zeros). The kernel keeps the model's key: `match` finds it in the other
+    weight collection (a plain model's kernel is trainable, a LoRA model's
+    base is not) and, from that key, skips the optimizer slots it had while
+    trainable.
 
     Returns:
         `wanted` adjusted, and the factor variables the checkpoint lacks
@@ -503,20 +505,12 @@ def align_lora(model: Any, wanted: dict[str, Any], stored: Iterable[str]) -> tup
     key_of = {id(v): k for k, v in wanted.items() if is_variable(v)}
     drop: set[str] = set()
     absent: list[Any] = []
-    renames: dict[str, str] = {}
-    for _, base, _, factors in lora_layers(model):
+    for _, _, _, factors in lora_layers(model):
         keys = [key_of[id(f)] for f in factors if id(f) in key_of]
         if any(k in stored for k in keys):
             continue  # the checkpoint holds this layer's factors (and its base kernel unmerged)
         drop.update(keys)
         absent.extend(factors)
-        key = key_of.get(id(base))
-        if key is not None and key not in stored:
-            head, _, rest = key.partition("/")
-            if head in state.WEIGHT_COLLECTIONS:
-                for other in state.WEIGHT_COLLECTIONS:
-                    if f"{other}/{rest}" in stored:
-                        renames[key] = f"{other}/{rest}"
     if not absent:
         return wanted, []
-    return {renames.get(k, k): v for k, v in wanted.items() if k not in drop}, absent
+    return {k: v for k, v in wanted.items() if k not in drop}, absent
