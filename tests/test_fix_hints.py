@@ -339,7 +339,7 @@ def test_missing_shard_hint_copy_it_beside_the_index_works(tmp_path):
     with pytest.raises(errors.CheckpointNotFoundError) as e:
         shardckpt.load_sharded(model, index)
     assert repr(shards[-1]) in str(e.value)
-    assert "copy every *.weights.h5 shard listed in the index next to it" in _fix(e.value)
+    assert "copy (or upload) every *.weights.h5 shard listed in the index next to it" in _fix(e.value)
     os.replace(tmp_path / "elsewhere.bin", tmp_path / shards[-1])  # the hint, followed
     shardckpt.load_sharded(model, index)
     for v, want in zip(model.weights, values):

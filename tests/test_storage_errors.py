@@ -47,18 +47,24 @@ def test_convert_into_missing_bucket(tmp_path, scheme, request):
         shardckpt.convert(src, f"{scheme}://shardckpt-no-such-bucket/m", model=model)
 
 
-def test_missing_path_in_bucket_is_404(bucket):
+def test_missing_path_in_bucket_is_404(bucket, tmp_path):
     url = f"{bucket}/no/such/checkpoint"
     with pytest.raises(errors.CheckpointNotFoundError, match=url):
         shardckpt.inspect(url)
     with pytest.raises(errors.CheckpointNotFoundError, match=url):
         shardckpt.load_sharded(build_zoo(), url)
     # The message lists every format shardckpt reads (it once left out .weights.json,
-    # keras-hub presets and Hugging Face folders), from the formats' one table.
+    # keras-hub presets and Hugging Face folders), from the formats' one table, as the
+    # local message does; a format only written (no reader: `peft`) is not offered.
     with pytest.raises(errors.CheckpointNotFoundError) as e:
         shardckpt.inspect(url)
+    with pytest.raises(errors.CheckpointNotFoundError) as local:
+        shardckpt.inspect(tmp_path / "no-such-checkpoint")
+    assert any(fmt.reader is None for fmt in FORMATS.values())
     for fmt in FORMATS.values():
-        assert fmt.description in str(e.value), fmt.name
+        readable = fmt.reader is not None
+        assert (fmt.description in str(e.value)) == readable, fmt.name
+        assert (fmt.description in str(local.value)) == readable, fmt.name
     assert "sharded `.weights.json`" in str(e.value) and "keras-hub preset" in str(e.value)
 
 

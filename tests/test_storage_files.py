@@ -212,8 +212,9 @@ def test_a_device_box_requests_only_its_bytes_and_restore_reads_each_byte_once(t
     url = _upload(path, f"{bucket}/table.weights.h5")
     reader = open_reader(url)
     try:
-        assert not isinstance(reader, shardckpt.formats.MappedReader)  # fresh reads: budgeted
         (key,) = reader.keys()
+        assert isinstance(reader, shardckpt.formats.MappedReader)
+        assert not reader.is_mapped(key)  # fresh reads, held under the budget
         remote.TRAFFIC.reset()
         box = (slice(512, 1024), slice(0, 128))  # device 1's rows of 8
         np.testing.assert_array_equal(reader.read(key, box), table[box])

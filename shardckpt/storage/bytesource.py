@@ -29,7 +29,7 @@ from typing import BinaryIO
 import numpy as np
 
 from shardckpt.dtypes import aligned_empty
-from shardckpt.errors import CheckpointNotFoundError
+from shardckpt.errors import CheckpointNotFoundError, CorruptCheckpointError
 from shardckpt.storage import byteplan
 from shardckpt.storage.byteplan import Box, Run
 
@@ -206,7 +206,11 @@ class MappedFile(ByteSource):
             pos += n
 
     def check_end(self, end: int) -> None:
-        return None  # readers check offsets against `size`
+        if end > self._size:
+            raise CorruptCheckpointError(
+                f"{self.url!r} is shorter than its own header says: it needs {end} bytes and has "
+                f"{self._size}. The file is truncated or damaged. Fix: re-download or re-save it."
+            )
 
     def open(self) -> BinaryIO:
         return open(self.url, "rb")
