@@ -57,7 +57,7 @@ def _ensure_venv(venv_dir: Path, base_python: str | None, extras: str) -> Path:
         _create(venv_dir, base_python)
     stamp = venv_dir / STAMP_NAME
     want = hashlib.sha256(
-        (ROOT / "pyproject.toml").read_bytes() + Path(__file__).read_bytes() + extras.encode()
+        (ROOT / "pyproject.toml").read_bytes() + Path(__file__).read_bytes()
     ).hexdigest()
     if not stamp.exists() or stamp.read_text() != want:
         print(f"[run] installing shardckpt[{extras}] and keras-hub into {venv_dir.name}", flush=True)
