@@ -15,7 +15,7 @@ import shardckpt
 from shardckpt.presets import load as preset_load
 
 keras_hub = pytest.importorskip("keras_hub")
-PUBLISHED = os.environ.get("SHARDCKPT_PUBLISHED_CONFIGS", "/work/shared/published_configs.json")
+PUBLISHED = os.environ.get("SHARDCKPT_PUBLISHED_CONFIGS", os.path.join(os.path.dirname(__file__), "published_configs.json"))
 needs_published = pytest.mark.skipif(not os.path.exists(PUBLISHED), reason="published_configs.json not present")
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tools"))
 import layout_real  # noqa: E402

@@ -133,7 +133,7 @@ def test_config_no_hugging_face_class_holds_is_refused_naming_the_argument(name,
     assert not (tmp_path / "hf").exists()
 
 
-PUBLISHED = os.environ.get("SHARDCKPT_PUBLISHED_CONFIGS", "/work/shared/published_configs.json")
+PUBLISHED = os.environ.get("SHARDCKPT_PUBLISHED_CONFIGS", os.path.join(os.path.dirname(__file__), "published_configs.json"))
 
 
 @pytest.mark.skipif(not os.path.exists(PUBLISHED), reason="published_configs.json not present")

@@ -15,7 +15,7 @@ from shardckpt.layout import auto_layout
 
 keras_hub = pytest.importorskip("keras_hub")
 M = "model"
-PUBLISHED = os.environ.get("SHARDCKPT_PUBLISHED_CONFIGS", "/work/shared/published_configs.json")
+PUBLISHED = os.environ.get("SHARDCKPT_PUBLISHED_CONFIGS", os.path.join(os.path.dirname(__file__), "published_configs.json"))
 
 
 def _tiny(name: str) -> keras.Model:

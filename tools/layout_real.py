@@ -1,6 +1,6 @@
 """`bench_layout.py --real`: the published configs, built lazily at their real sizes.
 
-For each config (`/work/shared/published_configs.json` shape: keras-hub
+For each config (`tests/published_configs.json`, a copy of the shared published configs; shape: keras-hub
 class + constructor arguments) and each variant (a mesh shape or "auto",
 with or without FSDP) it reports:
 
@@ -29,7 +29,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 import shardckpt
 
-CONFIGS = os.environ.get("SHARDCKPT_PUBLISHED_CONFIGS", "/work/shared/published_configs.json")
+CONFIGS = os.environ.get("SHARDCKPT_PUBLISHED_CONFIGS", os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests", "published_configs.json"))
 # The configs of the issue's table, plus the larger ones it asks for.
 NAMES = [
     "llama3.2-1b", "llama3-8b", "gemma-2b", "gemma2-9b", "gemma3-1b", "qwen2.5-0.5b", "qwen2.5-7b",
