@@ -143,15 +143,7 @@ def plan(backbone: Any, dtype: Any = None, *, prefix: str = "") -> HFPlan:
             "with format='keras-hub' or format='safetensors'."
         ) from e
     remaps = [(v, t) for v, t in recorded.assigned.values()]
-    # Stored dtype: the variables' (all floats of one dtype in keras-hub
-    # backbones), unless `dtype` is given.
-    if dtype is None:
-        stored = {k: np.dtype(v.dtype) for v, t in remaps for k in t.sources()}
-        specs = {k: ArraySpec(shape=s.shape, dtype=stored.get(k, s.dtype)) for k, s in specs.items()}
-    counts: dict[str, int] = {}
-    for _, t in remaps:
-        _covered(t, counts)
-    wrong = [k for k, s in specs.items() if counts.get(k, 0) != math.prod(s.shape)]
+    specs, wrong = _stored_specs(specs, remaps, dtype)
     skipped = {id(a) for a, _ in remaps} | lora_factors(backbone)
     unassigned = [v.path for v in backbone.weights if id(v) not in skipped]
     if wrong or unassigned:
@@ -161,6 +153,21 @@ def plan(backbone: Any, dtype: Any = None, *, prefix: str = "") -> HFPlan:
             + ". Fix: export with format='keras-hub' or format='safetensors'."
         )
     return HFPlan(config=config, specs=specs, remaps=remaps)
+
+
+def _stored_specs(specs: dict[str, ArraySpec], remaps: list, dtype: Any) -> tuple[dict[str, ArraySpec], list[str]]:
+    """`specs` in their stored dtype, and the stored tensors `remaps` do not fill exactly once.
+
+    The stored dtype is the variables' (all floats of one dtype in keras-hub
+    backbones and heads), unless `dtype` is given.
+    """
+    if dtype is None:
+        stored = {k: np.dtype(v.dtype) for v, t in remaps for k in t.sources()}
+        specs = {k: ArraySpec(shape=s.shape, dtype=stored.get(k, s.dtype)) for k, s in specs.items()}
+    counts: dict[str, int] = {}
+    for _, t in remaps:
+        _covered(t, counts)
+    return specs, [k for k, s in specs.items() if counts.get(k, 0) != math.prod(s.shape)]
 
 
 def plan_head(task: Any, head: Any, dtype: Any = None) -> HFPlan:
@@ -178,13 +185,7 @@ def plan_head(task: Any, head: Any, dtype: Any = None) -> HFPlan:
     loader = RecordingLoader("<export>", specs)
     head.convert_head(task, loader, {})
     remaps = list(loader.assigned.values())
-    if dtype is None:
-        stored = {k: np.dtype(v.dtype) for v, t in remaps for k in t.sources()}
-        specs = {k: ArraySpec(shape=s.shape, dtype=stored.get(k, s.dtype)) for k, s in specs.items()}
-    counts: dict[str, int] = {}
-    for _, t in remaps:
-        _covered(t, counts)
-    wrong = [k for k, s in specs.items() if counts.get(k, 0) != math.prod(s.shape)]
+    specs, wrong = _stored_specs(specs, remaps, dtype)
     placed = {id(v) for v, _ in remaps}
     unplaced = [v.path for v in head_variables(task) if id(v) not in placed]
     if wrong or unplaced:
