@@ -104,10 +104,12 @@ def _writer(tmp_path) -> saving.StepWriter:
                              context=saving.json_context(compression=False), waits_s=[])
 
 
-def _pending(writer: saving.StepWriter, seconds: float, started_ago: float) -> None:
+def _pending(writer: saving.StepWriter, seconds: float, started_ago: float, *, step: int = 0,
+             off_devices: bool = False) -> None:
+    """A save in flight that takes `seconds` more; `off_devices`: its snapshot is in host memory."""
     pool = concurrent.futures.ThreadPoolExecutor(1)
-    writer._pending, writer._pending_step = pool.submit(time.sleep, seconds), 0
-    writer._pending_since = time.perf_counter() - started_ago
+    done = pool.submit(time.sleep, seconds)
+    writer._in_flight.append(saving._InFlight(done, step, time.perf_counter() - started_ago, None, off_devices))
     pool.shutdown(wait=False)
 
 
@@ -127,4 +129,25 @@ def test_a_wait_is_warned_about_only_when_it_is_a_real_share_of_the_training_tim
     warning = caplog.records[1].getMessage()
     assert "step 2 waited" in warning and "Fix: save less often" in warning
     assert len(writer.waits_s) == 3
+    writer.close(None)
+
+
+def test_a_save_queues_behind_a_write_in_flight_when_its_snapshot_left_the_devices(tmp_path):
+    """A snapshot in host memory lets the next save return while the previous write runs
+    (one queued, QUEUED_SAVES); one save more waits for the oldest; a snapshot left on the
+    devices is always waited for (the devices never hold two)."""
+    assert saving.QUEUED_SAVES == 1
+    writer = _writer(tmp_path)
+    assert writer.queue_depth == 1  # one process, background: the worker path
+    _pending(writer, 0.5, started_ago=0.0, step=1, off_devices=True)
+    writer.finish_pending(waiting_for=2)
+    assert writer.waits_s == [] and writer.busy() and len(writer._in_flight) == 1
+    _pending(writer, 0.5, started_ago=0.0, step=2, off_devices=True)
+    writer.finish_pending(waiting_for=3)
+    assert len(writer.waits_s) == 1 and writer.waits_s[0] > 0.3  # the oldest (step 1) waited for
+    assert [s.step for s in writer._in_flight] == [2]
+    writer.finish_pending()
+    _pending(writer, 0.3, started_ago=0.0, step=3, off_devices=False)
+    writer.finish_pending(waiting_for=4)
+    assert len(writer.waits_s) == 2 and not writer._in_flight
     writer.close(None)

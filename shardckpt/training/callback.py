@@ -339,7 +339,7 @@ class OrbaxCheckpoint(BestTracking):
         items = saving.payload(tree, model_config=self._model_config, assets=self._assets, iterator_states=states)
         last_write_s = writer.writes_s[-1] if writer.writes_s else None  # read before this save's write ends
         writer.save(step, items, meta, logs, user, self.best,
-                    before_write=snapshot_lib.before_write(tree, choice))
+                    before_write=snapshot_lib.before_write(tree, choice), off_devices=snapshot_lib.off_devices(choice))
         self.save_blocking_s.append(time.perf_counter() - start)
         if self._auto is not None and (line := self._auto.saved(last_write_s)) is not None:
             self._say(logging.INFO, line)

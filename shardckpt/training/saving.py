@@ -1,11 +1,18 @@
 """Writing steps: one Orbax step writer behind local folders and buckets, in the
-background, one save in flight.
+background, with one save queued behind the one being written.
 
 `StepWriter` owns the Orbax `Checkpointer` (or, for `gs://` / `s3://`,
 `bucket_save.BucketCheckpointer`, which takes the same calls), the worker
-thread and the save in flight. A save hands the snapshot to the worker and
-returns; the next save, `wait` or `close` first waits for it and raises its
-error as `BackgroundSaveError`. Multi-process runs into local folders keep
+threads and the saves in flight. A save hands the snapshot to the workers and
+returns: one thread moves each snapshot off the devices as soon as it is
+handed over (`before_write`), another writes the steps one after the other,
+in order. A save finding the writer busy queues behind it (`QUEUED_SAVES`):
+the host then holds that snapshot too, and training goes on, so a save
+blocks for its snapshot alone as long as the disk keeps up on average. A save
+finding the queue full waits for the oldest. `wait` and `close` wait for all
+of them; an error of a save is raised by the next save, `wait` or `close` as
+`BackgroundSaveError`. A new snapshot is taken only once every earlier one
+has left the devices: the devices never hold two. Multi-process runs into local folders keep
 Orbax's own async save on the training thread instead of the worker: Orbax's
 barriers may run device collectives, which must be issued in the same order on
 every process. Bucket saves use the worker everywhere: their processes agree
@@ -22,8 +29,10 @@ milliseconds behind a long interval are no news.
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures
 import contextlib
+import dataclasses
 import functools
 import logging
 import threading
@@ -43,6 +52,12 @@ from shardckpt.training import bucket_save, resume
 from shardckpt.training import metadata as metadata_lib
 
 _log = logging.getLogger("shardckpt")
+
+QUEUED_SAVES = 1
+"""Saves that may wait behind the one being written (worker path). Their
+snapshots are in host memory meanwhile: one more copy of the state there, which
+lets a save that comes before the previous write ended return at once instead of
+blocking training for the rest of that write (disk speed, seconds) ."""
 
 WAIT_SHARE = 0.1
 """A wait for the previous save is warned about above this share of the time
@@ -65,6 +80,17 @@ _async_in_flight: tuple[Any, int, str, Any] | None = None
 """(writer, step, directory, Orbax AsyncResponse) of the last async save
 (several processes, local folders), whose commit outlives `ORBAX_CALLS`: the
 next Orbax call of another writer waits for it first."""
+
+
+@dataclasses.dataclass
+class _InFlight:
+    """A save handed to the workers (or to Orbax's own async save)."""
+
+    done: Any  # a Future (worker) or an Orbax AsyncResponse
+    step: int
+    since: float  # when it was handed over
+    staged: concurrent.futures.Future | None = None  # its snapshot's move off the devices
+    off_devices: bool = False  # its snapshot is (or is being moved) in host memory
 
 
 class StepWriter:
@@ -110,60 +136,72 @@ class StepWriter:
             # A step leaves the committed set in one rename before its files go.
             _orbax.replace_step_deleter(self.checkpointer, functools.partial(removal.delete_step, location))
         self._executor: concurrent.futures.ThreadPoolExecutor | None = None
+        self._stager: concurrent.futures.ThreadPoolExecutor | None = None
         if background and (jax.process_count() == 1 or location.is_remote):
             self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="shardckpt-save")
-            # Start the worker now: started by the first save's submit, its
+            self._stager = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="shardckpt-stage")
+            # Start the workers now: started by the first save's submit, their
             # start-up was part of the time that save blocked training.
             self._executor.submit(lambda: None).result()
-        self._pending: Any = None  # a Future (worker) or an Orbax AsyncResponse
-        self._pending_step: int | None = None
-        self._pending_since = 0.0
+            self._stager.submit(lambda: None).result()
+        # Orbax's own async save (several processes) keeps one save in flight:
+        # its barriers must come in the same order on every process.
+        self.queue_depth = QUEUED_SAVES if self._executor is not None else 0
+        self._in_flight: collections.deque[_InFlight] = collections.deque()
         self._warned_wait = False
 
     def save(self, step: int, payload: dict[str, Any], meta: dict[str, Any], logs: dict[str, Any],
-             user: Any, best: Any, *, before_write: Callable[[], None] | None = None) -> None:
-        """Starts writing `step` (the previous save must be finished: `finish_pending`).
+             user: Any, best: Any, *, before_write: Callable[[], None] | None = None,
+             off_devices: bool = False) -> None:
+        """Starts writing `step` (after `finish_pending(waiting_for=step)` made room for it).
 
-        `before_write` runs where the write runs (the worker, when there is
-        one), before it: the snapshot's move off the devices.
+        `before_write` runs on a worker when there is one, at once (the
+        snapshot's move off the devices), while an earlier save may still be
+        written; the write itself follows the earlier ones. `off_devices`:
+        the snapshot is in host memory, or `before_write` moves it there (a
+        later save may then queue behind this one; a snapshot left on the
+        devices is freed by its write alone, which a later save waits for).
         """
-        args = (step, payload, meta, logs, user, best, before_write)
         if not self.background:
-            self._timed_write(*args)
+            self._timed_write(step, payload, meta, logs, user, best, before_write, None)
             return
+        since = time.perf_counter()
         if self._executor is not None:
-            self._pending = self._executor.submit(self._timed_write, *args)
-        else:
-            global _async_in_flight
-            if before_write is not None:
-                before_write()
-            metrics = metadata_lib.complete(payload, meta, logs, user, best)
-            with self._one_orbax_call(), self.context:
-                self._pending = self.checkpointer.save_checkpointables_async(step, payload, metrics=metrics, force=True)
-                _async_in_flight = (self, step, self.location.url, self._pending)
-        self._pending_step = step
-        self._pending_since = time.perf_counter()
+            assert self._stager is not None
+            staged = self._stager.submit(before_write) if before_write is not None else None
+            done = self._executor.submit(self._timed_write, step, payload, meta, logs, user, best, None, staged)
+            self._in_flight.append(_InFlight(done, step, since, staged, off_devices))
+            return
+        global _async_in_flight
+        if before_write is not None:
+            before_write()
+        metrics = metadata_lib.complete(payload, meta, logs, user, best)
+        with self._one_orbax_call(), self.context:
+            response = self.checkpointer.save_checkpointables_async(step, payload, metrics=metrics, force=True)
+            _async_in_flight = (self, step, self.location.url, response)
+        self._in_flight.append(_InFlight(response, step, since))
 
-    def _timed_write(self, *args: Any) -> None:
+    def _timed_write(self, step: int, payload: dict[str, Any], meta: dict[str, Any], logs: dict[str, Any],
+                     user: Any, best: Any, before_write: Callable[[], None] | None,
+                     staged: concurrent.futures.Future | None) -> None:
+        # On the save worker (background) or the training thread (sync). The
+        # training thread never touches the Checkpointer while a save is in
+        # flight (`delete` and `wait` wait for them first), so Orbax sees one
+        # caller at a time. Timed from the moment the write can start: a
+        # queued save's time in the queue is not its write's.
         start = time.perf_counter()
-        self._write(*args)
-        self.writes_s.append(time.perf_counter() - start)
-
-    def _write(self, step: int, payload: dict[str, Any], meta: dict[str, Any], logs: dict[str, Any],
-               user: Any, best: Any, before_write: Callable[[], None] | None) -> None:
-        # On the worker thread (background) or the training thread (sync). The
-        # training thread never touches the Checkpointer while a save is
-        # pending, so Orbax sees one caller at a time.
+        if staged is not None:
+            staged.result()
         if before_write is not None:
             before_write()
         metrics = metadata_lib.complete(payload, meta, logs, user, best)
         with self._one_orbax_call(), self.context:
             self.checkpointer.save_checkpointables(step, payload, metrics=metrics, force=True)
+        self.writes_s.append(time.perf_counter() - start)
 
     def busy(self) -> bool:
-        """True while a background save is still being written."""
-        pending = self._pending
-        return pending is not None and not (pending.done() if hasattr(pending, "done") else False)
+        """True while a background save is still being written (or queued)."""
+        return any(not _finished(f.done) for f in self._in_flight)
 
     @contextlib.contextmanager
     def _one_orbax_call(self) -> Iterator[None]:
@@ -183,36 +221,52 @@ class StepWriter:
             yield
 
     def finish_pending(self, waiting_for: int | None = None) -> None:
-        """Waits for the save in flight and raises its error, if any.
+        """Waits for saves in flight and raises the first error among them, if any.
 
         Args:
-            waiting_for: The step about to be saved, when a save waits (the
-                wait is then recorded, and warned about if it is long).
+            waiting_for: The step about to be saved: then only room is made for
+                it (the snapshots of earlier saves off the devices, at most
+                `queue_depth` saves left in flight), and a wait for a save
+                being written is recorded (and warned about if it is long).
+                None: waits for every save.
 
         Raises:
-            BackgroundSaveError: the save in flight failed.
+            BackgroundSaveError: a save in flight failed.
         """
-        if self._pending is None:
+        while self._in_flight and (waiting_for is None or _finished(self._in_flight[0].done)):
+            self._settle(self._in_flight.popleft())
+        if waiting_for is None:
             return
+        # A snapshot left on the devices is freed by its write alone: the next
+        # one waits for it, so the devices never hold two.
+        room = self.queue_depth if all(s.off_devices for s in self._in_flight) else 0
+        while len(self._in_flight) > room:
+            saving = self._in_flight.popleft()
+            start = time.perf_counter()
+            still_running = not _finished(saving.done)
+            self._settle(saving)
+            if still_running:
+                self._record_wait(waiting_for, saving, start, time.perf_counter() - start)
+        # Those queued are off the devices before the next snapshot is taken
+        # (a failed move is raised by its write, when settled).
+        concurrent.futures.wait([s.staged for s in self._in_flight if s.staged is not None])
+
+    def _settle(self, saving: _InFlight) -> None:
         global _async_in_flight
-        pending, step = self._pending, self._pending_step
-        self._pending = self._pending_step = None
-        if _async_in_flight is not None and _async_in_flight[3] is pending:
+        if _async_in_flight is not None and _async_in_flight[3] is saving.done:
             _async_in_flight = None  # its error, if any, is raised here
-        start = time.perf_counter()
-        still_running = not pending.done() if hasattr(pending, "done") else True
         try:
-            pending.result()
+            saving.done.result()
         except Exception as e:
-            raise background_error(e, step, self.location.url) from e
-        waited = time.perf_counter() - start
-        if waiting_for is None or not still_running:
-            return
+            raise background_error(e, saving.step, self.location.url) from e
+
+    def _record_wait(self, waiting_for: int, saving: _InFlight, start: float, waited: float) -> None:
         self.waits_s.append(waited)
-        share = waited / max(start + waited - self._pending_since, 1e-9)
+        share = waited / max(start + waited - saving.since, 1e-9)
+        queued = f"{self.queue_depth} save queued behind the one being written" if self.queue_depth else \
+            "one save in flight at a time"
         message = (f"checkpoint step {waiting_for} waited {waited:.3f} s for the background save of step "
-                   f"{step} ({share:.0%} of the training time since that save started; one save in flight "
-                   "at a time).")
+                   f"{saving.step} ({share:.0%} of the training time since that save started; {queued}).")
         if share < WAIT_SHARE or self._warned_wait:
             _log.debug("OrbaxCheckpoint: %s", message)
             return
@@ -240,14 +294,16 @@ class StepWriter:
         self.close(None)
 
     def delete(self, step: int) -> None:
+        self.finish_pending()  # the Checkpointer has one caller at a time
         with self._one_orbax_call():
             self.checkpointer.delete(step)
 
     def close(self, failure: BackgroundSaveError | None) -> None:
         """Closes the checkpointer (after `finish_pending`); `failure` is being raised already."""
-        if self._executor is not None:
-            self._executor.shutdown(wait=True)
-            self._executor = None
+        for pool in (self._stager, self._executor):
+            if pool is not None:
+                pool.shutdown(wait=True)
+        self._executor = self._stager = None
         try:
             with self._one_orbax_call():
                 self.checkpointer.close()
@@ -257,6 +313,11 @@ class StepWriter:
             cause = getattr(failure, "original", None)
             if cause is None or not (e is cause or (type(e) is type(cause) and str(e) == str(cause))):
                 raise
+
+
+def _finished(done: Any) -> bool:
+    """Whether a Future (or an Orbax AsyncResponse, which cannot tell: False) is done."""
+    return bool(done.done()) if hasattr(done, "done") else False
 
 
 def payload(tree: dict[str, Any], *, model_config: Any, assets: Any, iterator_states: list[Any] | None) -> dict:

@@ -192,6 +192,11 @@ def before_write(tree: dict[str, Any], choice: Choice) -> Callable[[], None] | N
     return None
 
 
+def off_devices(choice: Choice) -> bool:
+    """Whether a snapshot of `choice` is in host memory once `before_write` ran (a later save may queue behind it)."""
+    return choice.mode == "host" or before_write({}, choice) is not None
+
+
 def stays_on_device(values: list[jax.Array]) -> bool:
     """True when a "device" snapshot of `values` is left on the devices (CPU devices: see the module docstring)."""
     devices = {d for v in values for d in v.sharding.device_set}
