@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 import shardckpt
+from shardckpt.formats import open_reader
 from shardckpt.restore import pipeline
 from tests.zoo import build_zoo, lazy_zoo, model_parallel, randomize, save_as
 
@@ -146,3 +147,33 @@ def test_unknown_transfer_is_refused(tmp_path):
     model, path, _ = _wide(tmp_path)
     with pytest.raises(ValueError, match="transfer="):
         shardckpt.load_sharded(model, path, transfer="pinned")
+
+
+def test_only_contiguous_native_runs_of_the_stored_dtype_go_straight_from_a_mapping():
+    """A mapped piece is handed to an accelerator as it is only when the runtime can
+    read it as the variable's bytes: the stored dtype, native order, one run."""
+    f32 = np.dtype("float32")
+    rows = np.arange(24, dtype=f32).reshape(4, 6)
+    assert pipeline.sendable(rows, f32)
+    assert pipeline.sendable(rows[1:3], f32)  # whole rows: still one run
+    assert not pipeline.sendable(rows[:, 2:4], f32)  # a column block: strided
+    assert not pipeline.sendable(rows.astype(">f4"), np.dtype(">f4"))  # big-endian: needs a swap
+    assert not pipeline.sendable(rows, np.dtype("float16"))
+
+
+def test_cpu_devices_never_get_a_view_of_the_mapping(tmp_path):
+    """A CPU device would adopt the view itself, a mapping the reader unmaps when it
+    closes: on CPU devices every piece goes through the slots (copied)."""
+    model = build_zoo()
+    randomize(model, seed=3)
+    path = save_as(model, tmp_path, "safetensors")
+    reader = open_reader(path)
+    try:
+        key = next(k for k in reader.keys() if len(reader.spec(k).shape) == 2)
+        spec = reader.spec(key)
+        box = tuple(slice(0, n) for n in spec.shape)
+        assert reader.is_mapped(key)
+        assert pipeline.sendable(reader.view(key, box), spec.dtype)  # an accelerator would take it
+        assert pipeline.mapped_run(reader, key, box, spec.dtype, jax.devices()[:1]) is None
+    finally:
+        reader.close()

@@ -22,6 +22,15 @@ A piece larger than a slot is read and transferred in row blocks that fit
 one, and joined on its device (the device then holds the piece twice for a
 moment: the blocks and the joined piece).
 
+Mapped files on accelerators skip the slots: a piece that is one contiguous
+run of a memory-mapped file (`mapped_run`) goes to its device straight from
+the mapping, whole, in one `device_put` (the runtime stages it through its
+own pinned buffers). Copying it into a slot first only added a pass over
+every byte, and cutting it into blocks a join on the device. Such a transfer
+still takes a slot while it runs, unused, so the slots bound how many are in
+flight; its read is the runtime's, inside the transfer (recorded as a read of
+no duration).
+
 Every read and transfer is recorded in a `Timeline` (the load report's):
 when it started and ended. A transfer's end is when the pipeline saw it
 done (it asks only when it needs the slot), so it is an upper bound.
@@ -242,6 +251,26 @@ def fits(parts: Sequence[readplan.Piece], itemsize: int, slot_bytes: int) -> boo
     return True
 
 
+def mapped_run(reader: Reader, key: str, box: Box, dtype: np.dtype, devices: Sequence[Any]) -> np.ndarray | None:
+    """`box` of `key` as a view of a memory map, when it can go to `devices` straight from there.
+
+    That is: accelerators only (a CPU device would adopt the view itself, a
+    mapping the reader unmaps when it closes), a mapped file, the stored
+    dtype in native byte order, and one contiguous run of bytes. Else None.
+    """
+    if not devices or any(d.platform == "cpu" for d in devices):
+        return None
+    if isinstance(reader, ChunkedReader) or not isinstance(reader, MappedReader) or not reader.is_mapped(key):
+        return None
+    view = reader.view(key, box)
+    return view if sendable(view, dtype) else None
+
+
+def sendable(view: np.ndarray, dtype: np.dtype) -> bool:
+    """Whether `view` can be handed to the runtime as it is: `dtype`, native byte order, C-contiguous."""
+    return view.dtype == dtype and dtype.isnative and view.flags.c_contiguous
+
+
 def fill(reader: Reader, key: str, box: Box, out: np.ndarray) -> None:
     """Reads `box` of `key` into `out` (the box's shape, stored dtype, C order)."""
     if isinstance(reader, ChunkedReader):
@@ -274,6 +303,20 @@ def through_ring(
     singles: list[jax.Array] = []
     sent = 0
     for part in parts:
+        view = mapped_run(reader, key, part.box, dtype, part.devices) if part.box else None
+        if view is not None:
+            slot = ring.take()  # unused: it bounds the transfers in flight
+            try:
+                start = timeline.now()
+                timeline.add(Event("read", key, sent, view.nbytes, start, start))
+                arrays = [jax.device_put(view, device) for device in part.devices]
+                slot.pending = _Pending(arrays, key, sent, view.nbytes * len(arrays), start)
+            finally:
+                ring.give(slot)
+            singles.extend(arrays)
+            sent += 1
+            advance(view.nbytes)
+            continue
         shape = part.shape
         row = int(np.prod(shape[1:], dtype=np.int64)) * dtype.itemsize if shape else dtype.itemsize
         cut = blocks(part.box, row, ring.slot_bytes, align)
