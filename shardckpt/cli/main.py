@@ -64,9 +64,11 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", help="cast floating-point arrays, e.g. bfloat16")
     p.add_argument("--compression", choices=COMPRESSIONS, default=None,
                    help=f"--to orbax: chunk compression (default: {DEFAULT_COMPRESSION})")
-    p.add_argument("--max-inflight-mb", type=_positive_int, default=default_max_inflight_bytes() // 2**20,
+    p.add_argument("--max-inflight-mb", type=_positive_int, default=None,
                    help="array data in memory at once (MiB; default: this host's, 64 per core within "
-                   "256 and min(4096, memory/32): %(default)s)")
+                   f"256 and min(4096, memory/32): {default_max_inflight_bytes() // 2**20}; targets that load "
+                   "the model onto accelerators take at least 4096 per accelerator within memory/32, and "
+                   "the report says which)")
     p.add_argument("--force", action="store_true", help="replace DST if it exists")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
@@ -167,7 +169,7 @@ def _convert(args: argparse.Namespace) -> int:
         dtype=args.dtype,
         compression=args.compression or DEFAULT_COMPRESSION,
         max_shard_size=args.max_shard_size,
-        max_inflight_bytes=args.max_inflight_mb * 2**20,
+        max_inflight_bytes=None if args.max_inflight_mb is None else args.max_inflight_mb * 2**20,
         force=args.force,
         progress=False if args.quiet else None,
     )
