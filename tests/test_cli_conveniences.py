@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import contextlib
+import importlib
 import io
 import json
 import os
@@ -101,6 +102,18 @@ def test_convert_and_plan_print_json(eleven_layers, tmp_path):
     assert data["parameter_bytes"] == 11 * (8 * 8 + 8) * 4
     assert data["bytes_per_device_with_optimizer"] == 3 * data["bytes_per_device"]
     assert shardckpt.LayoutPlan.from_json(json.dumps(data["plan"])).mesh.shape == (1, 8)
+
+
+def test_plan_without_a_mesh_chooses_the_mesh_the_library_chooses(eleven_layers):
+    """No --mesh, no --devices: the mesh auto_layout(model, "auto", devices=8) picks, as
+    from_preset and parallelize do by default (not a fixed 1x8)."""
+    code, out, _ = _run(["plan", "models:build", "--json"])
+    data = json.loads(out)
+    assert code == 0 and data["problems"] == []
+    expected = tuple(shardckpt.auto_layout(importlib.import_module("models").build(), "auto", devices=8).mesh.shape)
+    assert expected != (1, 8)  # the old fixed default would not pass
+    assert tuple(data["mesh"]) == expected
+    assert shardckpt.LayoutPlan.from_json(json.dumps(data["plan"])).mesh.shape == tuple(expected)
 
 
 def test_plan_help_names_every_model_form():

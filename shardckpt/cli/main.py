@@ -93,8 +93,10 @@ def _parser() -> argparse.ArgumentParser:
         help="package.module:function (returns a Keras model), a .keras file (its config only), "
         "or a keras-hub preset folder (save_to_preset; its config.json only)",
     )
-    p.add_argument("--mesh", default=None, help="mesh shape, data x model (default 1x8; see --devices)")
-    p.add_argument("--devices", type=_positive_int, help="choose the (data, model) mesh of N devices for the model")
+    p.add_argument("--mesh", default=None, help="mesh shape, data x model, e.g. 1x8 (default: the mesh chosen "
+                   "for the model among those of --devices, as from_preset and parallelize choose it)")
+    p.add_argument("--devices", type=_positive_int, help="choose the (data, model) mesh of N devices for the model "
+                   "(default 8)")
     p.add_argument("--fsdp", action="store_true", help="split parameters over the data axis too (FSDP)")
     p.add_argument("--optimizer", default="adam", help="optimizer whose slots to count (default adam)")
     p.add_argument("--device-memory", help="memory of one device, e.g. 16GiB or 80GB: say whether the plan fits")
@@ -123,10 +125,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         sys.path.insert(0, os.getcwd())
     if args.command == "demo":
         simulate_cpu_devices(8)
-    elif args.command == "plan" and args.devices and not args.mesh:
-        simulate_cpu_devices(args.devices)
-    elif args.command in ("plan", "convert") and (args.mesh or args.command == "plan"):
-        simulate_cpu_devices(math.prod(_mesh_shape(args.mesh or "1x8")))
+    elif args.command == "plan" and not args.mesh:
+        simulate_cpu_devices(args.devices or PLAN_DEVICES)
+    elif args.command in ("plan", "convert") and args.mesh:
+        simulate_cpu_devices(math.prod(_mesh_shape(args.mesh)))
     else:
         use_cpu_platform()  # converting and reading need no accelerator
     try:
@@ -255,8 +257,8 @@ def _plan(args: argparse.Namespace) -> int:
     if args.mesh and args.devices:
         raise LayoutError("shardckpt plan takes --mesh or --devices, not both. Fix: drop one of them.")
     return run_plan(
-        args.model, args.mesh or ("auto" if args.devices else "1x8"), args.optimizer,
-        devices=args.devices, fsdp=args.fsdp, device_memory=args.device_memory, as_json=args.json,
+        args.model, args.mesh or "auto", args.optimizer,
+        devices=args.devices or PLAN_DEVICES, fsdp=args.fsdp, device_memory=args.device_memory, as_json=args.json,
     )
 
 
@@ -272,6 +274,9 @@ def _demo(args: argparse.Namespace) -> int:
     print(json.dumps({"ok": code == 0, "workdir": args.workdir, "lines": lines}, indent=2))
     return code
 
+
+PLAN_DEVICES = 8
+"""Devices `shardckpt plan` chooses a mesh among when given neither --mesh nor --devices."""
 
 _COMMANDS = {"convert": _convert, "inspect": _inspect, "verify": _verify, "plan": _plan, "demo": _demo}
 
