@@ -36,9 +36,11 @@ from shardckpt.restore.strategies import Budget, Job, load_variable
 from shardckpt.restore.targets import TargetLayout, check_mesh, resolve_layout, warn_unmatched_keys
 from shardckpt.types import Layout, Model, PlanLike
 
-# Reads run on a few threads: numpy copies, h5 page faults and tensorstore
-# decoding all release the GIL, and overlapping them hides I/O latency.
-_WORKERS = min(8, max(2, (os.cpu_count() or 2)))
+# Reads run on one thread per usable core: numpy copies, h5 page faults and
+# tensorstore decoding all release the GIL, and a stored chunk is decoded on
+# one core, so a many-core host decodes as many chunks at once as it has
+# cores (the budget still bounds the bytes they hold).
+_WORKERS = min(32, max(2, budgets.usable_cores()))
 
 _TRANSFERS = ("auto", "ring", "direct")
 
