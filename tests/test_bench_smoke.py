@@ -158,6 +158,10 @@ def _check_gpu(result: dict) -> None:
     for row in rows:
         if row["load_s"]:
             assert row["load_gb_per_s"] == row["state_gb"] / row["load_s"] > 0
+    # Issue 35's save run and the transfer probe ride along in the same command.
+    assert [r["name"] for r in result["save"]["results"]] == ["keras_sync", "shardckpt_auto"]
+    assert {r["way"] for r in result["transfer"]} == {"view", "view-64m", "slot-pinned", "slot", "fresh"}
+    assert result["failed"] == []
 
 
 CHECKS = {

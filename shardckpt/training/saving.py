@@ -246,7 +246,7 @@ class StepWriter:
             still_running = not _finished(saving.done)
             self._settle(saving)
             if still_running:
-                self._record_wait(waiting_for, saving, start, time.perf_counter() - start)
+                self._record_wait(waiting_for, saving, start, time.perf_counter() - start, room)
         # Those queued are off the devices before the next snapshot is taken
         # (a failed move is raised by its write, when settled).
         concurrent.futures.wait([s.staged for s in self._in_flight if s.staged is not None])
@@ -260,11 +260,15 @@ class StepWriter:
         except Exception as e:
             raise background_error(e, saving.step, self.location.url) from e
 
-    def _record_wait(self, waiting_for: int, saving: _InFlight, start: float, waited: float) -> None:
+    def _record_wait(self, waiting_for: int, saving: _InFlight, start: float, waited: float, room: int) -> None:
         self.waits_s.append(waited)
         share = waited / max(start + waited - saving.since, 1e-9)
-        queued = f"{self.queue_depth} save queued behind the one being written" if self.queue_depth else \
-            "one save in flight at a time"
+        if room:
+            queued = f"{room} save queued behind the one being written, at most"
+        elif self.queue_depth:
+            queued = "its snapshot stays on the devices until written, so the next one waits for it"
+        else:
+            queued = "one save in flight at a time"
         message = (f"checkpoint step {waiting_for} waited {waited:.3f} s for the background save of step "
                    f"{saving.step} ({share:.0%} of the training time since that save started; {queued}).")
         if share < WAIT_SHARE or self._warned_wait:
