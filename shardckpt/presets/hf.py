@@ -31,6 +31,7 @@ from shardckpt import _keras_hub, storage
 from shardckpt.errors import CheckpointMismatchError, MissingDependencyError, UnsupportedModelError
 from shardckpt.formats import hf_carried, registry
 from shardckpt.formats.hf import (
+    CONFIG,
     HFReader,
     is_hf_folder,
     open_tensors,
@@ -123,8 +124,11 @@ def build(folder: str | os.PathLike, *, dtype: Any = None) -> Any:
     # Config keys keras-hub's converter leaves unread (GPT-2's n_inner) are
     # read as transformers reads them.
     carried = hf_carried.read(loader.config)
-    with lazy_init():
-        model = loader.load_backbone(loader.check_backbone_class(), load_weights=False, dtype=dtype, **carried)
+    try:
+        with lazy_init():
+            model = loader.load_backbone(loader.check_backbone_class(), load_weights=False, dtype=dtype, **carried)
+    except UnsupportedModelError as e:  # a converter refusing a config value: name the file
+        raise UnsupportedModelError(f"{storage.parse(folder).join(CONFIG).url!r}: {e}") from e
     initialize_states(model)
     return model
 
