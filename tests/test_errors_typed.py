@@ -121,3 +121,16 @@ def test_convert_to_hf_from_a_folder_with_a_damaged_config_names_the_file_not_th
     assert "--model" not in err, err
     with pytest.raises(errors.CorruptCheckpointError, match="config.json"):
         shardckpt.convert(src, str(tmp_path / "out"), to="hf")
+@pytest.mark.parametrize("where", ["local", "bucket"])
+def test_convert_to_hf_from_a_folder_with_a_config_of_no_kind_is_unknown_format_not_needs_model(tmp_path, where, request):
+    if where == "bucket":
+        src = request.getfixturevalue("gcs_server").new_bucket() + "/preset"
+    else:
+        src = str(tmp_path / "preset")
+        os.makedirs(src)
+    folder = storage.parse(src)
+    storage.write_bytes(folder.join("config.json"), json.dumps({"hello": 1}).encode())
+    storage.write_bytes(folder.join("model.weights.h5"), b"\x89HDF\r\n\x1a\n")
+    with pytest.raises(errors.UnknownFormatError, match="registered_name") as e:
+        shardckpt.convert(src, str(tmp_path / "out"), to="hf")
+    assert "Fix:" in str(e.value)
