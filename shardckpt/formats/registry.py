@@ -63,8 +63,9 @@ def detect(path: str | storage.Location) -> Format:
     """The format of `path`, local or in a bucket, by the formats' declared rules.
 
     A name ending in a format's suffix is that format (once its `confirm`
-    agrees); else a folder is the highest-priority format whose markers it
-    holds and whose `confirm` agrees; else a file is told by its first bytes.
+    agrees); else a folder is the highest-priority folder format whose marker
+    files it holds and whose `confirm` agrees; else a file is told by its
+    first bytes.
 
     Raises:
         CheckpointNotFoundError: nothing at `path`.
@@ -81,10 +82,16 @@ def detect(path: str | storage.Location) -> Format:
     for fmt in ordered:
         if fmt.suffixes and location.endswith(fmt.suffixes) and (fmt.confirm is None or fmt.confirm(probe)):
             return fmt
+    for fmt in ordered:
+        if not fmt.folder:
+            continue
+        # A folder format with marker files needs the listing; one without (Orbax) is its
+        # `confirm` alone, which lists what it needs itself (one request in a bucket).
+        if (fmt.markers or fmt.one_of) and not (probe.is_folder and fmt.listing_matches(probe.names)):
+            continue
+        if fmt.confirm is None or fmt.confirm(probe):
+            return fmt
     if probe.is_folder:
-        for fmt in ordered:
-            if fmt.listing_matches(probe.names) and (fmt.confirm is None or fmt.confirm(probe)):
-                return fmt
         raise _unknown(location, _near_misses(probe, ordered))
     if local is None and not storage.exists(location):
         raise storage.not_found(location, what=f"a checkpoint. Supported: {supported()}")
