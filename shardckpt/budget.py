@@ -26,7 +26,7 @@ PER_CORE_BYTES = 64 * MIB
 Orbax checkpoints store each shard as one chunk, 64 MiB in the benchmarks)."""
 
 MIN_INFLIGHT_BYTES = 256 * MIB
-"""Floor of the default: the former fixed default, measured on 2 cores."""
+"""Floor of the default: two cores need no more to keep their decoding busy."""
 
 MAX_INFLIGHT_BYTES = 4 * GIB
 """Cap of the default: beyond 4 GiB an H100 host's 16 cores gained nothing."""
@@ -36,9 +36,8 @@ MEMORY_FRACTION = 32
 
 ACCELERATOR_BYTES = 4 * GIB
 """Budget per local accelerator: room for the transfer ring (half of it) and the
-decoding behind it. On one H200 with 16 cores, Orbax restores took 4.72 s at the
-core rule's 1 GiB, 3.93 s at 4 GiB and 3.60 s at 16 GiB; h5 and safetensors did
-not move. Still bounded by 1/`MEMORY_FRACTION` of memory."""
+decoding behind it, which the per-core rule leaves starved on a 16-core host
+(figures: CHANGELOG). Still bounded by 1/`MEMORY_FRACTION` of memory."""
 
 CHUNK_CACHE_BYTES = 32 * 1024 * 1024
 """Largest decoded-chunk cache of a compressed format's reader (Orbax)."""
@@ -53,7 +52,7 @@ def inflight_bytes_for(cores: int, memory_bytes: int) -> int:
     Rule: `clamp(64 MiB x cores, 256 MiB, min(4 GiB, memory / 32))`, i.e.
     64 MiB per core, at least 256 MiB, at most 4 GiB and at most 1/32 of
     memory; the 256 MiB floor wins over the memory bound (a host with less
-    than 8 GiB still gets 256 MiB, the former fixed default). Examples:
+    than 8 GiB still gets 256 MiB). Examples:
     2 cores / 24 GB -> 256 MiB; 16 cores / 128 GB -> 1 GiB; 64 cores /
     512 GB -> 4 GiB; 64 cores / 16 GiB -> 512 MiB.
 

@@ -84,15 +84,12 @@ ALIGNMENT = 64
 """Byte alignment at which XLA's CPU client adopts a numpy buffer without copying."""
 
 
-# From this size on, buffers are anonymous private maps of 4 KiB pages. numpy
-# asks for transparent huge pages (madvise) from 4 MiB on, the same threshold.
-# On VMs that give free memory back to their host (virtio-balloon free page
-# reporting, as in this project's sandboxes), a free 2 MiB block has usually
-# been given back, and touching a huge page made of one costs host faults:
-# loads with huge pages were up to 3x slower after the machine had idled, and
-# only 5-25% faster on warm memory (figures: CHANGELOG). 4 KiB pages, as
-# malloc and tensorstore get them, cost the same either way; the worst case
-# matters more than the best.
+# From this size on, buffers are anonymous private maps of 4 KiB pages (numpy
+# asks for transparent huge pages from 4 MiB on, the same threshold). On VMs
+# that hand free memory back to their host (virtio-balloon free page
+# reporting), touching a huge page costs host faults; 4 KiB pages cost the
+# same on idle and warm machines, and the worst case matters more than the
+# best (figures: CHANGELOG).
 _MAPPED_MIN_BYTES = 4 * 1024 * 1024
 
 

@@ -248,6 +248,16 @@ class IteratorCountError(ShardckptError, ValueError):
     """
 
 
+class IteratorPositionError(ShardckptError, RuntimeError):
+    """The data iterator's position does not match the batches `fit` trained on.
+
+    Raised when a save asks for the position after batches the iterator never
+    yielded through `OrbaxCheckpoint.batches()`, or when a resume restored the
+    iterator from another step than the model. The message names the batch
+    counts or the two steps, and the fix.
+    """
+
+
 class ObjectChangedError(ShardckptError, RuntimeError):
     """A bucket object was replaced while it was being read.
 

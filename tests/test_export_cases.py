@@ -24,6 +24,7 @@ import shardckpt
 from shardckpt.errors import (
     CheckpointNotFoundError,
     DestinationExistsError,
+    UnknownFormatError,
     UnloadedVariableError,
     UnsupportedModelError,
 )
@@ -240,9 +241,10 @@ def test_sigkill_mid_export_leaves_nothing_that_loads(tmp_path):
             proc.kill()
     assert not dst.exists()
     assert os.path.exists(partial) and "config.json" not in os.listdir(partial)
-    for folder in (str(dst), partial):
-        with pytest.raises(CheckpointNotFoundError):
-            shardckpt.from_preset(folder)
+    with pytest.raises(CheckpointNotFoundError):
+        shardckpt.from_preset(str(dst))
+    with pytest.raises(UnknownFormatError):  # the partial folder is no format: no config.json
+        shardckpt.from_preset(partial)
 
 
 def test_cli_convert_to_keras_hub_then_back_to_hf(llama_folder, tmp_path, capsys):

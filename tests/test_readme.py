@@ -448,6 +448,11 @@ FILLERS: dict[str, Filler] = {
         shrink={"save_freq=500)])": "save_freq=2)], steps_per_epoch=2)"},
         reason="2 steps from an endless generator, one save",
     ),
+    # Adding a format: the toy format is registered for this module only.
+    "class NpzReader:": Filler(
+        names=lambda ws: {"model": ws.build_model()},
+        setup=lambda ws: ws.request.addfinalizer(lambda: shardckpt.formats.FORMATS.pop("npz", None)),
+    ),
 }
 
 

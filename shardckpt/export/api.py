@@ -328,12 +328,9 @@ def _export_files(planner: Callable[[Any, Any, int | None], plans.Plan], model: 
     )
 
 
-# export's formats, in the one table of formats (formats cannot import export: the slots are filled here).
-for _name, _writer in (
-    ("hf", functools.partial(_export_files, plans.plan_hf)),
-    ("preset", functools.partial(_export_files, plans.plan_keras_hub)),  # format="keras-hub"
-    ("safetensors", functools.partial(_export_files, plans.plan_safetensors)),
-    ("peft", functools.partial(_export_files, plans.plan_peft)),
-    ("orbax", _export_orbax),
-):
-    registry.provide(_name, writer=_writer)
+# The writers the formats' catalog names (`shardckpt.formats.catalog`, imported at first use).
+write_hf = functools.partial(_export_files, plans.plan_hf)
+write_keras_hub = functools.partial(_export_files, plans.plan_keras_hub)
+write_safetensors = functools.partial(_export_files, plans.plan_safetensors)
+write_peft = functools.partial(_export_files, plans.plan_peft)
+write_orbax = _export_orbax

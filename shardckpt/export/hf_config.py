@@ -98,6 +98,12 @@ class _Probe(dict):
 
 _ABSENT = object()
 
+_REJECTED = (LookupError, TypeError, ValueError, AttributeError, ArithmeticError)
+"""What a converter raises on a config it cannot read: a missing key, a guessed
+value of the wrong type (a bool where it calls `.get`), a value out of range.
+Anything else (a NameError, an ImportError, a RuntimeError) is a bug in the
+converter or here, and propagates."""
+
 
 def _invert(output: Mapping[str, Any], fixed: Mapping[str, Any], keras: Mapping[str, Any]) -> dict[str, Any] | None:
     hf: dict[str, Any] = {k: v for k, v in fixed.items() if v is not _ABSENT and not isinstance(v, tuple)}
@@ -131,7 +137,7 @@ def _read(converter: Any, hf: Mapping[str, Any], own: bool) -> dict[str, Any] | 
     as `shardckpt.from_preset` reads a folder. None: the converter rejects it."""
     try:
         got = dict(converter.convert_backbone_config(dict(hf)))
-    except Exception:  # noqa: BLE001 (a candidate the converter rejects is simply not it)
+    except _REJECTED:  # a candidate the converter rejects is simply not it
         return None
     if not own:
         got.update(hf_carried.read(hf))
@@ -199,7 +205,7 @@ def inverse(converter: Any, model_type: str, keras: Mapping[str, Any],
         except _Branch as b:
             pending.extend({**fixed, b.key: option} for option in b.options)
             continue
-        except Exception:  # noqa: BLE001 (this branch's guess made the converter fail)
+        except _REJECTED:  # this branch's guess made the converter fail
             continue
         # An argument a carried key holds is not inverted through the
         # converter's reading (GPT-2's intermediate_dim is not 4 x n_embd).

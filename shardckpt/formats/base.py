@@ -7,7 +7,7 @@ of memory-mapped files) or `ChunkedReader` (chunk-aligned and batched reads).
 A reader knows nothing about models, devices or shardings: deciding *which*
 boxes to read is the job of `shardckpt.restore.readplan`; reading them is the
 reader's only job. To add a format, implement `Reader` (plus a capability if
-it fits), then add it to `shardckpt.formats.detect_format` / `open_reader`.
+it fits), then declare it in `shardckpt.formats.catalog` (README, "Adding a format").
 """
 
 from __future__ import annotations

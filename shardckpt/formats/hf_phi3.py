@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 
 from shardckpt import _keras_hub
+from shardckpt.errors import UnsupportedModelError
 
 
 def _backbone_cls() -> Any:
@@ -45,8 +46,13 @@ def convert_backbone_config(transformers_config: dict) -> dict:
     }
     scaling = transformers_config.get("rope_scaling")
     if scaling:
-        if scaling.get("type", scaling.get("rope_type")) not in ("su", "longrope"):
-            raise ValueError(f"Phi-3 rope_scaling {scaling!r} is not supported (su / longrope only).")
+        kind = scaling.get("type", scaling.get("rope_type"))
+        if kind not in ("su", "longrope"):
+            raise UnsupportedModelError(
+                f"Phi-3 rope_scaling of type {kind!r}: keras-hub's Phi3Backbone implements 'su' / 'longrope' "
+                "scaling only. Fix: load a Phi-3 checkpoint whose config.json has rope_scaling of type 'su' or "
+                f"'longrope', or none. Received: rope_scaling={scaling!r}"
+            )
         config.update(
             rope_scaling_type="su",
             rope_scaling_short_factor=scaling["short_factor"],

@@ -1,140 +1,127 @@
-"""The table of formats: name, how each is detected, its reader and (once written) its writer.
+"""The table of formats: detection by declared rules, readers and writers by name.
 
-Detection, opening, `inspect` and every error message that lists what
-shardckpt reads use this one table, for local paths and buckets alike.
-
-Adding a format: write its `Reader` (see `base`), then add one `Format` to
-`FORMATS` in detection order. A reader that needs something from above this
-layer (Hugging Face names need keras-hub's converters) is `provide`d there
-at import; so is a writer (the export package fills the `writer` slots:
-`shardckpt.export` looks its formats up here, `writer_for`).
+Filled from `catalog` (every format shardckpt has) when this module is
+imported, and by `register` for a format added from outside (README,
+"Adding a format"). Detection, opening, `inspect`, `export`, the CLI and
+every error message that lists what shardckpt reads use this one table, for
+local paths and buckets alike.
 """
 
 from __future__ import annotations
 
-import dataclasses
+import os
 from collections.abc import Callable
 from typing import Any
 
 from shardckpt import storage
-from shardckpt.formats.h5 import H5Reader
-from shardckpt.formats.h5_sharded import ShardedH5Reader, is_sharded_index
-from shardckpt.formats.hf import is_hf_folder
-from shardckpt.formats.orbax import OrbaxReader, is_orbax_dir
-from shardckpt.formats.preset import PresetReader, is_preset_dir
-from shardckpt.formats.safetensors import SafetensorsReader
+from shardckpt.errors import CheckpointNotFoundError, UnknownFormatError
+from shardckpt.formats.catalog import CATALOG
+from shardckpt.formats.declaration import Format, Probe
+
+FORMATS: dict[str, Format] = {}
+"""Every format by name (the order carries no meaning: `Format.priority` decides)."""
 
 
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class Format:
-    """One on-disk format.
-
-    Attributes:
-        name: The name `detect_format`, readers (`Reader.format`) and reports use.
-        description: What it is, as error messages list it.
-        suffixes: File-name endings that make a path this format (files).
-        magic: The first bytes of such a file, for names without a suffix.
-        detect: A check of the content: for files with a suffix, that it is
-            this format after all (a `.json` index); for folders, the only test.
-        reader: `(location, *, cache_bytes, model, task) -> Reader`; None until
-            `provide`d.
-        writer: `(model, dst, *, format, dtype, shard, max_inflight_bytes,
-            progress, overwrite, start) -> ExportReport`, once one exists
-            (`provide`d by the export package, `shardckpt.export.api`).
-        aliases: Other names `writer_for` takes (`export(format=...)`'s).
-        architecture: `(path) -> keras.Model` for formats that name their model
-            (a Hugging Face config), built lazily; None otherwise.
-        keys: Which key naming the checkpoint's keys follow
-            (`shardckpt.restore.keys.keys_for`).
-        folder: Whether the format is a folder.
-        needs_model: Its reader needs the model (the names are another framework's).
-    """
-
-    name: str
-    description: str
-    suffixes: tuple[str, ...] = ()
-    magic: bytes = b""
-    detect: Callable[[storage.Location], bool] | None = None
-    reader: Callable[..., Any] | None = None
-    writer: Callable[..., Any] | None = None
-    aliases: tuple[str, ...] = ()
-    architecture: Callable[..., Any] | None = None
-    keys: str = ""
-    folder: bool = False
-    needs_model: bool = False
-
-
-def _h5_reader(location: storage.Location, **_: Any) -> H5Reader:
-    return H5Reader(location)
-
-
-_TABLE = (
-    Format(
-        name="safetensors",
-        description="`.safetensors` files and `*.safetensors.index.json` sets",
-        suffixes=(".safetensors", ".safetensors.index.json"),
-        reader=lambda location, **_: SafetensorsReader(location),
-        keys="path",
-    ),
-    # Keras' own files: one reader (a `.keras` archive holds a `.weights.h5`), told apart by name or magic.
-    *(
-        Format(name=name, description=description, suffixes=suffixes, magic=magic, reader=_h5_reader, keys="h5")
-        for name, description, suffixes, magic in (
-            ("h5", "Keras `.weights.h5` files", (".h5", ".hdf5"), b"\x89HDF\r\n\x1a\n"),
-            ("keras", "`.keras` archives", (".keras",), b"PK\x03\x04"),
-        )
-    ),
-    Format(
-        name="h5-sharded",
-        description="Keras sharded `.weights.json` indexes",
-        suffixes=(".json",),
-        detect=is_sharded_index,
-        reader=lambda location, **_: ShardedH5Reader(location),
-        keys="h5",
-    ),
-    Format(
-        name="orbax",
-        description="Orbax checkpoints (a root of step folders, or one step)",
-        detect=is_orbax_dir,
-        reader=lambda location, *, cache_bytes, **_: OrbaxReader(location, cache_bytes=cache_bytes),
-        keys="state",
-        folder=True,
-    ),
-    Format(
-        name="preset",
-        description="keras-hub preset folders",
-        aliases=("keras-hub",),
-        detect=is_preset_dir,
-        reader=lambda location, *, task=None, **_: PresetReader(location, task=task),
-        keys="preset",
-        folder=True,
-    ),
-    Format(
-        name="hf",
-        description="Hugging Face folders (config.json with a model_type, and safetensors)",
-        detect=is_hf_folder,
-        keys="path",
-        folder=True,
-        needs_model=True,
-    ),
-    # Written only (`export(format="peft")`): LoRA factors as a PEFT adapter folder, no model to read.
-    Format(name="peft", description="PEFT LoRA adapter folders (written by export only)"),
-)
-
-FORMATS: dict[str, Format] = {fmt.name: fmt for fmt in _TABLE}
-"""Every format by name, in detection order (files by suffix first, then folders)."""
-
-
-def provide(name: str, **slots: Callable[..., Any]) -> None:
-    """Fills slots of format `name` (`reader`, `writer`, `architecture`) from a layer above this one.
+def register(fmt: Format) -> None:
+    """Adds `fmt` to the table: detection, `open_reader`, `load_sharded`, `inspect`,
+    `export` and error messages take it from then on.
 
     Raises:
-        TypeError: a slot that is not one of these.
+        ValueError: a format of that name exists, or one with rules has the same
+            `priority` (detection would depend on order).
     """
-    unknown = set(slots) - {"reader", "writer", "architecture"}
-    if unknown:
-        raise TypeError(f"Formats have no slot {sorted(unknown)}. Received: {sorted(slots)}")
-    FORMATS[name] = dataclasses.replace(FORMATS[name], **slots)  # type: ignore[arg-type]
+    if fmt.name in FORMATS:
+        raise ValueError(
+            f"A format named {fmt.name!r} is registered already. Fix: pick another name, or "
+            f"unregister({fmt.name!r}) first. Received: {fmt!r}"
+        )
+    if fmt.detectable:
+        for other in FORMATS.values():
+            if other.detectable and other.priority == fmt.priority:
+                raise ValueError(
+                    f"Format {fmt.name!r} has priority {fmt.priority}, as {other.name!r} has: which one a path "
+                    f"matching both is would depend on order. Fix: give it another priority (taken: "
+                    f"{sorted(f.priority for f in FORMATS.values() if f.detectable)})."
+                )
+    FORMATS[fmt.name] = fmt
+
+
+def unregister(name: str) -> Format:
+    """Removes format `name` from the table; returns it.
+
+    Raises:
+        KeyError: no format of that name.
+    """
+    return FORMATS.pop(name)
+
+
+def _by_priority() -> list[Format]:
+    return sorted((f for f in FORMATS.values() if f.detectable), key=lambda f: -f.priority)
+
+
+def detect(path: str | storage.Location) -> Format:
+    """The format of `path`, local or in a bucket, by the formats' declared rules.
+
+    A name ending in a format's suffix is that format (once its `confirm`
+    agrees); else a folder is the highest-priority folder format whose marker
+    files it holds and whose `confirm` agrees; else a file is told by its
+    first bytes.
+
+    Raises:
+        CheckpointNotFoundError: nothing at `path`.
+        UnknownFormatError: something at `path` that no format's rules identify.
+        CorruptCheckpointError: a file a rule reads (a folder's config.json) is damaged.
+        UnsupportedURLError: `path` is a URL of a scheme shardckpt does not read.
+    """
+    location = storage.parse(path)
+    local = location.local_path
+    if local is not None and not os.path.exists(local):
+        raise CheckpointNotFoundError(f"No checkpoint at {local!r}. Fix: check the path. Supported: {supported()}.")
+    probe = Probe(location)
+    ordered = _by_priority()
+    for fmt in ordered:
+        if fmt.suffixes and location.endswith(fmt.suffixes) and (fmt.confirm is None or fmt.confirm(probe)):
+            return fmt
+    for fmt in ordered:
+        if not fmt.folder:
+            continue
+        # A folder format with marker files needs the listing; one without (Orbax) is its
+        # `confirm` alone, which lists what it needs itself (one request in a bucket).
+        if (fmt.markers or fmt.one_of) and not (probe.is_folder and fmt.listing_matches(probe.names)):
+            continue
+        if fmt.confirm is None or fmt.confirm(probe):
+            return fmt
+    if probe.is_folder:
+        raise _unknown(location, _near_misses(probe, ordered))
+    if local is None and not storage.exists(location):
+        raise storage.not_found(location, what=f"a checkpoint. Supported: {supported()}")
+    for fmt in ordered:
+        if fmt.magic and probe.head.startswith(fmt.magic) and (fmt.confirm is None or fmt.confirm(probe)):
+            return fmt
+    raise _unknown(location, [])
+
+
+def _near_misses(probe: Probe, ordered: list[Format]) -> list[str]:
+    """What a folder lacks of each format whose marker files it holds (some of them)."""
+    out = []
+    for fmt in ordered:
+        if not fmt.folder or not fmt.markers or not set(fmt.markers) <= probe.names:
+            continue
+        if fmt.one_of and not probe.names & set(fmt.one_of):
+            out.append(f"as {fmt.description} it lacks {' or '.join(fmt.one_of)}")
+        elif fmt.confirms:
+            out.append(f"as {fmt.description} it lacks {fmt.confirms}")
+    return out
+
+
+def _unknown(location: storage.Location, misses: list[str]) -> UnknownFormatError:
+    found = f" ({'; '.join(misses)})" if misses else ""
+    formats = "; ".join(f"{f.description}: {f.rule()}" for f in _by_priority() if f.reader is not None)
+    return UnknownFormatError(
+        f"{location.url!r} is not a checkpoint shardckpt reads{found}. Supported: {formats}. "
+        "Fix: pass a checkpoint of one of these formats (a folder with what its rule names, or a file "
+        "with its suffix)."
+    )
 
 
 def writer_for(name: str) -> Callable[..., Any]:
@@ -157,4 +144,8 @@ def writable() -> list[str]:
 
 def supported() -> str:
     """Every format shardckpt reads, as a sentence for error messages."""
-    return "; ".join(fmt.description for fmt in FORMATS.values() if fmt.keys)
+    return "; ".join(fmt.description for fmt in _by_priority() if fmt.reader is not None)
+
+
+for _fmt in CATALOG:
+    register(_fmt)

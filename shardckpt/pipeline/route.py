@@ -16,11 +16,12 @@ from typing import Any, Literal, overload
 from shardckpt import storage
 from shardckpt.convert.converter import ConvertReport
 from shardckpt.convert.converter import convert as to_orbax
-from shardckpt.errors import CheckpointNotFoundError, ModelRequiredError, UnknownFormatError
+from shardckpt.errors import ModelRequiredError
 from shardckpt.export import ExportReport, export
+from shardckpt.formats import FORMATS, detect_format
 from shardckpt.formats.orbax.writer import DEFAULT_COMPRESSION
 from shardckpt.layout import auto_layout
-from shardckpt.presets import from_preset, preset_kind
+from shardckpt.presets import from_preset
 from shardckpt.restore import load_sharded
 from shardckpt.types import DType, Layout, Mesh, Model
 
@@ -177,7 +178,7 @@ def _load(src: str | os.PathLike, *, to: str, model: Any, layout: Any, mesh: Any
     import keras
 
     source = storage.parse(src, what="src").url
-    if model is None and _preset_kind(source) is not None:
+    if model is None and _names_its_model(source):
         return from_preset(source, mesh=mesh, layout=layout)
     if model is None:
         if not source.endswith(".keras"):
@@ -198,15 +199,10 @@ def _load(src: str | os.PathLike, *, to: str, model: Any, layout: Any, mesh: Any
     return model
 
 
-def _preset_kind(source: str) -> str | None:
-    """"keras-hub" or "hf" for a preset folder, None for a file (a damaged preset folder raises)."""
-    local = storage.parse(source).local_path
-    if local is not None and not os.path.isfile(os.path.join(local, "config.json")):
-        return None  # a file, or a folder of another format (Orbax): read with `model`
-    try:
-        kind = preset_kind(source)
-    except (UnknownFormatError, CheckpointNotFoundError):
-        if local is not None:
-            raise  # a local config.json that names no preset, or a preset missing its weights
-        return None  # an object of a bucket, not a folder
-    return kind if kind in ("hf", "keras-hub") else None
+def _names_its_model(source: str) -> bool:
+    """Whether `source`'s format builds its own model (`Format.architecture`: presets, Hugging Face folders).
+
+    Asked of the formats' registry: a source it does not recognise, or a
+    damaged `config.json`, raises its own typed error here.
+    """
+    return FORMATS[detect_format(source)].architecture is not None

@@ -29,8 +29,9 @@ from typing import Any
 
 from shardckpt import _keras_hub, storage
 from shardckpt.errors import CheckpointMismatchError, MissingDependencyError, UnsupportedModelError
-from shardckpt.formats import hf_carried, registry
+from shardckpt.formats import hf_carried
 from shardckpt.formats.hf import (
+    CONFIG,
     HFReader,
     is_hf_folder,
     open_tensors,
@@ -42,7 +43,7 @@ from shardckpt.formats.hf_remap import Unsupported
 from shardckpt.lazy import is_unloaded, lazy_init, original_initializer
 from shardckpt.structure import lora_off
 
-__all__ = ["build", "initialize_states", "is_hf_folder", "open_reader", "preset_loader"]
+__all__ = ["build", "initialize_states", "is_hf_folder", "open_reader", "preset_loader", "reader"]
 
 
 # model_types keras-hub has a backbone for but no converter: shardckpt's own
@@ -123,8 +124,11 @@ def build(folder: str | os.PathLike, *, dtype: Any = None) -> Any:
     # Config keys keras-hub's converter leaves unread (GPT-2's n_inner) are
     # read as transformers reads them.
     carried = hf_carried.read(loader.config)
-    with lazy_init():
-        model = loader.load_backbone(loader.check_backbone_class(), load_weights=False, dtype=dtype, **carried)
+    try:
+        with lazy_init():
+            model = loader.load_backbone(loader.check_backbone_class(), load_weights=False, dtype=dtype, **carried)
+    except UnsupportedModelError as e:  # a converter refusing a config value: name the file
+        raise UnsupportedModelError(f"{storage.parse(folder).join(CONFIG).url!r}: {e}") from e
     initialize_states(model)
     return model
 
@@ -218,6 +222,6 @@ def open_reader(folder: str | os.PathLike | storage.Location, model: Any) -> HFR
         raise
 
 
-# The formats' table reads Hugging Face folders through this module (it
-# needs the model and keras-hub's converters, which live above the formats).
-registry.provide("hf", reader=lambda location, *, model, **_: open_reader(location, model), architecture=build)
+def reader(location: storage.Location, *, model: Any, **_: Any) -> HFReader:
+    """The reader the formats' catalog names for Hugging Face folders (`open_reader` as a slot)."""
+    return open_reader(location, model)

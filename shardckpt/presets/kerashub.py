@@ -22,7 +22,6 @@ from typing import Any
 
 from shardckpt import _keras, _keras_hub, storage
 from shardckpt.errors import CheckpointNotFoundError, CorruptCheckpointError, MissingDependencyError
-from shardckpt.formats import registry
 from shardckpt.formats.preset import (
     CONFIG_FILE,
     MODEL_WEIGHTS,
@@ -193,7 +192,7 @@ def download(handle: str, *, task: bool) -> str:
 def architecture(folder: str) -> Any:
     """The backbone of the keras-hub preset at `folder` (local or in a bucket), built lazily.
 
-    Fills the formats' `architecture` slot of keras-hub presets, so that
+    The formats' catalog names it as keras-hub presets' `architecture`, so that
     `convert` takes a preset folder with no model given (its `config.json`
     names the class), as it takes a Hugging Face folder.
     """
@@ -202,5 +201,3 @@ def architecture(folder: str) -> Any:
             return build(local)
     return build(folder)
 
-
-registry.provide("preset", architecture=architecture)

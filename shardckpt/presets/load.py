@@ -7,8 +7,8 @@ Here nothing is initialised: the model is built under `lazy_init()`, the
 layout is planned on the unloaded model, and `load_sharded` reads each
 device's piece straight into its sharding.
 
-Kinds of folder (`preset_kind`), as keras-hub's own loader tells them apart
-by `config.json`:
+Kinds of folder (`preset_kind`, asked of the formats' registry), as
+keras-hub's own loader tells them apart by `config.json`:
 - "keras-hub": `registered_name` (a serialised Keras object) and the
   backbone's weights; built by `shardckpt.presets.kerashub`;
 - "hf": `model_type` (a Hugging Face transformers config) and safetensors;
@@ -22,76 +22,38 @@ from collections.abc import Sequence
 from typing import Any, Literal
 
 from shardckpt import _keras, _keras_hub, storage
-from shardckpt.errors import CheckpointMismatchError, CheckpointNotFoundError, UnknownFormatError
-from shardckpt.formats.preset import CONFIG_FILE, TASK_WEIGHTS, has_files, is_preset_dir
+from shardckpt.errors import CheckpointMismatchError, UnknownFormatError
+from shardckpt.formats import detect_format
+from shardckpt.formats.preset import TASK_WEIGHTS, has_files
 from shardckpt.layout import auto_layout
 from shardckpt.layout.choose import announce
 from shardckpt.presets import hf, kerashub
 from shardckpt.restore import load_sharded
 from shardckpt.types import DType, Layout, Mesh, Model
 
+_KINDS = {"preset": "keras-hub", "hf": "hf"}
+"""The formats (`shardckpt.formats.FORMATS`) `from_preset` builds a model from, by kind."""
+
 
 def preset_kind(folder: str) -> str:
     """Returns "keras-hub" or "hf" for a preset folder (local, or a bucket URL).
 
+    The formats' registry decides (`shardckpt.formats.detect_format`), as it
+    does for `load_sharded`, `convert` and the CLI.
+
     Raises:
-        CheckpointNotFoundError: no folder, or no `config.json` in it.
-        UnknownFormatError: `config.json` is neither kind.
+        CheckpointNotFoundError: nothing at `folder`.
+        UnknownFormatError: `folder` is no format shardckpt reads, or one that
+            does not name its model (an Orbax checkpoint, a weights file).
     """
-    location = storage.parse(folder)
-    if location.local_path is None:
-        return _remote_kind(location)
-    if not os.path.isdir(folder):
-        raise CheckpointNotFoundError(
-            f"No preset folder at {folder!r}. Fix: pass a local keras-hub preset folder "
-            "(config.json + model.weights.h5 / model.weights.json), a Hugging Face "
-            "folder, or a keras-hub handle such as kaggle://... or hf://..."
+    fmt = detect_format(folder)
+    if fmt not in _KINDS:
+        raise UnknownFormatError(
+            f"{folder!r} is a checkpoint of format {fmt!r}, which holds weights but does not name its model, "
+            f"so it is no preset. Fix: build the model and load it with shardckpt.load_sharded(model, "
+            f"{folder!r}), or pass a keras-hub preset folder or a Hugging Face folder."
         )
-    if not os.path.isfile(os.path.join(folder, CONFIG_FILE)):
-        raise CheckpointNotFoundError(
-            f"The folder {folder!r} has no {CONFIG_FILE}, so it is no preset. Fix: pass "
-            "a folder written by keras-hub's save_to_preset or a Hugging Face model folder."
-        )
-    config = kerashub.read_json(folder, CONFIG_FILE)
-    if "registered_name" in config or "class_name" in config:
-        if not is_preset_dir(folder):
-            raise CheckpointNotFoundError(
-                f"The keras-hub preset {folder!r} has no model.weights.h5 or "
-                "model.weights.json. Fix: copy the preset's weights files into it."
-            )
-        return "keras-hub"
-    if "model_type" in config:
-        return "hf"
-    raise UnknownFormatError(
-        f"{os.path.join(folder, CONFIG_FILE)!r} has neither 'registered_name' (keras-hub "
-        "preset) nor 'model_type' (Hugging Face config). Fix: pass a folder written by "
-        f"keras-hub's save_to_preset or a Hugging Face model folder. Received keys: {sorted(config)[:12]}"
-    )
-
-
-def _remote_kind(location: storage.Location) -> str:
-    names = set(storage.listdir(location))
-    if not names:
-        raise storage.not_found(location, what="a keras-hub preset or Hugging Face folder")
-    if CONFIG_FILE not in names:
-        raise CheckpointNotFoundError(
-            f"{location.url!r} has no {CONFIG_FILE}, so it is no preset. Fix: upload a folder "
-            "written by keras-hub's save_to_preset or a Hugging Face model folder."
-        )
-    config = kerashub.read_json(location.url, CONFIG_FILE)
-    if "registered_name" in config or "class_name" in config:
-        if not is_preset_dir(location.url):
-            raise CheckpointNotFoundError(
-                f"The keras-hub preset {location.url!r} has no model.weights.h5 or "
-                "model.weights.json. Fix: upload the preset's weights files into it."
-            )
-        return "keras-hub"
-    if "model_type" in config:
-        return "hf"
-    raise UnknownFormatError(
-        f"{location.join(CONFIG_FILE).url!r} has neither 'registered_name' (keras-hub preset) nor "
-        f"'model_type' (Hugging Face config). Received keys: {sorted(config)[:12]}"
-    )
+    return _KINDS[fmt]
 
 
 def from_preset(

@@ -20,7 +20,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from shardckpt.errors import IteratorStateError
+from shardckpt.errors import IteratorPositionError, IteratorStateError
 
 # Tags of values JSON cannot hold as themselves. A dict holding a key with this
 # prefix is stored as a list of items, so a user's key is never read as a tag.
@@ -134,6 +134,10 @@ class IteratorTracker:
 
         Falls back to the live `get_state()` when `batches()` is not what feeds
         `fit` (the state may then be ahead by Keras' prefetch).
+
+        Raises:
+            IteratorPositionError: `consumed` is no count of batches this
+                tracker yielded or still remembers.
         """
         if not self.used:
             return self.iterator.get_state()
@@ -144,7 +148,7 @@ class IteratorTracker:
             return self._states[0][1]
         if consumed == self._pulled:
             return self.iterator.get_state()
-        raise RuntimeError(
+        raise IteratorPositionError(
             f"No recorded iterator state after {consumed} batches ({self._pulled} pulled). "
             "Fix: feed fit from OrbaxCheckpoint.batches() only, without pulling from "
             "the iterator elsewhere."

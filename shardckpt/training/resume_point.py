@@ -20,6 +20,7 @@ from typing import Any
 import jax
 
 from shardckpt import storage
+from shardckpt.errors import IteratorPositionError
 from shardckpt.formats.orbax.ondisk import ITERATOR_ITEM, METADATA_ITEM, committed_steps, read_json_item
 from shardckpt.training import resume
 from shardckpt.training.iterators import IteratorTracker
@@ -87,8 +88,8 @@ def restore(model: Any, point: ResumePoint, *, tracker: IteratorTracker | None, 
     (`set_iterator`), from the step that must be this one.
 
     Raises:
-        RuntimeError: `batches()` took its position from another step (the
-            directory changed in between).
+        IteratorPositionError: `batches()` took its position from another
+            step (the directory changed in between).
     """
     if point.step_dir is None:
         return None
@@ -96,7 +97,7 @@ def restore(model: Any, point: ResumePoint, *, tracker: IteratorTracker | None, 
     info = resume.restore_step(model, point.step_dir, data_iterator=None if started else data_iterator,
                                on_process_count_change=on_process_count_change)
     if started and iterator_restored_from != point.step_dir:
-        raise RuntimeError(
+        raise IteratorPositionError(
             f"batches() restored the data iterator from {iterator_restored_from!r} but the model resumes "
             f"from {point.step_dir!r}. Fix: do not write to the checkpoint directory from another process "
             "while this run starts.")

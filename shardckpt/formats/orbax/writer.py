@@ -56,23 +56,14 @@ CHUNK_BYTES = {"none": 31 * 1024 * 1024, "zstd": 4 * 1024 * 1024}
 `OrbaxCheckpoint`), per compression: Orbax's `chunk_byte_size` splits each
 written block (a piece or a device's shard) into chunks of at most this size,
 halving its largest dimensions first (Orbax 0.12 stores each as its own zarr
-shard). Chosen with `tools/bench_chunks.py` (1.6 GB model, 2 shared cores,
-medians of 3-5; README "Chunking and compression"):
+shard). Chosen with `tools/bench_chunks.py` (figures: CHANGELOG).
 
 - zstd: a chunk decodes on one thread, so small chunks let a restore use
-  every core. 4 MiB chunks restored in 0.51x the time of 64 MiB ones
-  (`convert`, 8 devices) and 0.79x of one chunk per whole array
-  (`OrbaxCheckpoint`, 1 device), and 0.86-0.92x of 1 MiB ones.
-- none: every chunk carries a `crc32c` (`_orbax.add_chunk_checksums`),
-  and tensorstore decodes a checksummed chunk into a buffer it allocates
-  (README "Damage"). glibc's malloc hands a buffer below 32 MiB (its
-  largest dynamic mmap threshold) the memory the previous chunk freed; a
-  larger one is a fresh map whose every page faults. 0.81 GB model, medians
-  of 3 on 2 cores at load average 12-20: at most 31 MiB (16 MiB chunks for
-  its 64 MiB kernels) restored in 0.66x the time of 64 MiB chunks onto
-  (1, 8) (0.96 vs 1.62 CPU s) and 0.39x onto one device (1.05 vs 1.67 CPU
-  s); Keras' own load took 7.9 s against 14.0 s. Without checksums 64 MiB
-  had been the fastest (onto one device 0.53 s, 16 MiB 0.82 s).
+  every core.
+- none: every chunk carries a `crc32c` (`_orbax.add_chunk_checksums`) and is
+  decoded into a buffer tensorstore allocates; below 32 MiB (glibc's largest
+  dynamic mmap threshold) malloc reuses the memory the previous chunk freed,
+  above it every chunk is a fresh map whose every page faults.
 """
 
 
@@ -224,9 +215,9 @@ class OrbaxStepWriter:
     def release(self, files: list[str]) -> None:
         """Syncs `files` (from `committed_files`) and drops them from the page cache (`storage.sync_and_drop`).
 
-        A 1.6 GB conversion took 4.3-5.3 s without it and 1.6-1.9 s with it
-        (CHANGELOG, issue 27). A later read of the checkpoint comes from disk
-        instead of memory.
+        Dirty pages left to the kernel's writeback stall later writes and
+        evict other caches (figures: CHANGELOG). A later read of the
+        checkpoint comes from disk instead of memory.
         """
         for path in files:
             fd = os.open(path, os.O_RDONLY)
