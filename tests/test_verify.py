@@ -14,9 +14,9 @@ import pytest
 import shardckpt
 from shardckpt import errors
 from shardckpt.cli import main
-from shardckpt.convert import integrity
-from shardckpt.convert.converter import convert
-from shardckpt.convert.integrity import read_checksums, verify
+from shardckpt.conversion import integrity
+from shardckpt.conversion.converter import convert
+from shardckpt.conversion.integrity import read_checksums, verify
 from tests.damage import flip_byte_of
 from tests.zoo import build_zoo, randomize, saved_zoo_h5
 

@@ -40,7 +40,7 @@ class Format:
             `provide`d.
         writer: `(model, dst, *, format, dtype, shard, max_inflight_bytes,
             progress, overwrite, start) -> ExportReport`, once one exists
-            (`provide`d by the export package, `shardckpt.export.api`).
+            (`provide`d by the export package, `shardckpt.exporting.api`).
         aliases: Other names `writer_for` takes (`export(format=...)`'s).
         architecture: `(path) -> keras.Model` for formats that name their model
             (a Hugging Face config), built lazily; None otherwise.

@@ -32,7 +32,7 @@ except ImportError:  # no isal wheel for this platform: zlib, same values, slowe
 
 from shardckpt import budget as budgets
 from shardckpt import storage
-from shardckpt.convert.boxes import c_order_boxes
+from shardckpt.conversion.boxes import c_order_boxes
 from shardckpt.errors import ChecksumMismatchError, CorruptCheckpointError
 from shardckpt.formats import open_reader
 from shardckpt.formats.orbax import ondisk
