@@ -499,12 +499,3 @@ def ocdbt_kvstore(
         spec["manifest"] = manifest
     return spec
 
-
-def is_zarr3(tree: str, name: str) -> bool:
-    """Orbax >= 0.9 writes zarr3; older checkpoints used zarr v2 (`.zarray`).
-
-    In a bucket zarr3 is assumed: looking for a zarr v2 `.zarray` would cost
-    one request per array.
-    """
-    local = storage.parse(tree).local_path
-    return local is None or not os.path.exists(os.path.join(local, name, ".zarray"))
