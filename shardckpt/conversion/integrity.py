@@ -166,7 +166,7 @@ def verify(
             (no array can be located).
     """
     max_inflight_bytes = budgets.resolve(max_inflight_bytes)
-    reader = open_reader(os.fspath(path), cache_bytes=budgets.chunk_cache_bytes(max_inflight_bytes))
+    reader = open_reader(storage.parse(path, what="path"), cache_bytes=budgets.chunk_cache_bytes(max_inflight_bytes))
     try:
         report = VerifyReport(path=reader.path, format=reader.format)
         expected = read_checksums(reader.path) if reader.format == "orbax" else None

@@ -221,8 +221,8 @@ class RemoteObject(ByteSource):
         """The object's size in bytes, learnt from the object itself.
 
         The kvstore API reports no object size, so the format that opened the
-        object sizes it from its own header (`Sizer`: an HDF5 superblock, a
-        zip end record, see `shardckpt.formats.containers`); without one, the
+        object sizes it from its own header (the `Sizer` it passed to
+        `storage.open_source`, say from an HDF5 superblock); without one, the
         object's size is what TensorStore names when it refuses a range past
         the end.
         """

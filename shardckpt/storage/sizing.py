@@ -1,6 +1,6 @@
 """Sizes of objects in a bucket, which TensorStore's kvstore API does not report: summed over
-a prefix by range probes (`du`). One object's size comes from its own header, which its
-format reads (`shardckpt.formats.containers`)."""
+a prefix by range probes (`du`). One object's size comes from its own header, which the
+format that opens it reads (a `Sizer` given to `storage.open_source`: storage knows no format)."""
 
 from __future__ import annotations
 

@@ -445,7 +445,7 @@ def ts_context() -> Any:
 
 
 def param_info(
-    name: str, tree: str, *, context: Any, use_zarr3: bool = True, use_compression: bool = True
+    name: str, tree: str | storage.Location, *, context: Any, use_zarr3: bool = True, use_compression: bool = True
 ) -> Any:
     """Orbax's `ParamInfo` for array `name` of the tree in folder `tree`.
 

@@ -222,7 +222,7 @@ class OrbaxReader(ChunkedReader):
 
     def _open_store(self, key: str) -> ts.Future:
         name = self._names[key]
-        info = ondisk.param_info(name, self.tree_dir, context=self._context, use_zarr3=self._zarr3)
+        info = ondisk.param_info(name, self._tree, context=self._context, use_zarr3=self._zarr3)
         # Orbax's own read spec, its OCDBT store's base pointed at the tree's
         # backend and its manifest at the pinned copy.
         spec = type_handlers.get_json_tspec_read(info, use_ocdbt=True)
