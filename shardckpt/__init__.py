@@ -11,7 +11,9 @@ The public API, re-exported here (internals live in one module per concept):
   `verify` -> `VerifyReport`;
 - the way out: `export` -> `ExportReport` (Hugging Face folders, keras-hub
   presets, safetensors; each process writes its own pieces);
-- `errors`: every typed error shardckpt raises.
+- `errors`: every typed error shardckpt raises;
+- below the top level, one public name: `shardckpt.storage.deadline` (the
+  timeouts and retries of bucket requests, for a block of code).
 """
 
 import os
@@ -42,14 +44,14 @@ def _require_jax_backend() -> None:
 _require_jax_backend()
 
 from shardckpt._version import __version__  # noqa: E402
-from shardckpt.convert import (  # noqa: E402
+from shardckpt.conversion import (  # noqa: E402
     CheckpointInfo,
     ConvertReport,
     VerifyReport,
     inspect,
     verify,
 )
-from shardckpt.export import ExportReport, export  # noqa: E402
+from shardckpt.exporting import ExportReport, export  # noqa: E402
 from shardckpt.layout import LayoutPlan, auto_layout, parallelize  # noqa: E402
 from shardckpt.pipeline import convert  # noqa: E402
 from shardckpt.presets import from_preset  # noqa: E402

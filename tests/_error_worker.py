@@ -19,7 +19,7 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
 
-from shardckpt.convert.info import inspect  # noqa: E402
+from shardckpt.conversion.info import inspect  # noqa: E402
 from shardckpt.training import OrbaxCheckpoint  # noqa: E402
 
 

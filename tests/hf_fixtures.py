@@ -13,7 +13,7 @@ Two writers, never a per-model table of names:
   Face names by running keras-hub's converter in reverse through the same
   recorded remaps shardckpt reads with (`hf_remap.Tensor.write`). Stored
   shapes are solved from the Keras layers' structure by the same solver
-  `shardckpt.export` uses (`shardckpt.export.hf_shapes`).
+  `shardckpt.export` uses (`shardckpt.exporting.hf_shapes`).
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ import ml_dtypes
 import numpy as np
 
 from shardckpt import lazy_init
-from shardckpt.export.hf_shapes import stored_shapes
+from shardckpt.exporting.hf_shapes import stored_shapes
 from shardckpt.formats.base import DTYPES, ArraySpec
 from shardckpt.formats.hf_record import record
 from shardckpt.presets import hf

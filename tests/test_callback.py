@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from shardckpt import errors, load_sharded
-from shardckpt.convert.info import inspect
+from shardckpt.conversion.info import inspect
 from shardckpt.training import OrbaxCheckpoint, restore_latest
 from tests._train_worker import AtBatch
 from tests.zoo import CountingIterator, small_regressor

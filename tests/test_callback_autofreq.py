@@ -9,7 +9,7 @@ import keras
 import numpy as np
 import pytest
 
-from shardckpt.convert.info import inspect
+from shardckpt.conversion.info import inspect
 from shardckpt.training import OrbaxCheckpoint
 from shardckpt.training.autofreq import MARGIN, interval_for
 from tests.zoo import small_regressor

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from shardckpt import errors
-from shardckpt.convert.info import inspect
+from shardckpt.conversion.info import inspect
 from shardckpt.training import OrbaxCheckpoint, restore_latest
 from shardckpt.training.iterators import decode_state, encode_state
 

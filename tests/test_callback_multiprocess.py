@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from shardckpt import load_sharded
-from shardckpt.convert.info import inspect
+from shardckpt.conversion.info import inspect
 from tests._train_worker import build_model
 from tests.mp import run_pair
 

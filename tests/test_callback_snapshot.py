@@ -10,7 +10,7 @@ import keras
 import numpy as np
 import pytest
 
-from shardckpt.convert.info import inspect
+from shardckpt.conversion.info import inspect
 from shardckpt.training import OrbaxCheckpoint, restore_latest
 from shardckpt.training import snapshot as snapshot_lib
 from tests.zoo import small_regressor

@@ -18,7 +18,7 @@ import tensorstore as ts
 
 import shardckpt
 from shardckpt import errors
-from shardckpt.convert.integrity import verify
+from shardckpt.conversion.integrity import verify
 from shardckpt.training import OrbaxCheckpoint
 from tests.damage import flip_byte_of
 from tests.zoo import build_zoo, saved_zoo_h5

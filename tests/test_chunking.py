@@ -18,7 +18,7 @@ import pytest
 import tensorstore as ts
 
 import shardckpt
-from shardckpt.convert import convert
+from shardckpt.conversion import convert
 from shardckpt.formats.orbax.writer import CHUNK_BYTES
 from shardckpt.training import OrbaxCheckpoint
 

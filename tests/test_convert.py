@@ -20,9 +20,9 @@ import tensorstore as ts
 
 import shardckpt
 from shardckpt import errors
-from shardckpt.convert.boxes import write_boxes
-from shardckpt.convert.converter import convert
-from shardckpt.convert.integrity import read_checksums
+from shardckpt.conversion.boxes import write_boxes
+from shardckpt.conversion.converter import convert
+from shardckpt.conversion.integrity import read_checksums
 from shardckpt.restore import hostmem
 from tests.zoo import build_zoo, lazy_zoo, model_parallel, randomize
 

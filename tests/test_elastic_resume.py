@@ -12,7 +12,7 @@ import keras
 import numpy as np
 import pytest
 
-from shardckpt.convert.info import inspect
+from shardckpt.conversion.info import inspect
 from shardckpt.errors import IteratorCountError
 from shardckpt.training import OrbaxCheckpoint, restore_latest
 from tests._train_worker import ShuffledIterator, build_model

@@ -14,7 +14,7 @@ import pytest
 import shardckpt
 from shardckpt import errors, storage
 from shardckpt.cli import main
-from shardckpt.export import hf_config
+from shardckpt.exporting import hf_config
 from shardckpt.training import resume_point
 from shardckpt.training.iterators import IteratorTracker
 from tests import hf_fixtures

@@ -59,7 +59,7 @@ def test_tiny_budget_writes_in_row_blocks_bit_equal(llama_folder, tmp_path):
 
 def test_assembled_blocks_synced_and_dropped_as_they_go_bit_equal(llama_folder, tmp_path, monkeypatch):
     """4 KiB blocks assembled from the (2, 4) pieces, each written back and dropped from the page cache."""
-    from shardckpt.export import api
+    from shardckpt.exporting import api
     from shardckpt.formats import mapped_writer
 
     drops = []

@@ -106,14 +106,14 @@ def test_constructor_config_exports_and_reads_back_bit_equal(name, class_name, a
 
 
 def test_grid_covers_every_mapped_architecture_three_times():
-    from shardckpt.export.hf import converter_for
+    from shardckpt.exporting.hf import converter_for
 
     seen: dict[str, int] = {}
     for _, class_name, args in grid.GRID:
         with shardckpt.lazy_init():
             model = grid.build(class_name, args)
         _, model_types = converter_for(model)
-        from shardckpt.export.hf_config import hf_config
+        from shardckpt.exporting.hf_config import hf_config
 
         model_type = hf_config(model, converter_for(model)[0], model_types)["model_type"]
         key = f"{class_name}:{model_type}"
@@ -140,7 +140,7 @@ PUBLISHED = os.environ.get("SHARDCKPT_PUBLISHED_CONFIGS", os.path.join(os.path.d
 def test_published_sizes_plan_hugging_face_tensors_of_their_checkpoints():
     """GPT-2 base and BERT base built lazily at full size (nothing allocated): the planned
     tensors are the published checkpoints' names and shapes."""
-    from shardckpt.export import hf
+    from shardckpt.exporting import hf
 
     with open(PUBLISHED) as f:
         published = {k: v for k, v in json.load(f).items() if not k.startswith("_")}

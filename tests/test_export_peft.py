@@ -3,7 +3,7 @@
 Names and shapes as PEFT's `save_pretrained` writes them
 (`base_model.model.<module>.lora_A.weight` (r, in), `lora_B` (out, r)),
 `adapter_config.json` fields, values equal to the factors (Keras' EinsumDense
-factors laid out per head: see `shardckpt.export.peft`), and PEFT itself
+factors laid out per head: see `shardckpt.exporting.peft`), and PEFT itself
 loading the adapter onto transformers' model of the base `hf` export and
 reproducing the keras-hub LoRA model's logits.
 """

@@ -13,7 +13,7 @@ import keras
 import numpy as np
 import pytest
 
-from shardckpt.convert.info import inspect
+from shardckpt.conversion.info import inspect
 from shardckpt.training import OrbaxCheckpoint, restore_latest
 from tests._train_worker import sigterm_at
 from tests.test_resume_kill import (

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import inspect as pyinspect
+import pkgutil
 
 import keras
 
 import shardckpt
-from shardckpt import errors
+from shardckpt import errors, storage
 
 PUBLIC = {
     "CheckpointInfo",
@@ -43,6 +44,31 @@ def test_functions_not_shadowed_by_submodules():
     # `shardckpt.convert` / `shardckpt.inspect` are the functions, not modules.
     for name in ("convert", "inspect", "verify", "auto_layout", "parallelize", "load_sharded", "from_preset", "export"):
         assert callable(getattr(shardckpt, name)) and pyinspect.isfunction(getattr(shardckpt, name)), name
+
+
+def test_no_subpackage_has_the_name_of_a_public_name():
+    # A subpackage named like a public function is shadowed by it in `shardckpt`'s
+    # namespace: `import shardckpt.<name>.x` and `shardckpt.<name>` then mean two
+    # things, and which one wins depends on import order.
+    # (`errors` is public as the module itself, so it shadows nothing.)
+    submodules = {m.name for m in pkgutil.iter_modules(shardckpt.__path__)}
+    shadowed = {name for name in submodules & set(shardckpt.__all__) if not pyinspect.ismodule(getattr(shardckpt, name))}
+    assert not shadowed, shadowed
+
+
+# What README tells users to call below the top level: pinned as the top level is.
+STORAGE_PUBLIC = {"deadline", "Deadline", "Location", "parse"}
+
+
+def test_storage_deadline_is_declared_public():
+    assert STORAGE_PUBLIC <= set(storage.__all__)
+    for name in storage.__all__:
+        assert hasattr(storage, name), name
+    p = _params(storage.deadline)
+    for kw in ("timeout", "retries"):
+        assert p[kw].kind is pyinspect.Parameter.KEYWORD_ONLY, kw
+    with storage.deadline(timeout=600, retries=8) as d:  # README's own call
+        assert isinstance(d, storage.Deadline)
 
 
 def _params(fn) -> dict[str, pyinspect.Parameter]:

@@ -136,3 +136,30 @@ def test_object_replaced_by_a_shorter_one_mid_load_raises_object_changed_not_tru
     with pytest.raises(ObjectChangedError, match="replaced while it was being read") as info:
         load_sharded(_model(3), target.url, max_inflight_bytes=_ONE_KERNEL, progress=False)
     assert info.value.expected and info.value.found and info.value.expected != info.value.found
+
+
+def test_local_orbax_manifest_is_pinned_like_a_buckets(tmp_path):
+    """The Orbax reader reads a local step through the same path as a bucket's: its
+    manifest is pinned at open, so a step replaced in place during a load is named at
+    `close`, never taken for the step that is there now."""
+    import os
+
+    from shardckpt.formats.orbax.reader import OrbaxReader
+
+    model = _model(0)
+    model.save_weights(tmp_path / "m.weights.h5")
+    convert(tmp_path / "m.weights.h5", tmp_path / "ck", model=model)
+    untouched = OrbaxReader(tmp_path / "ck")
+    key = untouched.keys()[0]
+    expected = untouched.read(key, ())
+    untouched.close()  # nothing changed: no error
+
+    reader = OrbaxReader(tmp_path / "ck")
+    np.testing.assert_array_equal(reader.read(key, ()), expected)
+    manifest = tmp_path.joinpath(reader.tree_dir, "manifest.ocdbt")
+    rewritten = manifest.with_name("manifest.new")
+    rewritten.write_bytes(manifest.read_bytes())
+    os.replace(rewritten, manifest)  # a save into the same step: another file under the same name
+    np.testing.assert_array_equal(reader.read(key, ()), expected)  # still the pinned copy
+    with pytest.raises(ObjectChangedError, match=rf"manifest '{manifest}' .* was replaced during the load.*file stamp"):
+        reader.close()

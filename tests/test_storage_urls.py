@@ -112,3 +112,16 @@ def test_parse_passes_a_location_through_and_refuses_other_schemes():
     assert storage.parse(location) is location  # parsed once: below the API edge it travels as is
     with pytest.raises(errors.UnsupportedURLError, match=r"hf://org/model.*Supported schemes: gs://, s3://, file://"):
         storage.parse("hf://org/model")
+
+
+def test_a_path_parsed_once_is_still_shown_as_typed(tmp_path, monkeypatch, h5_source):
+    """Entry points classify their path once and pass the `Location` down; reports still
+    name a relative path as the user typed it, and a location derived from it its own path."""
+    model, h5 = h5_source
+    monkeypatch.chdir(os.path.dirname(h5))
+    location = storage.parse("m.weights.h5")
+    assert location == storage.Location("local", h5) and location.shown == "m.weights.h5"
+    assert location.parent.shown == os.path.dirname(h5) and location.parent.join("m.weights.h5").shown == h5
+    assert shardckpt.inspect("m.weights.h5").path == "m.weights.h5"
+    assert shardckpt.verify("m.weights.h5").path == "m.weights.h5"
+    assert shardckpt.load_sharded(model, "m.weights.h5").path == "m.weights.h5"

@@ -66,7 +66,7 @@ def save(args: argparse.Namespace, writer: str, chunks: str, compression: str) -
         from bench_restore import build
 
         import shardckpt
-        from shardckpt.convert import converter
+        from shardckpt.conversion import converter
         from shardckpt.formats.orbax import writer as orbax_writer
 
         orbax_writer.CHUNK_BYTES[compression] = chunk_bytes(chunks)  # type: ignore[assignment]  # the size under test

@@ -66,7 +66,7 @@ def cell(args: argparse.Namespace, mode: str, option: str) -> dict:
     if mode == "convert":
         dst = os.path.join(args.workdir, f"orbax-{option}")
         shutil.rmtree(dst, ignore_errors=True)
-        from shardckpt.convert.converter import convert
+        from shardckpt.conversion.converter import convert
 
         with PeakSampler() as sampler:
             start, cpu = time.perf_counter(), cpu_seconds()

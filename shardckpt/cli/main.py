@@ -185,14 +185,14 @@ def _convert(args: argparse.Namespace) -> int:
 def _architecture(spec: str) -> Any:
     """`--model`: a keras-hub preset folder, package.module:function or a .keras file, built lazily."""
     from shardckpt.cli.plan import load_preset_architecture
-    from shardckpt.convert.architecture import load_architecture
+    from shardckpt.conversion.architecture import load_architecture
 
     return load_preset_architecture(spec) if os.path.isdir(spec) else load_architecture(spec)
 
 
 def _inspect(args: argparse.Namespace) -> int:
-    from shardckpt.convert.info import inspect
-    from shardckpt.convert.integrity import read_checksums
+    from shardckpt.conversion.info import inspect
+    from shardckpt.conversion.integrity import read_checksums
 
     info = inspect(args.path)
     checksums = (read_checksums(info.path) if info.format == "orbax" else None) or {}
@@ -232,7 +232,7 @@ def _print_info(info: Any, checksums: dict[str, dict[str, Any]]) -> None:
 
 
 def _verify(args: argparse.Namespace) -> int:
-    from shardckpt.convert.integrity import verify
+    from shardckpt.conversion.integrity import verify
     from shardckpt.formats import open_reader
     from shardckpt.progress import ByteProgress
 

@@ -16,7 +16,7 @@ import sys
 from typing import Any
 
 from shardckpt.cli.devices import DEVICE_FLAG
-from shardckpt.convert.architecture import load_architecture
+from shardckpt.conversion.architecture import load_architecture
 from shardckpt.errors import LayoutError, ModelRequiredError
 from shardckpt.layout.mesh import check_device_count, parse_mesh
 from shardckpt.lazy import lazy_init

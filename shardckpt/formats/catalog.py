@@ -41,7 +41,7 @@ CATALOG = (
         suffixes=(".safetensors", ".safetensors.index.json"),
         priority=60,  # above h5-sharded, whose ".json" an index also ends with
         reader=lambda location, **_: SafetensorsReader(location),
-        writer=Lazy("shardckpt.export.api:write_safetensors"),
+        writer=Lazy("shardckpt.exporting.api:write_safetensors"),
         keys="path",
     ),
     # Keras' own files: one reader (a `.keras` archive holds a `.weights.h5`), told apart by name or magic.
@@ -82,7 +82,7 @@ CATALOG = (
         # Above the other folders: a step folder may hold anything beside Orbax's files.
         priority=90,
         reader=lambda location, *, cache_bytes, **_: OrbaxReader(location, cache_bytes=cache_bytes),
-        writer=Lazy("shardckpt.export.api:write_orbax"),
+        writer=Lazy("shardckpt.exporting.api:write_orbax"),
         keys="state",
     ),
     Format(
@@ -95,7 +95,7 @@ CATALOG = (
         confirms="config.json naming a keras-hub class (registered_name)",
         priority=80,
         reader=lambda location, *, task=None, **_: PresetReader(location, task=task),
-        writer=Lazy("shardckpt.export.api:write_keras_hub"),
+        writer=Lazy("shardckpt.exporting.api:write_keras_hub"),
         aliases=("keras-hub",),
         architecture=Lazy("shardckpt.presets.kerashub:architecture"),
         keys="preset",
@@ -110,7 +110,7 @@ CATALOG = (
         confirms="config.json with a model_type",
         priority=70,
         reader=Lazy("shardckpt.presets.hf:reader"),
-        writer=Lazy("shardckpt.export.api:write_hf"),
+        writer=Lazy("shardckpt.exporting.api:write_hf"),
         architecture=Lazy("shardckpt.presets.hf:build"),
         keys="path",
         needs_model=True,
@@ -119,7 +119,7 @@ CATALOG = (
     Format(
         name="peft",
         description="PEFT LoRA adapter folders (written by export only)",
-        writer=Lazy("shardckpt.export.api:write_peft"),
+        writer=Lazy("shardckpt.exporting.api:write_peft"),
         keys="",
     ),
 )

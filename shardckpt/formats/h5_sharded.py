@@ -20,8 +20,6 @@ variable.
 
 from __future__ import annotations
 
-import os
-
 import numpy as np
 
 from shardckpt import storage
@@ -95,7 +93,7 @@ class ShardedH5Reader(MappedReader):
             other = self._where.get(key)
             if other is not None and other is not shard:
                 raise CorruptCheckpointError(
-                    f"Array {key!r} is stored twice, in {os.path.basename(other.path)!r} "
+                    f"Array {key!r} is stored twice, in {other.path.rsplit('/', 1)[-1]!r} "
                     f"and {name!r}, of the sharded weights {self.path!r}. Fix: re-save "
                     "the weights."
                 )

@@ -1,6 +1,6 @@
 """`convert(src, dst, *, to=...)`: any checkpoint shardckpt reads to any format it writes.
 
-Orbax is written by streaming (`shardckpt.convert.converter`: no model
+Orbax is written by streaming (`shardckpt.conversion.converter`: no model
 values, no device). The other targets are written by `shardckpt.export`
 from the model loaded sharded: a keras-hub preset or Hugging Face folder by
 `from_preset` (its own architecture), any other source into `model` (built
@@ -14,10 +14,10 @@ import os
 from typing import Any, Literal, overload
 
 from shardckpt import storage
-from shardckpt.convert.converter import ConvertReport
-from shardckpt.convert.converter import convert as to_orbax
+from shardckpt.conversion.converter import ConvertReport
+from shardckpt.conversion.converter import convert as to_orbax
 from shardckpt.errors import ModelRequiredError
-from shardckpt.export import ExportReport, export
+from shardckpt.exporting import ExportReport, export
 from shardckpt.formats import FORMATS, detect_format
 from shardckpt.formats.orbax.writer import DEFAULT_COMPRESSION
 from shardckpt.layout import auto_layout
@@ -101,7 +101,7 @@ def convert(
     """Converts a checkpoint to an Orbax checkpoint, a Hugging Face folder, a keras-hub preset or safetensors.
 
     `to="orbax"` streams the arrays into an Orbax step folder (no model
-    values, no device; see `shardckpt.convert.converter.convert`). The other
+    values, no device; see `shardckpt.conversion.converter.convert`). The other
     targets load the model sharded, then `shardckpt.export` it: each
     device's piece is written where it belongs, never gathered.
 
@@ -146,7 +146,7 @@ def convert(
         ValueError: `to` is not one of `TARGETS`, or an option of another target.
         ModelRequiredError: the source has no architecture and `model` is None.
         DestinationExistsError, CheckpointNotFoundError, UnknownFormatError,
-        CheckpointMismatchError, ...: see `shardckpt.convert.converter.convert`,
+        CheckpointMismatchError, ...: see `shardckpt.conversion.converter.convert`,
             `shardckpt.from_preset`, `shardckpt.load_sharded` and `shardckpt.export`.
     """
     if to not in TARGETS:
@@ -187,7 +187,7 @@ def _load(src: str | os.PathLike, *, to: str, model: Any, layout: Any, mesh: Any
                 ".keras file or a keras-hub preset folder (in Python: model=<a Keras model, e.g. built under "
                 "shardckpt.lazy_init()>); a .keras file, a keras-hub preset or a Hugging Face folder carries its own."
             )
-        from shardckpt.convert.architecture import load_architecture
+        from shardckpt.conversion.architecture import load_architecture
 
         model = load_architecture(source)
     plan = layout if layout is not None else auto_layout(model, "auto" if mesh is None else mesh)

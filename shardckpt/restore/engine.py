@@ -24,7 +24,7 @@ import jax
 import numpy as np
 from keras import distribution as kd
 
-from shardckpt import _keras, dtypes
+from shardckpt import _keras, dtypes, storage
 from shardckpt import budget as budgets
 from shardckpt.errors import CheckpointMismatchError, IndivisibleLayoutError, LayoutError
 from shardckpt.formats import Reader, open_reader
@@ -204,6 +204,9 @@ def load_sharded(
             devices, or a layout of more axes than its variable has dimensions.
     """
     start = time.perf_counter()
+    # Classified once, here: below, the `Location` travels (an unsupported
+    # scheme:// is refused before anything else is looked at).
+    location = storage.parse(path, what="path")
     accelerators = sum(1 for d in jax.local_devices() if d.platform != "cpu")
     chosen = "given" if max_inflight_bytes is not None else budgets.describe_default(accelerators)
     max_inflight_bytes = budgets.resolve(max_inflight_bytes, accelerators=accelerators)
@@ -224,7 +227,7 @@ def load_sharded(
     if transfer not in _TRANSFERS:
         raise ValueError(f"transfer must be one of {_TRANSFERS}. Received: transfer={transfer!r}")
     reader = open_reader(
-        os.fspath(path), cache_bytes=budgets.chunk_cache_bytes(max_inflight_bytes), model=model, task=naming.is_task(model)
+        location, cache_bytes=budgets.chunk_cache_bytes(max_inflight_bytes), model=model, task=naming.is_task(model)
     )
     try:
         report = LoadReport(

@@ -83,7 +83,7 @@ def parse(path: str | os.PathLike | Location, *, what: str = "path") -> Location
         text = os.fsdecode(text)
     match = _URL.match(text)
     if match is None:
-        return Location(LOCAL, os.path.abspath(text))
+        return Location(LOCAL, os.path.abspath(text), given=text)
     scheme, rest = match.group(1).lower(), match.group(2)
     if scheme == "file":
         return Location(LOCAL, os.path.abspath("/" + rest.lstrip("/")))
@@ -156,7 +156,7 @@ def child(folder: Location, name: str) -> Location | None:
 def shown(path: str | os.PathLike | Location, location: Location) -> str:
     """How a reader names what it opened: the path as the user gave it, else the URL."""
     if isinstance(path, Location):
-        return path.url
+        return path.shown
     text = os.fsdecode(os.fspath(path))
     return location.url if _URL.match(text) else text
 

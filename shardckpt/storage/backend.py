@@ -35,6 +35,21 @@ class Backend(Protocol):
         """The bytes of one file or object, or None when it does not exist."""
         ...
 
+    version_label: str
+    """What the store calls a file's version, for messages ("generation", "ETag")."""
+
+    def read_version(self, location: Location) -> tuple[bytes | None, bytes]:
+        """The bytes of one file or object (None if it does not exist) and the version they are of."""
+        ...
+
+    def changed(self, location: Location, version: bytes) -> str | None:
+        """None while `location` is still at `version`; else its version now, as `version_text` shows it."""
+        ...
+
+    def version_text(self, generation: bytes) -> str:
+        """A version as the store shows it, for messages."""
+        ...
+
     def source(self, location: Location, sizer: Sizer | None = None) -> ByteSource:
         """The bytes of one file or object (`sizer`: how an object learns its size)."""
         ...

@@ -60,6 +60,33 @@ class Local:
         except FileNotFoundError:
             return None
 
+    version_label = "file stamp"
+    """What a file's version is called in messages: modification time (ns), size and inode."""
+
+    def read_version(self, location: Location) -> tuple[bytes | None, bytes]:
+        """The bytes of one file (None if it does not exist) and its stamp, for `changed`."""
+        try:
+            with open(location.path, "rb") as f:
+                stamp = _stamp(os.fstat(f.fileno()))
+                return f.read(), stamp
+        except FileNotFoundError:
+            return None, b""
+
+    def changed(self, location: Location, version: bytes) -> str | None:
+        """None while the file still has the stamp `version`; else its stamp now.
+
+        A file rewritten in place or replaced (a rename over it) gets another
+        modification time or inode.
+        """
+        try:
+            stamp = _stamp(os.stat(location.path))
+        except FileNotFoundError:
+            return "none (deleted)"
+        return None if stamp == version else self.version_text(stamp)
+
+    def version_text(self, generation: bytes) -> str:
+        return generation.decode("ascii", "replace")
+
     def write(self, location: Location, data: bytes) -> None:
         with open(location.path, "wb") as f:
             f.write(data)
@@ -90,3 +117,8 @@ class Local:
         return CheckpointNotFoundError(f"No checkpoint at {location.url!r}. Fix: check the path ({what}).")
 
     missing = not_found
+
+
+def _stamp(st: os.stat_result) -> bytes:
+    """A file's version as `Local.read_version` reports it: mtime (ns), size, inode."""
+    return f"mtime_ns={st.st_mtime_ns} size={st.st_size} inode={st.st_ino}".encode()

@@ -23,11 +23,15 @@ class Location:
         path: For "local": the absolute local path. For buckets: the key
             prefix inside the bucket, without leading or trailing "/".
         bucket: The bucket name (None for local paths).
+        given: A local path as the user wrote it (relative, say), which
+            messages and reports name; None for URLs and for locations derived
+            by `join` / `parent`. Not part of the location's identity.
     """
 
     scheme: str
     path: str
     bucket: str | None = None
+    given: str | None = dataclasses.field(default=None, compare=False, repr=False)
 
     @property
     def is_remote(self) -> bool:
@@ -47,6 +51,11 @@ class Location:
         return f"{self.scheme}://{self.bucket}/{self.path}".rstrip("/")
 
     @property
+    def shown(self) -> str:
+        """How messages and reports name it: the local path as given, else `url`."""
+        return self.url if self.given is None else self.given
+
+    @property
     def name(self) -> str:
         """The last path component."""
         return self.path.rstrip("/").rsplit("/", 1)[-1]
@@ -55,16 +64,16 @@ class Location:
     def parent(self) -> Location:
         """The folder (or key prefix) holding this location."""
         if not self.is_remote:
-            return dataclasses.replace(self, path=os.path.dirname(self.path))
+            return dataclasses.replace(self, path=os.path.dirname(self.path), given=None)
         head = self.path.rsplit("/", 1)[0] if "/" in self.path else ""
-        return dataclasses.replace(self, path=head)
+        return dataclasses.replace(self, path=head, given=None)
 
     def join(self, *names: str) -> Location:
         """The location of `names` under this one ("a/b" names are split on "/")."""
         if not self.is_remote:
-            return dataclasses.replace(self, path=os.path.join(self.path, *names))
+            return dataclasses.replace(self, path=os.path.join(self.path, *names), given=None)
         parts = [p for p in (self.path, *names) if p]
-        return dataclasses.replace(self, path="/".join(p.strip("/") for p in parts))
+        return dataclasses.replace(self, path="/".join(p.strip("/") for p in parts), given=None)
 
     def endswith(self, suffixes: str | tuple[str, ...]) -> bool:
         """Whether the path ends with one of `suffixes` (a file's kind by its name)."""

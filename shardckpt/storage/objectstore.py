@@ -99,7 +99,7 @@ class ObjectStore:
         spec["context"] = {**deadlines.current().context(self.driver), **self.context()}
         return spec
 
-    def open(self, location: Location) -> Any:
+    def open(self, location: Location) -> ts.KvStore:
         """TensorStore's kvstore of the folder `location` (its keys are the names under it)."""
         return self.wait(ts.KvStore.open(self.kvstore(location)), location, "opening")
 

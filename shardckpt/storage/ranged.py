@@ -32,9 +32,10 @@ import io
 import re
 import threading
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import numpy as np
+import tensorstore as ts
 
 from shardckpt.budget import Budget
 from shardckpt.errors import CorruptCheckpointError
@@ -42,9 +43,6 @@ from shardckpt.storage import byteplan, deadlines
 from shardckpt.storage.byteplan import Run
 from shardckpt.storage.bytesource import ByteSource, Sizer
 from shardckpt.storage.location import Location
-
-if TYPE_CHECKING:
-    from shardckpt.storage.objectstore import ObjectStore
 
 GAP = 256 * 1024
 """Runs of a box closer than this are one request (a request costs more than reading the gap)."""
@@ -96,6 +94,30 @@ _IN_FLIGHT = Budget(INFLIGHT_BYTES)
 """Bytes of ranged reads in flight across all threads."""
 
 
+class Store(Protocol):
+    """What a `RemoteObject` asks of the object store it reads from (an `ObjectStore`).
+
+    Declared here, beside its one user, so that this module needs nothing of
+    the store's own module: the store builds its objects, not the other way round.
+    """
+
+    def open(self, location: Location) -> ts.KvStore:
+        """TensorStore's kvstore of the folder `location`."""
+        ...
+
+    def translate(self, error: BaseException, location: Location, *, action: str = "reading") -> BaseException:
+        """A typed error for a failed request, or `error` itself."""
+        ...
+
+    def missing(self, location: Location, *, what: str) -> BaseException:
+        """The error for a missing object."""
+        ...
+
+    def replaced(self, location: Location, expected: bytes, found: bytes) -> BaseException:
+        """The error for a read served by another version than the one pinned."""
+        ...
+
+
 class RemoteObject(ByteSource):
     """One object in a bucket, read by byte ranges (a `ByteSource`).
 
@@ -108,7 +130,7 @@ class RemoteObject(ByteSource):
         CheckpointNotFoundError: (on the first read) the object does not exist.
     """
 
-    def __init__(self, location: Location, store: ObjectStore, sizer: Sizer | None = None) -> None:
+    def __init__(self, location: Location, store: Store, sizer: Sizer | None = None) -> None:
         self.location = location
         self._sizer = sizer
         self.url = location.url
@@ -199,8 +221,8 @@ class RemoteObject(ByteSource):
         """The object's size in bytes, learnt from the object itself.
 
         The kvstore API reports no object size, so the format that opened the
-        object sizes it from its own header (`Sizer`: an HDF5 superblock, a
-        zip end record, see `shardckpt.formats.containers`); without one, the
+        object sizes it from its own header (the `Sizer` it passed to
+        `storage.open_source`, say from an HDF5 superblock); without one, the
         object's size is what TensorStore names when it refuses a range past
         the end.
         """

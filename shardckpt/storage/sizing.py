@@ -1,21 +1,36 @@
 """Sizes of objects in a bucket, which TensorStore's kvstore API does not report: summed over
-a prefix by range probes (`du`). One object's size comes from its own header, which its
-format reads (`shardckpt.formats.containers`)."""
+a prefix by range probes (`du`). One object's size comes from its own header, which the
+format that opens it reads (a `Sizer` given to `storage.open_source`: storage knows no format)."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
+
+import tensorstore as ts
 
 from shardckpt.storage.location import Location
 
-if TYPE_CHECKING:
-    from shardckpt.storage.objectstore import ObjectStore
+
+class Lister(Protocol):
+    """What `du` asks of the object store it sizes (an `ObjectStore`), declared beside its user."""
+
+    def open(self, location: Location) -> ts.KvStore:
+        """TensorStore's kvstore of the folder `location`."""
+        ...
+
+    def list_keys(self, location: Location) -> list[str]:
+        """Every object key under `location`, relative to it."""
+        ...
+
+    def wait(self, future: Any, location: Location, action: str) -> Any:
+        """The result of a kvstore `future`; failures typed."""
+        ...
 
 WINDOW = 64 * 1024
 """Objects up to this size are read whole to size them; larger ones are probed (see `du`)."""
 
 
-def du(store: ObjectStore, location: Location) -> int:
+def du(store: Lister, location: Location) -> int:
     """Total bytes of every object under `location` (a prefix).
 
     TensorStore lists keys without sizes and reports no object size on reads,

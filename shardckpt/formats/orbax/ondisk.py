@@ -445,7 +445,7 @@ def ts_context() -> Any:
 
 
 def param_info(
-    name: str, tree: str, *, context: Any, use_zarr3: bool = True, use_compression: bool = True
+    name: str, tree: str | storage.Location, *, context: Any, use_zarr3: bool = True, use_compression: bool = True
 ) -> Any:
     """Orbax's `ParamInfo` for array `name` of the tree in folder `tree`.
 
@@ -499,12 +499,3 @@ def ocdbt_kvstore(
         spec["manifest"] = manifest
     return spec
 
-
-def is_zarr3(tree: str, name: str) -> bool:
-    """Orbax >= 0.9 writes zarr3; older checkpoints used zarr v2 (`.zarray`).
-
-    In a bucket zarr3 is assumed: looking for a zarr v2 `.zarray` would cost
-    one request per array.
-    """
-    local = storage.parse(tree).local_path
-    return local is None or not os.path.exists(os.path.join(local, name, ".zarray"))

@@ -1,9 +1,11 @@
 """Reading one step of an Orbax checkpoint (written by Keras' `OrbaxCheckpoint` or shardckpt).
 
-The on-disk layout and its names are in `ondisk`. Shapes and dtypes come from Orbax's public metadata API; each box is read with
-tensorstore through the read spec Orbax itself builds
-(`orbax.checkpoint.type_handlers.get_json_tspec_read`), so only the chunks a
-device needs are fetched and decoded.
+The on-disk layout and its names are in `ondisk`. The arrays are the ones
+the tree's `_METADATA` records; shapes and dtypes come from each array's zarr
+metadata, and each box is read with tensorstore through the read spec Orbax
+itself builds (`orbax.checkpoint.type_handlers.get_json_tspec_read`), its
+OCDBT store's base being the tree's backend (`storage.kvstore`: a local
+folder or a bucket), so only the chunks a device needs are fetched and decoded.
 
 `read_pieces` lets tensorstore copy decoded chunks straight into the caller's
 per-device buffers. A chunk shared by several pieces (one chunk per array is
@@ -16,33 +18,29 @@ checks it on every decode, and a mismatch is raised as `ChecksumMismatchError`
 naming the array; any other tensorstore failure of a local step is
 `CorruptCheckpointError` naming it.
 
-In a bucket (`gs://`, `s3://`) metadata JSON is read as single objects and
-array chunks as byte ranges of the OCDBT data files, through TensorStore's
-`gcs` / `s3` drivers; nothing is downloaded whole.
+Every file is read through the tree's backend, wherever it lives: metadata
+JSON as single files or objects, array chunks as byte ranges of the OCDBT data
+files (in a bucket through TensorStore's `gcs` / `s3` drivers; nothing is
+downloaded whole).
 
-What a bucket read sees is pinned to one version of the step. OCDBT data
-files are immutable once written (new data goes into new files); the only
-mutable object is the manifest, which names the b-tree of every array. It is
-read once when the reader opens, its version (GCS generation, S3 ETag) kept,
-and tensorstore reads it from an in-memory copy, so every array comes from
-that one version. `close` asks the bucket whether the manifest is still that
-version (a conditional read): a step replaced during the load raises
-`ObjectChangedError`, never passing for the step that is there now.
+What a read sees is pinned to one version of the step. OCDBT data files are
+immutable once written (new data goes into new files); the only mutable file
+is the manifest, which names the b-tree of every array. It is read once when
+the reader opens, its version kept (a bucket's GCS generation or S3 ETag, a
+local file's stamp), and tensorstore reads it from an in-memory copy, so every
+array comes from that one version. `close` asks the backend whether the
+manifest is still that version (in a bucket a conditional read): a step
+replaced during the load raises `ObjectChangedError`, never passing for the
+step that is there now.
 """
 
 from __future__ import annotations
 
-import json
 import math
-import os
-import re
 import threading
 import uuid
-from typing import Any
 
-import jax
 import numpy as np
-import orbax.checkpoint.experimental.v1 as ocp
 import tensorstore as ts
 from orbax.checkpoint import type_handlers
 
@@ -80,49 +78,61 @@ class OrbaxReader(ChunkedReader):
         self, path: str | storage.Location, *, cache_bytes: int = CHUNK_CACHE_BYTES, memmap: bool = True
     ) -> None:
         self.location = storage.parse(path)
-        self.path = ondisk.resolve_step(self.location if isinstance(path, storage.Location) else os.fspath(path))
+        self.path = ondisk.resolve_step(self.location)
         self.tree_dir = ondisk.tree_dir(self.path)
+        self._tree = storage.parse(self.tree_dir)
+        self._backend = storage.backend(self._tree)
         self._specs: dict[str, ArraySpec] = {}
-        self._names: dict[str, str] = {}
         context = ondisk.ts_context().spec.to_json()
         context["cache_pool"] = {"total_bytes_limit": cache_bytes}
-        if memmap and storage.backend(self.location).mappable:
+        if memmap and self._backend.mappable:
             # Read chunks straight out of the page cache instead of read()ing
             # them into fresh buffers: a restore is bound by page faults and
-            # copies, and this drops one pass over the compressed bytes (about
-            # 10% of a load; CHANGELOG). A setting of this reader's context only.
+            # copies, and this drops one pass over the compressed bytes. A
+            # setting of this reader's context only.
             context["file_io_mode"] = {"mode": "memmap"}
         self._context = ts.Context(ts.Context.Spec(context))
         self._stores: dict[str, ts.TensorStore] = {}
         self._lock = threading.Lock()
-        self._manifest: dict | None = None  # the pinned copy's kvstore spec (bucket trees)
+        self._manifest: dict | None = None  # the pinned copy's kvstore spec
         self._manifest_version: bytes | None = None
-        if self.location.local_path is None:  # Orbax reads metadata through epath: local paths only
-            self._open_remote()
-            return
-        self._check_index()
-        try:
-            tree = ocp.metadata(self.path, checkpointable_name=os.path.basename(self.tree_dir))
-            leaves = jax.tree_util.tree_flatten_with_path(tree.metadata)[0]
-        except (ValueError, KeyError, json.JSONDecodeError, FileNotFoundError) as e:
+        # Shapes and dtypes come from the arrays' own zarr metadata, which
+        # opening each store reads (every array concurrently; in a bucket,
+        # small ranged reads). The tree to open is the one Orbax recorded at
+        # save time (`_METADATA`), read through the backend like every other
+        # file, so an array that cannot be opened is named as damaged, never
+        # taken for a missing key. (Orbax's own metadata call reads through
+        # etils.epath: local paths only.)
+        self._names, self._zarr3 = self._recorded_arrays()
+        self._pin_manifest()
+        futures = {key: self._open_store(key) for key in self._names}
+        failed: dict[str, ValueError] = {}
+        for key, future in futures.items():
+            try:
+                store = future.result()
+            except ValueError as e:
+                typed = storage.translate(e, self._tree)
+                if typed is not e:  # a bucket refused or lost the request: not damage
+                    raise typed from e
+                failed[key] = e
+                continue
+            self._specs[key] = ArraySpec(shape=tuple(store.shape), dtype=np.dtype(store.dtype.numpy_dtype))
+            self._stores[key] = store
+        if failed:
+            self._check_index()
+            lost = natural_sorted(failed)
             raise CorruptCheckpointError(
-                f"Cannot read the array metadata of {self.tree_dir!r}: {e}. Fix: "
-                "restore from another step."
-            ) from e
-        for key_path, leaf in leaves:
-            if not hasattr(leaf, "shape"):
-                continue  # a non-array leaf (string, None): not a variable
-            parts = [_key_str(k) for k in key_path]
-            key = "/".join(parts)
-            self._names[key] = ondisk.param_name(parts)
-            self._specs[key] = ArraySpec(shape=tuple(leaf.shape), dtype=np.dtype(leaf.dtype))
-        self._check_all_listed()
+                f"{len(lost)} array(s) of {self.tree_dir!r} cannot be opened although "
+                f"the checkpoint lists them: {', '.join(repr(k) for k in lost)}; its data "
+                f"files are damaged ({failed[lost[0]]}). Fix: restore from another step."
+            ) from failed[lost[0]]
 
-    def _recorded_arrays(self) -> dict[str, str]:
-        """`{key: Orbax parameter name}` of every array the tree's `_METADATA` lists."""
-        path = ondisk.join(self.tree_dir, ondisk.TREE_METADATA)
+    def _recorded_arrays(self) -> tuple[dict[str, str], bool]:
+        """`{key: Orbax parameter name}` of every array the tree's `_METADATA` lists, and
+        whether they are zarr3 (Orbax >= 0.9; older trees are zarr v2 and say nothing)."""
+        path = self._tree.join(ondisk.TREE_METADATA).url
         recorded = ondisk.read_json(path)
-        arrays = {}
+        arrays: dict[tuple[str, ...], str] = {}
         try:
             for entry in (recorded.get("tree_metadata") or {}).values() if isinstance(recorded, dict) else ():
                 value = entry.get("value_metadata", {})
@@ -130,36 +140,26 @@ class OrbaxReader(ChunkedReader):
                     not value.get("skip_deserialize", False) and "Array" in value.get("value_type", "")
                     or value.get("value_type") == "np.ndarray"
                 ):
-                    parts = [str(k["key"]) for k in entry["key_metadata"]]
-                    arrays["/".join(parts)] = ondisk.param_name(parts)
+                    parts = tuple(str(k["key"]) for k in entry["key_metadata"])
+                    arrays[parts] = ondisk.param_name(parts)
         except (KeyError, TypeError, AttributeError) as e:
             raise CorruptCheckpointError(
                 f"{path!r} is not the tree metadata Orbax writes ({type(e).__name__}: {e}). "
                 "Fix: restore from another step."
             ) from e
-        return arrays
-
-    def _open_remote(self) -> None:
-        # Orbax's metadata API reads through etils.epath, which has no s3://
-        # and needs extra packages for gs://; the shapes and dtypes it
-        # reports come from the arrays' zarr metadata, which opening each
-        # store reads too (small ranged reads, all arrays concurrently).
-        self._names = self._recorded_arrays()
-        self._pin_manifest()
-        futures = {key: self._open_store(key) for key in self._names}
-        for key, future in futures.items():
-            store = self._opened(key, future)
-            self._specs[key] = ArraySpec(shape=tuple(store.shape), dtype=np.dtype(store.dtype.numpy_dtype))
-            self._stores[key] = store
+        zarr3 = recorded.get("use_zarr3") if isinstance(recorded, dict) else None
+        if zarr3 is None and arrays:  # written before Orbax recorded it: look for zarr v2's file
+            zarr3 = not storage.exists(self._tree.join(next(iter(arrays.values())), ".zarray"))
+        # In the order of a JAX tree of nested dicts (keys sorted level by level),
+        # as Orbax's own metadata call lists them.
+        return {"/".join(parts): arrays[parts] for parts in sorted(arrays)}, bool(zarr3)
 
     def _manifest_location(self) -> storage.Location:
-        return storage.parse(self.tree_dir).join(_MANIFEST)
+        return self._tree.join(_MANIFEST)
 
     def _pin_manifest(self) -> None:
         """Reads the OCDBT manifest once and has tensorstore read that copy (see the module docstring)."""
-        location = self._manifest_location()
-        bucket: Any = storage.backend(location)  # an ObjectStore: bucket trees only come here
-        data, version = bucket.read_version(location)
+        data, version = self._backend.read_version(self._manifest_location())
         if data is None:
             return  # not OCDBT: each array's own files
         memory = {"driver": "memory", "path": f"shardckpt-pinned-{uuid.uuid4().hex}/"}
@@ -172,52 +172,37 @@ class OrbaxReader(ChunkedReader):
         if self._manifest_version is None:
             return
         location = self._manifest_location()
-        backend: Any = storage.backend(location)  # an ObjectStore (a version was pinned)
-        found = backend.changed(location, self._manifest_version)
+        found = self._backend.changed(location, self._manifest_version)
         if found is not None:
-            label, expected = backend.version_label, backend.version_text(self._manifest_version)
+            label, expected = self._backend.version_label, self._backend.version_text(self._manifest_version)
             raise ObjectChangedError(
                 f"The OCDBT manifest {location.url!r} of step {self.path!r} was replaced during the load: "
-                f"it began with {label} {expected}, the bucket now holds {label} {found}. Every array "
+                f"it began with {label} {expected}, the store now holds {label} {found}. Every array "
                 "read came from the version the load began with, which is no longer the step in the "
-                "bucket. Fix: load again once the step is written, and do not save into a step that "
+                "store. Fix: load again once the step is written, and do not save into a step that "
                 "is being read.",
                 url=location.url, expected=expected, found=found,
             )
 
     def _check_index(self) -> None:
-        # Reads the OCDBT manifest and b-tree (a key listing) before Orbax's
-        # metadata call does: on a damaged index that call fails in
-        # concurrent tasks whose errors surface as absl warnings and stray
-        # asyncio tracebacks ("Task exception was never retrieved", "Event
-        # loop is closed") after ours, and names one array. Here no array can
-        # be located, so every one is named.
-        if not os.path.exists(os.path.join(self.tree_dir, _MANIFEST)):
+        # Lists the OCDBT b-tree (from the pinned manifest): when no array can
+        # be located because the index itself is damaged, every array is
+        # named, rather than each one's open failing on its own.
+        if self._manifest is None:
             return  # not OCDBT (one zarr folder per array): nothing shared to check
         try:
-            spec = {"driver": "ocdbt", "base": f"file://{os.path.abspath(self.tree_dir)}"}
+            spec = {"driver": "ocdbt", "base": storage.kvstore(self._tree), "manifest": self._manifest}
             ts.KvStore.open(spec, context=self._context).result().list().result()
         except ValueError as e:
-            arrays = natural_sorted(self._recorded_arrays())
+            typed = storage.translate(e, self._tree)
+            if typed is not e:
+                raise typed from e
+            arrays = natural_sorted(self._names)
             raise CorruptCheckpointError(
                 f"The index of {self.tree_dir!r} ({_MANIFEST} and its b-tree) is damaged, so none "
                 f"of its {len(arrays)} array(s) can be located: {', '.join(repr(k) for k in arrays)} "
                 f"({e}). Fix: restore from another step."
             ) from e
-
-    def _check_all_listed(self) -> None:
-        # Orbax's metadata call logs and drops arrays whose store it cannot
-        # open (a damaged OCDBT node), returning a smaller tree; compare with
-        # the tree Orbax recorded at save time so damage is not read as
-        # "missing keys".
-        expected = set(self._recorded_arrays())
-        lost = natural_sorted(expected - set(self._specs))
-        if lost:
-            raise CorruptCheckpointError(
-                f"{len(lost)} array(s) of {self.tree_dir!r} cannot be opened although "
-                f"the checkpoint lists them: {', '.join(repr(k) for k in lost)}; its data "
-                "files are damaged. Fix: restore from another step."
-            )
 
     def _store(self, key: str) -> ts.TensorStore:
         with self._lock:
@@ -237,18 +222,18 @@ class OrbaxReader(ChunkedReader):
 
     def _open_store(self, key: str) -> ts.Future:
         name = self._names[key]
-        info = ondisk.param_info(
-            name, self.tree_dir, context=self._context, use_zarr3=ondisk.is_zarr3(self.tree_dir, name)
-        )
-        spec = ondisk.tspec_for(type_handlers.get_json_tspec_read(info, use_ocdbt=True), self.tree_dir,
-                                manifest=self._manifest)
+        info = ondisk.param_info(name, self._tree, context=self._context, use_zarr3=self._zarr3)
+        # Orbax's own read spec, its OCDBT store's base pointed at the tree's
+        # backend and its manifest at the pinned copy.
+        spec = type_handlers.get_json_tspec_read(info, use_ocdbt=True)
+        spec = dict(spec, kvstore=ondisk.ocdbt_kvstore(spec["kvstore"], self._tree, manifest=self._manifest))
         return ts.open(spec, read=True, context=self._context)
 
     def _opened(self, key: str, future: ts.Future) -> ts.TensorStore:
         try:
             return future.result()
         except ValueError as e:
-            typed = storage.translate(e, self.location)
+            typed = storage.translate(e, self._tree)
             if typed is not e:  # a bucket refused or lost the request: not damage
                 raise typed from e
             raise CorruptCheckpointError(
@@ -337,7 +322,7 @@ class OrbaxReader(ChunkedReader):
         return np.asarray(data, order="C")
 
     def _read_error(self, key: str, error: ValueError) -> BaseException:
-        typed = storage.translate(error, self.location)
+        typed = storage.translate(error, self._tree)
         if typed is not error:  # a bucket refused or lost the request: not damage
             return typed
         if _DIGEST_MISMATCH in str(error):
@@ -367,9 +352,3 @@ def _chunks(shape: tuple[int, ...], chunk: list[int] | None) -> int:
     """Chunks of `chunk` shape that tile `shape` (one for a scalar)."""
     return math.prod(-(-n // max(c, 1)) for n, c in zip(shape, chunk or shape))
 
-
-def _key_str(entry: object) -> str:
-    for attr in ("key", "name", "idx"):
-        if hasattr(entry, attr):
-            return str(getattr(entry, attr))
-    return re.sub(r"^[\[.'\"]+|[\]'\"]+$", "", str(entry))

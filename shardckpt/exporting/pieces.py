@@ -29,7 +29,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from shardckpt.budget import Budget
-from shardckpt.export.assemble import Writer, contiguous, leaves, owns_all
+from shardckpt.exporting.assemble import Writer, contiguous, leaves, owns_all
 from shardckpt.formats.hf_remap import Box, Cast, Concat, Strided, Tensor
 
 

@@ -19,8 +19,8 @@ import numpy as np
 from shardckpt import state
 from shardckpt.budget import Budget
 from shardckpt.errors import UnsupportedModelError
-from shardckpt.export.model import lora_bases, lora_factors, value_getters, value_of
-from shardckpt.export.pieces import owned_pieces
+from shardckpt.exporting.model import lora_bases, lora_factors, value_getters, value_of
+from shardckpt.exporting.pieces import owned_pieces
 from shardckpt.formats.orbax import writer as orbax_writer
 from shardckpt.restore.keys import state_keys
 

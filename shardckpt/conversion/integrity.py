@@ -32,7 +32,7 @@ except ImportError:  # no isal wheel for this platform: zlib, same values, slowe
 
 from shardckpt import budget as budgets
 from shardckpt import storage
-from shardckpt.convert.boxes import c_order_boxes
+from shardckpt.conversion.boxes import c_order_boxes
 from shardckpt.errors import ChecksumMismatchError, CorruptCheckpointError
 from shardckpt.formats import open_reader
 from shardckpt.formats.orbax import ondisk
@@ -166,7 +166,7 @@ def verify(
             (no array can be located).
     """
     max_inflight_bytes = budgets.resolve(max_inflight_bytes)
-    reader = open_reader(os.fspath(path), cache_bytes=budgets.chunk_cache_bytes(max_inflight_bytes))
+    reader = open_reader(storage.parse(path, what="path"), cache_bytes=budgets.chunk_cache_bytes(max_inflight_bytes))
     try:
         report = VerifyReport(path=reader.path, format=reader.format)
         expected = read_checksums(reader.path) if reader.format == "orbax" else None

@@ -23,8 +23,8 @@ from typing import Any
 import numpy as np
 
 from shardckpt.errors import UnsupportedModelError
-from shardckpt.export.hf_shapes import stored_shapes
-from shardckpt.export.model import lora_factors
+from shardckpt.exporting.hf_shapes import stored_shapes
+from shardckpt.exporting.model import lora_factors
 from shardckpt.formats.base import ArraySpec
 from shardckpt.formats.hf_remap import Concat, Tensor, Unsupported
 from shardckpt.structure import lora_off
@@ -123,7 +123,7 @@ def plan(backbone: Any, dtype: Any = None, *, prefix: str = "") -> HFPlan:
             converter step that is no index remap, or stored tensors the
             variables do not cover exactly once.
     """
-    from shardckpt.export.hf_config import hf_config
+    from shardckpt.exporting.hf_config import hf_config
     from shardckpt.formats.hf_record import MissingTensorError, record
 
     converter, model_types = converter_for(backbone)
@@ -177,7 +177,7 @@ def plan_head(task: Any, head: Any, dtype: Any = None) -> HFPlan:
         UnsupportedModelError: a head variable the map leaves unplaced, or
             a head tensor it does not fill exactly once.
     """
-    from shardckpt.export.hf_heads import head_variables
+    from shardckpt.exporting.hf_heads import head_variables
     from shardckpt.formats.hf_record import RecordingLoader
 
     stored_dtype = np.dtype(dtype) if dtype is not None else np.dtype("float32")

@@ -13,7 +13,7 @@ import re
 from collections.abc import Callable
 from typing import Any
 
-from shardckpt.export.pieces import Identity
+from shardckpt.exporting.pieces import Identity
 from shardckpt.formats import h5_writer, safetensors_writer
 from shardckpt.formats.base import ArraySpec
 from shardckpt.formats.hf_remap import Tensor
@@ -49,7 +49,7 @@ def max_shard_bytes(max_shard_size: Any) -> int | None:
 def plan_hf(model: Any, dtype: Any, shard: int | None) -> Plan:
     from shardckpt import _keras_hub
     from shardckpt.errors import UnsupportedModelError
-    from shardckpt.export import hf, hf_heads
+    from shardckpt.exporting import hf, hf_heads
     from shardckpt.restore.keys import is_task
 
     task = is_task(model)
@@ -72,7 +72,7 @@ def plan_hf(model: Any, dtype: Any, shard: int | None) -> Plan:
         )
     config = dict(plan.config)
     if task:
-        from shardckpt.export.hf_config import task_architectures
+        from shardckpt.exporting.hf_config import task_architectures
 
         architectures = task_architectures(config, model)
         if architectures is not None:
@@ -96,7 +96,7 @@ def plan_hf(model: Any, dtype: Any, shard: int | None) -> Plan:
 
 def plan_keras_hub(model: Any, dtype: Any, shard: int | None) -> Plan:
     from shardckpt import _keras_hub
-    from shardckpt.export import kerashub
+    from shardckpt.exporting import kerashub
     from shardckpt.restore.keys import is_task
 
     specs: dict[str, ArraySpec] = {}
@@ -126,8 +126,8 @@ def plan_keras_hub(model: Any, dtype: Any, shard: int | None) -> Plan:
 
 
 def plan_safetensors(model: Any, dtype: Any, shard: int | None) -> Plan:
-    from shardckpt.export.kerashub import spec_of
-    from shardckpt.export.model import lora_factors
+    from shardckpt.exporting.kerashub import spec_of
+    from shardckpt.exporting.model import lora_factors
 
     specs: dict[str, ArraySpec] = {}
     writes: list[tuple[Any, Tensor]] = []
@@ -144,7 +144,7 @@ def plan_safetensors(model: Any, dtype: Any, shard: int | None) -> Plan:
 
 def plan_peft(model: Any, dtype: Any, shard: int | None) -> Plan:
     """The LoRA factors alone as a PEFT adapter (`export.peft`); one file, as PEFT reads it."""
-    from shardckpt.export import hf, hf_heads, peft
+    from shardckpt.exporting import hf, hf_heads, peft
     from shardckpt.restore.keys import is_task
 
     task = is_task(model)

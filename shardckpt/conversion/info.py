@@ -132,8 +132,7 @@ def inspect(path: str | os.PathLike) -> CheckpointInfo:
         UnknownFormatError: not a checkpoint format shardckpt reads.
         CorruptCheckpointError: metadata cannot be parsed.
     """
-    path = os.fspath(path)
-    reader = open_reader(path)
+    reader = open_reader(storage.parse(path, what="path"))  # classified once, here
     try:
         info = CheckpointInfo(path=reader.path, format=reader.format)
         for key in natural_sorted(reader.keys()):  # dense_2 before dense_10

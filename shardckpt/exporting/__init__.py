@@ -1,5 +1,5 @@
 """`export`: a sharded model written as a Hugging Face folder, a keras-hub preset or safetensors."""
 
-from shardckpt.export.api import ExportReport, export
+from shardckpt.exporting.api import ExportReport, export
 
 __all__ = ["ExportReport", "export"]

@@ -37,10 +37,10 @@ import numpy as np
 from shardckpt import budget as _budget
 from shardckpt import storage
 from shardckpt.errors import DestinationExistsError, UnsupportedURLError
-from shardckpt.export import model as _model
-from shardckpt.export import plans
-from shardckpt.export.assemble import BLOCK_BYTES, Writer
-from shardckpt.export.pieces import write_value
+from shardckpt.exporting import model as _model
+from shardckpt.exporting import plans
+from shardckpt.exporting.assemble import BLOCK_BYTES, Writer
+from shardckpt.exporting.pieces import write_value
 from shardckpt.formats import h5_writer, registry, safetensors_writer
 from shardckpt.formats.mapped_writer import MappedFiles
 from shardckpt.progress import ByteProgress
@@ -175,7 +175,7 @@ def _export_orbax(model: Any, dst: str, *, format: str, dtype: Any, shard: int |
                   max_inflight_bytes: int | None, progress: bool | None, overwrite: bool,
                   start: float) -> ExportReport:
     """The orbax writer (`formats.registry`): one Orbax step of the weights, one process."""
-    from shardckpt.export.orbax import export_orbax
+    from shardckpt.exporting.orbax import export_orbax
 
     _check_destination(dst, overwrite)
     partial = dst.rstrip("/") + PARTIAL_SUFFIX
@@ -260,7 +260,7 @@ def export(
             f"dst={location.url!r}"
         )
     if location.is_remote:
-        from shardckpt.export.bucket import export_to_bucket
+        from shardckpt.exporting.bucket import export_to_bucket
 
         return export_to_bucket(
             location, export, model, shard=shard or _budget.resolve(max_inflight_bytes), overwrite=overwrite,

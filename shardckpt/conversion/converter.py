@@ -45,8 +45,8 @@ import numpy as np
 
 from shardckpt import budget as budgets
 from shardckpt import dtypes, state, storage
-from shardckpt.convert import boxes, integrity
-from shardckpt.convert.architecture import built, load_architecture
+from shardckpt.conversion import boxes, integrity
+from shardckpt.conversion.architecture import built, load_architecture
 from shardckpt.errors import DestinationExistsError, ModelRequiredError, UnknownFormatError
 from shardckpt.formats import FORMATS, detect_format, open_reader
 from shardckpt.formats.base import MappedReader, Reader

@@ -5,8 +5,8 @@
 file for the formats that do not name their variables' roles.
 """
 
-from shardckpt.convert.converter import ConvertReport, convert
-from shardckpt.convert.info import CheckpointInfo, inspect
-from shardckpt.convert.integrity import VerifyReport, verify
+from shardckpt.conversion.converter import ConvertReport, convert
+from shardckpt.conversion.info import CheckpointInfo, inspect
+from shardckpt.conversion.integrity import VerifyReport, verify
 
 __all__ = ["CheckpointInfo", "ConvertReport", "VerifyReport", "convert", "inspect", "verify"]
