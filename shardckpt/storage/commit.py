@@ -137,12 +137,13 @@ def begin(dst: str | Location, *, overwrite: bool, marker: str | None = None, sh
         DestinationExistsError: `dst` exists and `overwrite` is False.
     """
     dst = storage.parse(dst, what="dst")
-    if storage.exists(dst) and not overwrite:
+    present = storage.exists(dst)
+    if present and not overwrite:
         raise _exists(dst, fix)
     if not renames(dst):
         if marker is None:
             raise ValueError(f"A folder in a bucket is committed by a marker object; none given for {dst.url!r}.")
-        if overwrite:
+        if present:
             withdraw(dst, marker=marker)
         return Stage(dst, dst, marker, overwrite, fix)
     os.makedirs(os.path.dirname(dst.path), exist_ok=True)
