@@ -164,14 +164,14 @@ _TREE_HANDLERS = ("PyTreeHandler", "PyTreeCheckpointHandler", "StandardCheckpoin
 """The ends of the handler names (Orbax v1 and v0) whose items are array trees."""
 
 
-def _scan(root: str | storage.Location) -> tuple[list[int], list[tuple[str, str]]]:
+def _scan(root: str | storage.Location | _Listing) -> tuple[list[int], list[tuple[str, str]]]:
     """The committed steps of an Orbax root and its leftovers (name, why), from one listing.
 
     The one implementation of which steps count, for a local folder and a
     bucket alike: `committed_steps`, `incomplete_steps`, `leftovers`,
     `latest_step` and `resolve_step` all answer from it.
     """
-    listing = _list(storage.parse(root))
+    listing = root if isinstance(root, _Listing) else _list(storage.parse(root))
     committed, found = [], []
     for name in sorted(listing.folders):
         if TMP_MARK in name:
@@ -278,7 +278,7 @@ def resolve_step(path: str | storage.Location) -> str:
                 "another step, or let the save finish; OrbaxCheckpoint removes such folders when it starts."
             )
         return shown
-    return latest_step(location)
+    return _latest(listing)
 
 
 def latest_step(root: str | storage.Location) -> str:
@@ -293,8 +293,12 @@ def latest_step(root: str | storage.Location) -> str:
         IncompleteCheckpointError: the root holds only what interrupted saves
             or deletes left (`leftovers`).
     """
-    location = storage.parse(root)
-    steps, found = _scan(location)
+    return _latest(_list(storage.parse(root)))
+
+
+def _latest(listing: _Listing) -> str:
+    location = listing.location
+    steps, found = _scan(listing)
     if steps:
         return location.join(str(steps[-1])).url
     if found:
