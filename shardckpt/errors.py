@@ -51,6 +51,11 @@ class DestinationExistsError(ShardckptError, FileExistsError):
     """The output path of a conversion or save already exists."""
 
 
+class StepExistsError(DestinationExistsError, ValueError):
+    """A checkpoint step about to be saved is committed already (a `ValueError` too, as Orbax's
+    `StepAlreadyExistsError`)."""
+
+
 class BackgroundSaveError(ShardckptError, RuntimeError):
     """A checkpoint save that ran in the background failed.
 

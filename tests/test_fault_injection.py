@@ -17,8 +17,9 @@ kill at a commit. Orbax deletes in place (`rmtree`), so before shardckpt
 renamed a step out of the committed set first, the first two reruns failed
 or resumed from a half-deleted step. Also here: a kill at a commit rename, a
 kill in the clean-up of such leftovers, the in-place half-delete an older
-writer (Keras' own callback) leaves, and a kill between deleting a bucket
-step's commit marker and its objects.
+writer (Keras' own callback) leaves, a kill between deleting a bucket
+step's commit marker and its objects, and a kill right before a step's
+marker in either fake bucket (GCS, S3).
 """
 
 from __future__ import annotations
@@ -197,6 +198,38 @@ def test_kill_in_bucket_between_marker_and_objects(bucket_server, tmp_path, tmp_
         seen.append(left)
         storage.delete_tree(storage.parse(root))  # the next fault starts from an empty root
     assert seen == [["10"]]
+
+
+@pytest.fixture(scope="module")
+def buckets_server(tmp_path_factory, gcs_server, s3_server):
+    """A fork server whose children reach both fake object stores."""
+    srv = Server(str(tmp_path_factory.mktemp("marker_faults") / "server.log"))
+    yield srv
+    srv.close()
+
+
+@pytest.mark.parametrize("scheme", ["gs", "s3"])
+def test_kill_in_bucket_right_before_a_step_marker(scheme, request, buckets_server, tmp_path, tmp_path_factory,
+                                                   cache):
+    """In either bucket: a kill right before step 8's commit marker (every other object of the step
+    written, through the commit protocol): step 8 is no committed step; the rerun removes it (one
+    line), resumes from step 6 and is exact."""
+    ref = reference(buckets_server, tmp_path_factory, cache, "arrays")
+    root = request.getfixturevalue("gcs_server" if scheme == "gs" else "s3_server").new_bucket() + "/ckpt"
+    fault = {"on": "bucket", "call": "write_bytes", "match": r"/8/commit_success\.txt$", "when": "before"}
+    args = dict(_args(root, "killed", cache, "arrays"), out=str(tmp_path / "killed"), fault=fault)
+    assert buckets_server.wait(buckets_server.start(args)) == KILLED, f"fault {fault} never fired"
+    assert [name for name, _ in ondisk.leftovers(root)] == ["8"]
+    assert ondisk.committed_steps(root) == [4, 6]
+    with pytest.raises(shardckpt.errors.IncompleteCheckpointError, match="never committed"):
+        shardckpt.inspect(f"{root}/8")
+    args = dict(_args(root, "rerun", cache, "arrays"), out=str(tmp_path / "rerun"))
+    assert buckets_server.wait(buckets_server.start(args)) == 0, "the rerun failed; see the server log"
+    arrays, info = _load(args["out"])
+    _compare(arrays, info, *ref, f"after {fault}")
+    assert info["resumed_step"] == 6
+    assert not ondisk.leftovers(root)
+    assert sum("removed 8 from" in line for line in info["log"]) == 1, info["log"]
 
 
 def test_fault_campaign_smoke(tmp_path, cache):

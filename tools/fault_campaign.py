@@ -287,7 +287,7 @@ class Campaign:
         self.count("convert_temporaries_after_kill", len(temps))
         _, err = self._child(_CONVERT, src, dst, "again", kill_after=None)  # the next successful run
         for name in temps:
-            if err.count(f"removed {name} from") != 1:
+            if err.count(f"removed {os.path.join(parent, name)}:") != 1:
                 raise AssertionError(f"convert: no one line for removing {name}:\n{err[-2000:]}")
         left = [n for n in os.listdir(parent) if n != "out"]
         if left:

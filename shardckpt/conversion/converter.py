@@ -33,9 +33,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
-import shutil
 import sys
-import tempfile
 import time
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
@@ -51,7 +49,7 @@ from shardckpt.errors import DestinationExistsError, ModelRequiredError, Unknown
 from shardckpt.formats import FORMATS, detect_format, open_reader
 from shardckpt.formats.base import MappedReader, Reader
 from shardckpt.formats.hf import HFReader
-from shardckpt.formats.orbax import ondisk, removal
+from shardckpt.formats.orbax import ondisk
 from shardckpt.formats.orbax import writer as orbax_writer
 from shardckpt.formats.orbax.writer import COMPRESSIONS, DEFAULT_COMPRESSION, OrbaxStepWriter
 from shardckpt.layout.auto import auto_layout
@@ -59,6 +57,7 @@ from shardckpt.lazy import is_unloaded, original_initializer
 from shardckpt.progress import ByteProgress, format_bytes, key_lines, read_line
 from shardckpt.restore import keys as naming
 from shardckpt.restore.targets import resolve_layout
+from shardckpt.storage import commit
 from shardckpt.types import DType, Layout, Mesh, Model
 
 _log = logging.getLogger("shardckpt")
@@ -214,7 +213,7 @@ def convert(
     if compression not in COMPRESSIONS:
         raise ValueError(f"compression must be one of {COMPRESSIONS}. Received: compression={compression!r}")
     max_inflight_bytes = budgets.resolve(max_inflight_bytes)
-    if storage.exists(dst_location) and not force:
+    if storage.exists(dst_location) and not force:  # refused before any work (`commit.begin` checks again)
         raise DestinationExistsError(
             f"{dst!r} already exists. Fix: choose another destination, remove it, or pass "
             "force=True (--force) to replace it once the new checkpoint is complete."
@@ -241,10 +240,7 @@ def convert(
             _log.warning("convert %r: %s", src, report.rounding)
         items = _match(reader, model, report, target_dtype, _shard_fn(model, layout, mesh))
         report.casts = [f"{i.src_key}: {i.stored} -> {i.target}" for i in items if i.stored != i.target]
-        if not storage.backend(dst_location).renames:  # no atomic rename: write in place, commit last
-            _write_to_bucket(reader, items, dst_location, report, max_inflight_bytes, force, progress)
-        else:
-            _write_atomically(reader, items, dst, report, max_inflight_bytes, force, progress)
+        _write(reader, items, dst_location, report, max_inflight_bytes, force, progress)
     finally:
         reader.close()
     report.bytes_on_disk = storage.du(dst_location)
@@ -348,68 +344,27 @@ def _initial_value(variable: Any) -> np.ndarray:
     return np.asarray(value).astype(np.dtype(variable.dtype), copy=False)
 
 
-def _write_atomically(
-    reader: Reader, items: list[_Item], dst: str, report: ConvertReport, max_inflight: int, force: bool, progress: bool | None
-) -> None:
-    parent = os.path.dirname(dst)
-    os.makedirs(parent, exist_ok=True)
-    # The pid in the name lets a later run tell a killed run's folder from a live one's.
-    tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(dst)}{ondisk.CONVERT_TMP_MARK}{os.getpid()}-", dir=parent)
-    step = os.path.join(tmp, "step")
-    try:
-        writer = OrbaxStepWriter(step, compression=report.compression,
-                                 chunk_byte_size=orbax_writer.CHUNK_BYTES[report.compression])
-        checksums = _stream(reader, items, writer, report, max_inflight, progress)
-        writer.finish(custom_metadata=_custom_metadata(reader, report, checksums), final_dir=dst)
-        if os.path.exists(dst):
-            if not force:  # appeared while we were writing
-                raise DestinationExistsError(f"{dst!r} appeared during the conversion. Fix: pass force=True.")
-            old = os.path.join(tmp, "replaced")
-            os.rename(dst, old)
-        os.rename(step, dst)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    removal.remove_convert_leftovers(dst)
-
-
-def _write_to_bucket(
-    reader: Reader,
-    items: list[_Item],
-    dst: storage.Location,
-    report: ConvertReport,
-    max_inflight: int,
-    force: bool,
+def _write(
+    reader: Reader, items: list[_Item], dst: storage.Location, report: ConvertReport, max_inflight: int, force: bool,
     progress: bool | None,
 ) -> None:
-    # No rename in object stores: write under the final prefix, marker last
-    # (OrbaxStepWriter.finish). Replacing deletes the old step first, so a
-    # reader never sees old and new objects mixed under one marker.
-    if storage.exists(dst):
-        if not force:
-            raise DestinationExistsError(f"{dst.url!r} appeared during the conversion. Fix: pass force=True.")
-        storage.delete_tree(dst)
+    """Writes the step through the commit protocol (`storage.commit`): beside `dst` and renamed locally,
+    in place with `commit_success.txt` written last in a bucket (an old `dst` deleted marker first)."""
+    stage = commit.begin(dst, overwrite=force, marker=ondisk.COMMIT_MARKER, who="convert", fix="pass force=True (--force)")
     try:
-        writer = OrbaxStepWriter(dst.url, compression=report.compression,
+        writer = OrbaxStepWriter(stage.location.url, compression=report.compression,
                                  chunk_byte_size=orbax_writer.CHUNK_BYTES[report.compression])
         checksums = _stream(reader, items, writer, report, max_inflight, progress)
-        writer.finish(custom_metadata=_custom_metadata(reader, report, checksums), final_dir=dst.url)
+        stage.commit(writer.finish(custom_metadata=_custom_metadata(reader, report, checksums), final_dir=dst.url))
     except ValueError as e:
+        stage.discard()
         error = storage.translate(e, dst, action="writing")
-        _discard(dst)
         if error is e:
             raise
         raise error from e
     except BaseException:
-        _discard(dst)
+        stage.discard()
         raise
-
-
-def _discard(dst: storage.Location) -> None:
-    """Removes a failed conversion's objects (best effort: uncommitted either way)."""
-    try:
-        storage.delete_tree(dst)
-    except (OSError, ValueError):
-        pass  # no commit marker was written: readers refuse what is left
 
 
 def _custom_metadata(reader: Reader, report: ConvertReport, checksums: dict[str, Any]) -> dict[str, Any]:

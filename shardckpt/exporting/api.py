@@ -16,8 +16,9 @@ Order of work, the same in every process:
    writable maps (`formats.mapped_writer`), in blocks within
    `max_inflight_bytes`; it flushes and syncs, then all wait.
 4. Commit: process 0 writes the small files (config, tokenizer), then
-   renames the folder to `dst`. A crash before that leaves only the
-   `.shardckpt-partial` folder, which no loader takes for a model.
+   renames the folder to `dst` (`storage.commit`: synced, then renamed). A
+   crash before that leaves only the `.shardckpt-partial` folder, which no
+   loader takes for a model and the next export to `dst` removes.
 """
 
 from __future__ import annotations
@@ -26,7 +27,6 @@ import dataclasses
 import functools
 import logging
 import os
-import shutil
 import sys
 import time
 from collections.abc import Callable
@@ -43,12 +43,12 @@ from shardckpt.exporting.assemble import BLOCK_BYTES, Writer
 from shardckpt.exporting.pieces import write_value
 from shardckpt.formats import h5_writer, registry, safetensors_writer
 from shardckpt.formats.mapped_writer import MappedFiles
+from shardckpt.formats.orbax.ondisk import COMMIT_MARKER
 from shardckpt.progress import ByteProgress
+from shardckpt.storage import commit
 from shardckpt.types import DType, Model
 
 _log = logging.getLogger("shardckpt")
-
-PARTIAL_SUFFIX = ".shardckpt-partial"
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -136,41 +136,6 @@ def _check_destination(dst: str, overwrite: bool) -> None:
         raise DestinationExistsError(f"{dst!r} exists and is not a folder; export writes a folder. Fix: remove it.")
 
 
-OLD_SUFFIX = ".shardckpt-old"
-"""Beside `dst` while an overwrite replaces it (removed right after the new folder is in place)."""
-
-
-def _remove_leftovers(dst: str) -> None:
-    """Removes what a killed export left beside `dst` (process 0, before writing), one log line each.
-
-    Neither folder is ever taken for a model: the partial one has not been
-    renamed to `dst`, the old one was replaced by a complete `dst`.
-    """
-    for suffix, what in ((PARTIAL_SUFFIX, "the folder of an export that was interrupted before its commit"),
-                         (OLD_SUFFIX, "the folder an interrupted overwrite had replaced already")):
-        path = dst.rstrip("/") + suffix
-        if not os.path.lexists(path):
-            continue
-        shutil.rmtree(path)
-        _log.warning("export: removed %s: %s.", path, what)
-
-
-def _commit(partial: str, dst: str) -> None:
-    old = None
-    if os.path.lexists(dst):
-        old = dst.rstrip("/") + OLD_SUFFIX
-        shutil.rmtree(old, ignore_errors=True)
-        os.rename(dst, old)
-    os.rename(partial, dst)
-    parent = os.open(os.path.dirname(os.path.abspath(dst)) or ".", os.O_RDONLY)
-    try:
-        os.fsync(parent)
-    finally:
-        os.close(parent)
-    if old is not None:
-        shutil.rmtree(old)
-
-
 def _export_orbax(model: Any, dst: str, *, format: str, dtype: Any, shard: int | None,  # noqa: A002
                   max_inflight_bytes: int | None, progress: bool | None, overwrite: bool,
                   start: float) -> ExportReport:
@@ -178,11 +143,14 @@ def _export_orbax(model: Any, dst: str, *, format: str, dtype: Any, shard: int |
     from shardckpt.exporting.orbax import export_orbax
 
     _check_destination(dst, overwrite)
-    partial = dst.rstrip("/") + PARTIAL_SUFFIX
-    _remove_leftovers(dst)
-    arrays, total = export_orbax(model, partial, dtype=dtype,
-                                 budget=_budget.Budget(_budget.resolve(max_inflight_bytes)))
-    _commit(partial, dst)
+    stage = commit.begin(dst, overwrite=overwrite, marker=COMMIT_MARKER, shared=True, who="export")
+    try:
+        arrays, total, marker = export_orbax(model, stage.location.path, dtype=dtype,
+                                             budget=_budget.Budget(_budget.resolve(max_inflight_bytes)))
+        stage.commit(marker)
+    except BaseException:
+        stage.discard()
+        raise
     return ExportReport(path=dst, format=format, files=[], arrays=arrays, bytes_total=total, bytes_written=total,
                         seconds=time.perf_counter() - start, process_index=0)
 
@@ -279,11 +247,11 @@ def _export_files(planner: Callable[[Any, Any, int | None], plans.Plan], model: 
 
     plan = planner(model, dtype, shard)
     _check_destination(dst, overwrite)
-    partial = dst.rstrip("/") + PARTIAL_SUFFIX
     process = jax.process_index()
+    # One stage every process writes into (`storage.commit`); process 0 commits it.
+    partial = commit.shared_location(dst).path
     if process == 0:
-        _remove_leftovers(dst)
-        os.makedirs(partial)
+        stage = commit.begin(dst, overwrite=overwrite, shared=True, who="export")
         slots = _lay_out(plan, partial)
     _barrier(f"shardckpt-export-laid-out:{dst}")
     if process != 0:
@@ -320,7 +288,7 @@ def _export_files(planner: Callable[[Any, Any, int | None], plans.Plan], model: 
     if process == 0:
         if plan.small_files is not None:
             plan.small_files(partial)
-        _commit(partial, dst)
+        stage.commit()
     _barrier(f"shardckpt-export-committed:{dst}")
     return ExportReport(
         path=dst, format=format, files=sorted(plan.files), arrays=len(plan.specs), bytes_total=total,

@@ -11,7 +11,6 @@ is written by `shardckpt.OrbaxCheckpoint`, not here.
 
 from __future__ import annotations
 
-import shutil
 from typing import Any
 
 import numpy as np
@@ -25,8 +24,8 @@ from shardckpt.formats.orbax import writer as orbax_writer
 from shardckpt.restore.keys import state_keys
 
 
-def export_orbax(model: Any, partial: str, *, dtype: Any, budget: Budget) -> tuple[int, int]:
-    """Writes the step folder `partial` (replaced if present); returns (arrays, bytes)."""
+def export_orbax(model: Any, partial: str, *, dtype: Any, budget: Budget) -> tuple[int, int, bytes]:
+    """Writes the step into the (empty) stage folder `partial`; returns (arrays, bytes, commit marker)."""
     import jax
 
     if jax.process_count() > 1:
@@ -47,7 +46,6 @@ def export_orbax(model: Any, partial: str, *, dtype: Any, budget: Budget) -> tup
             k = f"{state.WEIGHT_COLLECTIONS[0]}/{v.path}"
         keys[k] = v
     getters = value_getters(model)
-    shutil.rmtree(partial, ignore_errors=True)
     writer = orbax_writer.OrbaxStepWriter(partial, compression="none", chunk_byte_size=None)
     arrays, values = [], []
     for key, variable in keys.items():
@@ -67,5 +65,5 @@ def export_orbax(model: Any, partial: str, *, dtype: Any, budget: Budget) -> tup
                 orbax_writer.OrbaxStepWriter.write(store, txn, box, host).copy.result()
                 txn.commit_async().result()  # one OCDBT commit per piece: TensorStore holds no more
             total += host.nbytes
-    writer.finish(custom_metadata={"exported_by": "shardckpt.export"})
-    return len(arrays), total
+    marker = writer.finish(custom_metadata={"exported_by": "shardckpt.export"})
+    return len(arrays), total, marker

@@ -15,8 +15,9 @@ loaders read):
 - `model_config/` (the config string, as Orbax's `StringHandler` stores a
   string leaf) and `assets/` (Keras' asset tree) for full saves;
 - `_CHECKPOINT_METADATA` and `orbax.checkpoint`, then `commit_success.txt`,
-  the last object written: a bucket has no rename, so a step counts as
-  committed only once that marker exists, and a killed save never does.
+  the last object written (the commit protocol, `shardckpt.storage.commit`):
+  a bucket has no rename, so a step counts as committed only once that
+  marker exists, and a killed save never does.
 
 `BucketCheckpointer` offers the part of `ocp.training.Checkpointer` the
 callback calls (`save_checkpointables`, `delete`, `wait`, `close`), so the
@@ -26,8 +27,8 @@ are deleted only after the new step is committed, marker first, so a step
 half-deleted by a kill is no longer taken as committed.
 
 Several JAX processes (`jax.distributed`) save a step together, with the
-layout of Orbax's multi-process OCDBT saves: process 0 clears the step's
-prefix; each process then writes only the pieces of its own devices
+layout of Orbax's multi-process OCDBT saves: process 0 begins the step's
+stage (an earlier, never committed attempt at it removed); each process then writes only the pieces of its own devices
 (replicated ones once, by the holder of replica 0) into its own OCDBT store,
 `pytree/ocdbt.process_N`, within its host's in-flight budget; once every
 process reports its writes durable, process 0 merges the stores into
@@ -47,8 +48,10 @@ import jax
 import numpy as np
 
 from shardckpt import _orbax, budget, storage
+from shardckpt.errors import StepExistsError
 from shardckpt.formats.orbax import ondisk, removal
 from shardckpt.formats.orbax.writer import CHUNK_BYTES, OrbaxStepWriter, merge_process_stores
+from shardckpt.storage import commit
 from shardckpt.training.agreement import Agreement
 
 
@@ -99,13 +102,14 @@ class BucketCheckpointer:
             force: Ignored (the callback decides when to save).
 
         Raises:
-            ValueError: the step exists and is committed (as Orbax's
-                `StepAlreadyExistsError`).
+            StepExistsError: the step exists and is committed (a
+                `ValueError`, as Orbax's `StepAlreadyExistsError`).
         """
         del force
         step_loc = self.root.join(str(step))
         agreement = Agreement(step, f"Saving checkpoint step {step} to {step_loc.url!r}")
-        agreement.settle("clean", self._attempt(lambda: self._clean(step, step_loc)), everyone=False)
+        stages: list[commit.Stage] = []
+        agreement.settle("clean", self._attempt(lambda: stages.extend(self._begin(step, step_loc))), everyone=False)
         multi = jax.process_count() > 1
         compression = "zstd" if self.compression else "none"
         # The chunks a local save gets (the callback's Orbax context), so a
@@ -116,7 +120,7 @@ class BucketCheckpointer:
         # which readers report as a step never committed.
         agreement.settle("write", self._attempt(lambda: _write_arrays(writer, payload[ondisk.ARRAYS_ITEM])),
                          everyone=True)
-        agreement.settle("commit", self._attempt(lambda: self._commit(step, writer, payload, metrics)),
+        agreement.settle("commit", self._attempt(lambda: self._commit(stages, step, writer, payload, metrics)),
                          everyone=False)
 
     @staticmethod
@@ -140,19 +144,24 @@ class BucketCheckpointer:
             for step in ondisk.committed_steps(self.root.url)
         ]
 
-    def _clean(self, step: int, step_loc: storage.Location) -> None:
-        """Process 0: refuses a committed step; removes an earlier, never committed attempt at it."""
+    def _begin(self, step: int, step_loc: storage.Location) -> list[commit.Stage]:
+        """Process 0: refuses a committed step; starts its stage (`storage.commit`), which removes
+        an earlier, never committed attempt at it. Every process writes under `step_loc` itself."""
         if not self.primary:
-            return
+            return []
         if any(info.step == step for info in self._steps):
-            raise ValueError(f"Step {step} already exists in {self.root.url!r}.")
-        storage.delete_tree(step_loc)
+            raise StepExistsError(
+                f"Step {step} already exists in {self.root.url!r} (committed). Fix: save under a new step "
+                f"number, delete step {step} first, or use a new checkpoint directory. Received: step={step}"
+            )
+        return [commit.begin(step_loc, overwrite=True, marker=ondisk.COMMIT_MARKER, who="OrbaxCheckpoint")]
 
-    def _commit(self, step: int, writer: OrbaxStepWriter, payload: dict[str, Any],
+    def _commit(self, stages: list[commit.Stage], step: int, writer: OrbaxStepWriter, payload: dict[str, Any],
                 metrics: dict[str, Any] | None) -> None:
         """Process 0, after every process wrote its pieces: the other items, the commit marker, retention."""
         if not self.primary:
             return
+        [stage] = stages
         step_loc = storage.parse(writer.step_dir)
         if writer.process_index is not None:
             merge_process_stores(writer.tree_dir, jax.process_count())
@@ -176,7 +185,7 @@ class BucketCheckpointer:
         if metrics is not None:
             ondisk.write_json(ondisk.join(step_loc.url, ondisk.METRICS_ITEM, ondisk.METRICS_ITEM), metrics)
             handlers[ondisk.METRICS_ITEM] = ondisk.METRICS_HANDLER
-        writer.finish(custom_metadata={}, item_handlers=handlers)  # commit marker last
+        stage.commit(writer.finish(custom_metadata={}, item_handlers=handlers))  # commit marker last
         self._steps.append(_StepInfo(step, metrics, datetime.datetime.now(datetime.UTC)))
         self._apply_retention()
 

@@ -26,6 +26,7 @@ it is not committed, and `committed_steps` and `incomplete_steps` say so.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from collections.abc import Sequence
@@ -37,6 +38,7 @@ from orbax.checkpoint import type_handlers
 
 from shardckpt import storage
 from shardckpt.errors import CheckpointNotFoundError, CorruptCheckpointError, IncompleteCheckpointError
+from shardckpt.storage import commit
 
 TMP_MARK = ".orbax-checkpoint-tmp"
 """In the name of a step folder Orbax has not committed (yet, or ever)."""
@@ -78,57 +80,75 @@ JSON_ITEM_FILES = ("data.json", "metadata")
 """The file names Orbax's JsonHandler reads a JSON item from."""
 OCDBT_MANIFEST = "manifest.ocdbt"
 """The OCDBT store's manifest, beside its `d/` data folder in an array item."""
-DELETING_MARK = ".shardckpt-deleting"
+DELETING_MARK = commit.WITHDRAW_MARK
 """In the name a step is renamed to before its files are removed (never a committed step)."""
-CONVERT_TMP_MARK = ".shardckpt-tmp-"
+CONVERT_TMP_MARK = commit.PRIVATE_MARK
 """In the name of `convert`'s hidden temporary folder beside its destination (`.<dst>.shardckpt-tmp-*`)."""
 
 
-def committed_steps(root: str | storage.Location) -> list[int]:
-    """Returns the committed step numbers under an Orbax root, ascending.
+@dataclasses.dataclass
+class _Listing:
+    """One listing of a folder through its backend: what step rules look at.
 
-    Locally: the integer-named step folders that are whole (`missing_part`).
-    In a bucket: the steps whose `COMMIT_MARKER` exists.
+    Attributes:
+        location: The folder listed.
+        renames: Whether its backend commits a step by renaming it (else:
+            by the commit marker written last; `shardckpt.storage.commit`).
+        keys: Every file or object key under it, relative, sorted.
+        folders: The names of the folders directly under it.
     """
-    location = storage.parse(root)
-    if not _renames(location):
-        return _marked_steps(storage.list_keys(location))
-    root = location.path
-    steps = []
-    for name in os.listdir(root):
-        full = os.path.join(root, name)
-        if name.isdigit() and os.path.isdir(full) and not missing_part(full):
-            steps.append(int(name))
-    return sorted(steps)
+
+    location: storage.Location
+    renames: bool
+    keys: list[str]
+    folders: set[str]
+
+    def under(self, name: str) -> list[str]:
+        """The keys inside folder `name`, relative to it."""
+        prefix = name + "/"
+        return [k[len(prefix):] for k in self.keys if k.startswith(prefix)]
+
+    @property
+    def heads(self) -> set[str]:
+        """Every name directly under the folder (files, objects, folders)."""
+        return {k.split("/", 1)[0] for k in self.keys} | self.folders
 
 
-_TREE_HANDLERS = ("PyTreeHandler", "PyTreeCheckpointHandler", "StandardCheckpointHandler")
-"""The ends of the handler names (Orbax v1 and v0) whose items are array trees."""
+def _list(location: storage.Location) -> _Listing:
+    """Lists `location` once (one listing request in a bucket); an absent folder lists as empty."""
+    keys = storage.list_keys(location)
+    folders = {k.split("/", 1)[0] for k in keys if "/" in k}
+    if location.local_path is not None and storage.isdir(location):
+        # A file system also has folders that hold no file yet (a save that had just begun).
+        folders |= {n for n in storage.listdir(location) if n not in folders and storage.isdir(location.join(n))}
+    return _Listing(location, commit.renames(location), keys, folders)
 
 
-def missing_part(step_dir: str) -> str:
-    """What a local step folder under a root lacks to be a whole step; "" when it is whole.
+def _not_whole(step: storage.Location, keys: list[str], *, renames: bool) -> str:
+    """What a step (its `keys`, relative) lacks to be committed; "" when it is whole.
 
-    A committed Orbax step holds `_CHECKPOINT_METADATA` (written at commit),
-    every item that file records, and each array item's `_METADATA` and, when
-    it stores data in OCDBT, its manifest. A kill during an in-place delete
-    leaves a folder without some of them (`rmtree` goes in directory order).
+    In a bucket a step is committed exactly when its `COMMIT_MARKER` exists
+    (written last, deleted first). On a file system (commit by rename) a
+    committed Orbax step holds `_CHECKPOINT_METADATA` (written at commit),
+    every item that file records, and each array item's `_METADATA` and,
+    when it stores data in OCDBT, its manifest: a kill during an in-place
+    delete (`rmtree` goes in directory order) leaves a folder without some.
     """
-    names = set(os.listdir(step_dir))
-    if STEP_METADATA not in names:
+    heads = {k.split("/", 1)[0] for k in keys}
+    if not renames:
+        return "" if COMMIT_MARKER in heads else f"its {COMMIT_MARKER}"
+    if STEP_METADATA not in heads:
         return f"its {STEP_METADATA}"
     try:
-        with open(os.path.join(step_dir, STEP_METADATA), "rb") as f:
-            handlers = json.loads(f.read()).get("item_handlers")
+        handlers = json.loads(storage.read_bytes(step.join(STEP_METADATA)) or b"").get("item_handlers")
     except (OSError, ValueError, AttributeError):
         return f"a readable {STEP_METADATA}"
     if not isinstance(handlers, dict):
         return ""  # a bare tree's metadata (no items recorded): the tree check is the reader's
     for item, handler in sorted(handlers.items()):
-        folder = os.path.join(step_dir, item)
-        if item not in names or not os.path.isdir(folder):
+        inside = {k.split("/", 2)[1] for k in keys if k.startswith(item + "/")}
+        if not inside:
             return f"its item {item!r}"
-        inside = set(os.listdir(folder))
         if str(handler).endswith(_TREE_HANDLERS):
             if TREE_METADATA not in inside:
                 return f"{item}/{TREE_METADATA}"
@@ -140,48 +160,56 @@ def missing_part(step_dir: str) -> str:
     return ""
 
 
-def _renames(location: storage.Location) -> bool:
-    """Whether Orbax commits a step there by renaming its temporary folder (else: by marker)."""
-    return storage.backend(location).renames
+_TREE_HANDLERS = ("PyTreeHandler", "PyTreeCheckpointHandler", "StandardCheckpointHandler")
+"""The ends of the handler names (Orbax v1 and v0) whose items are array trees."""
 
 
-def _marked_steps(keys: list[str]) -> list[int]:
-    names = {key[: -len(COMMIT_MARKER) - 1] for key in keys if key.endswith("/" + COMMIT_MARKER)}
-    return sorted(int(name) for name in names if name.isdigit())
+def _scan(root: str | storage.Location | _Listing) -> tuple[list[int], list[tuple[str, str]]]:
+    """The committed steps of an Orbax root and its leftovers (name, why), from one listing.
+
+    The one implementation of which steps count, for a local folder and a
+    bucket alike: `committed_steps`, `incomplete_steps`, `leftovers`,
+    `latest_step` and `resolve_step` all answer from it.
+    """
+    listing = root if isinstance(root, _Listing) else _list(storage.parse(root))
+    committed, found = [], []
+    for name in sorted(listing.folders):
+        if TMP_MARK in name:
+            found.append((name, "a step whose save was interrupted"))
+        elif DELETING_MARK in name:
+            found.append((name, "a step whose delete was interrupted"))
+        elif name.isdigit():
+            missing = _not_whole(listing.location.join(name), listing.under(name), renames=listing.renames)
+            if missing:
+                found.append((name, f"a step without {missing} (a save or delete of it was interrupted, or damage)"))
+            else:
+                committed.append(int(name))
+    return sorted(committed), found
+
+
+def committed_steps(root: str | storage.Location) -> list[int]:
+    """Returns the committed step numbers under an Orbax root, ascending (see `_not_whole`)."""
+    return _scan(root)[0]
+
+
+def missing_part(step_dir: str | storage.Location) -> str:
+    """What a step folder lacks to be a committed step; "" when it is whole (see `_not_whole`)."""
+    location = storage.parse(step_dir)
+    return _not_whole(location, storage.list_keys(location), renames=commit.renames(location))
 
 
 def incomplete_steps(root: str | storage.Location) -> list[str]:
     """Names of the half-written or half-deleted step folders under an Orbax root.
 
-    Locally: Orbax's temporary folders, folders being deleted
-    (`DELETING_MARK`) and integer-named folders that are not whole
-    (`missing_part`). In a bucket: integer-named steps without their
-    `COMMIT_MARKER`.
+    Orbax's temporary folders, folders being deleted (`DELETING_MARK`) and
+    integer-named folders that are not committed (`_not_whole`).
     """
     return [name for name, _ in leftovers(root)]
 
 
 def leftovers(root: str | storage.Location) -> list[tuple[str, str]]:
     """`incomplete_steps` with, for each, why it is not a committed step (for the log line)."""
-    location = storage.parse(root)
-    if not _renames(location):
-        keys = storage.list_keys(location)
-        committed = set(_marked_steps(keys))
-        names = {key.split("/", 1)[0] for key in keys if "/" in key}
-        return [(n, f"a step without its {COMMIT_MARKER} (a save or delete was interrupted)")
-                for n in sorted(names) if n.isdigit() and int(n) not in committed]
-    found = []
-    for name in sorted(os.listdir(location.path)):
-        full = os.path.join(location.path, name)
-        if TMP_MARK in name:
-            found.append((name, "a step whose save was interrupted"))
-        elif DELETING_MARK in name:
-            found.append((name, "a step whose delete was interrupted"))
-        elif name.isdigit() and os.path.isdir(full):
-            missing = missing_part(full)
-            if missing:
-                found.append((name, f"a step without {missing} (an interrupted delete in place, or damage)"))
-    return found
+    return _scan(root)[1]
 
 
 def latest_step_dir(directory: str) -> str | None:
@@ -190,16 +218,14 @@ def latest_step_dir(directory: str) -> str | None:
     Half-written steps are never returned.
     """
     location = storage.parse(os.fspath(directory))
-    if not storage.isdir(location):
-        return None
-    steps = committed_steps(location.url)
+    steps = committed_steps(location)
     return location.join(str(steps[-1])).url if steps else None
 
 
 def is_orbax_dir(path: str | storage.Location) -> bool:
     """True for an Orbax root or step folder (committed or not)."""
     location = storage.parse(path)
-    if not _renames(location):
+    if not commit.renames(location):
         keys = storage.list_keys(location)
         heads = {key.split("/", 1)[0] for key in keys}
         return (
@@ -228,30 +254,31 @@ def resolve_step(path: str | storage.Location) -> str:
             step, or the root holds only such steps (`leftovers`).
     """
     location = storage.parse(path)
-    if not _renames(location):
-        return _resolve_remote_step(location)
-    path = location.path
-    base = os.path.basename(os.path.normpath(path))
+    shown = location.url
+    base = location.name
     if TMP_MARK in base or DELETING_MARK in base:
         what = "Orbax never committed (its save was interrupted)" if TMP_MARK in base else (
             "being deleted (its delete was interrupted)")
         raise IncompleteCheckpointError(
-            f"{path!r} is a step {what}. Fix: load the checkpoint root or a committed step; shardckpt "
+            f"{shown!r} is a step {what}. Fix: load the checkpoint root or a committed step; shardckpt "
             "ignores such folders and OrbaxCheckpoint removes them when it starts."
         )
-    names = os.listdir(path)
-    if TREE_METADATA in names:
-        return path  # a bare array tree
-    if STEP_METADATA in names or any(n in names for n in TREE_ITEMS):
-        missing = missing_part(path)
+    listing = _list(location)
+    names = listing.heads
+    if not names:
+        raise storage.not_found(location, what="an Orbax checkpoint: a root of step folders, or one step")
+    if listing.renames and TREE_METADATA in names:
+        return shown  # a bare array tree
+    if STEP_METADATA in names or names & set(TREE_ITEMS) or TREE_METADATA in names:
+        missing = _not_whole(location, listing.keys, renames=listing.renames)
         if missing:
             raise IncompleteCheckpointError(
-                f"{path!r} is not a whole step: it lacks {missing} (a save or an in-place delete of it was "
-                "interrupted). Fix: load the checkpoint root or another step; OrbaxCheckpoint removes such "
-                "folders when it starts."
+                f"{shown!r} is not a whole step, never committed or half-deleted: it lacks {missing} (a save "
+                "or a delete of it was interrupted, or is still running). Fix: load the checkpoint root or "
+                "another step, or let the save finish; OrbaxCheckpoint removes such folders when it starts."
             )
-        return path
-    return latest_step(location)
+        return shown
+    return _latest(listing)
 
 
 def latest_step(root: str | storage.Location) -> str:
@@ -266,15 +293,18 @@ def latest_step(root: str | storage.Location) -> str:
         IncompleteCheckpointError: the root holds only what interrupted saves
             or deletes left (`leftovers`).
     """
-    location = storage.parse(root)
-    if not storage.isdir(location):
-        raise CheckpointNotFoundError(f"No committed Orbax step under {location.url!r}: it does not exist.")
-    steps = committed_steps(location)
+    return _latest(_list(storage.parse(root)))
+
+
+def _latest(listing: _Listing) -> str:
+    location = listing.location
+    steps, found = _scan(listing)
     if steps:
         return location.join(str(steps[-1])).url
-    found = leftovers(location)
     if found:
         raise _only_leftovers(location.url, found)
+    if not storage.isdir(location):
+        raise CheckpointNotFoundError(f"No committed Orbax step under {location.url!r}: it does not exist.")
     raise CheckpointNotFoundError(f"No committed Orbax step under {location.url!r}.")
 
 
@@ -288,23 +318,6 @@ def _only_leftovers(root: str, found: list[tuple[str, str]]) -> IncompleteCheckp
     )
 
 
-def _resolve_remote_step(location: storage.Location) -> str:
-    keys = storage.list_keys(location)
-    if not keys:
-        raise storage.not_found(location, what="an Orbax checkpoint: a root of step folders, or one step")
-    names = {key.split("/", 1)[0] for key in keys}
-    if STEP_METADATA in names or names & set(TREE_ITEMS) or TREE_METADATA in names:
-        if COMMIT_MARKER not in names:
-            raise IncompleteCheckpointError(
-                f"{location.url!r} is a step that was never committed: it has no "
-                f"{COMMIT_MARKER}, the object written last when a save completes (buckets "
-                "have no atomic rename). Its save was interrupted or is still running. Fix: "
-                "load the checkpoint root or a committed step, or let the save finish."
-            )
-        return location.url
-    return latest_step(location)
-
-
 def tree_dir(step: str | storage.Location) -> str:
     """The folder of a step's array tree (the step itself for a bare tree).
 
@@ -312,7 +325,7 @@ def tree_dir(step: str | storage.Location) -> str:
         IncompleteCheckpointError: it has no `_METADATA` file.
     """
     location = storage.parse(step)
-    if not _renames(location):
+    if not commit.renames(location):
         names = storage.listdir(location)
         item = next((n for n in TREE_ITEMS if n in names), None)
         remote_tree = location.join(item) if item else location
@@ -340,7 +353,7 @@ def tree_dir(step: str | storage.Location) -> str:
 def items(step_dir: str | storage.Location) -> list[str]:
     """The checkpointables of a step ("pytree", "model_config", ...), sorted."""
     location = storage.parse(step_dir)
-    if not _renames(location):
+    if not commit.renames(location):
         keys = storage.list_keys(location)
         return sorted({k.split("/", 1)[0] for k in keys if "/" in k and not k.startswith((".", "_"))})
     step_dir = location.path

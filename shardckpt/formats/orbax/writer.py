@@ -81,14 +81,15 @@ class OrbaxStepWriter:
     [store] = writer.open_arrays([("trainable_variables/dense/kernel", (4, 3), np.float32, (4, 3))])
     with writer.transaction() as txn:
         writer.write(store, txn, (slice(0, 4), slice(0, 3)), values)
-    writer.finish(custom_metadata={"note": "converted"})
+    marker = writer.finish(custom_metadata={"note": "converted"})
     ```
 
     Args:
         step_dir: The step folder to create (must not exist), or a bucket URL
             (`gs://`, `s3://`) under which nothing exists yet. A bucket has
-            no rename: `finish` writes the commit marker after everything
-            else, and readers take a step without it for an interrupted save.
+            no rename: the commit protocol (`storage.commit`) writes the
+            marker `finish` returns after everything else, and readers take a
+            step without it for an interrupted save.
         compression: "none" or "zstd" (Orbax's zstd level 3 per chunk).
         chunk_byte_size: Target bytes of one stored (read) chunk; Orbax's
             subchunking splits each written block down to it. None: one
@@ -256,8 +257,11 @@ class OrbaxStepWriter:
     def finish(
         self, *, custom_metadata: dict[str, Any], final_dir: str | None = None,
         item_handlers: dict[str, str] | None = None,
-    ) -> None:
-        """Writes the metadata files that make the step a committed Orbax step.
+    ) -> bytes:
+        """Writes the metadata files of the step; returns its commit marker's contents.
+
+        The marker (`ondisk.COMMIT_MARKER`) itself is written by the commit
+        protocol (`shardckpt.storage.commit.Stage.commit`): last in a bucket.
 
         Args:
             custom_metadata: JSON stored as the step's `custom_metadata`.
@@ -265,6 +269,9 @@ class OrbaxStepWriter:
                 commit marker, as Orbax records its final path).
             item_handlers: The handlers of other items the caller wrote into
                 the step before (recorded beside this writer's item).
+
+        Returns:
+            The commit marker's contents (Orbax's text, naming the final folder).
         """
         self.write_tree_metadata()
         step_meta = {
@@ -278,9 +285,7 @@ class OrbaxStepWriter:
         ondisk.write_json(ondisk.join(self.step_dir, ondisk.STEP_METADATA), step_meta)
         step = storage.parse(self.step_dir)
         storage.write_bytes(step.join(ondisk.CHECKPOINT_INDICATOR), b"")
-        # Last: in a bucket the step is committed exactly when this exists.
-        marker = f"Checkpoint commit was successful to {final_dir or self.step_dir}"
-        storage.write_bytes(step.join(ondisk.COMMIT_MARKER), marker.encode())
+        return f"Checkpoint commit was successful to {final_dir or self.step_dir}".encode()
 
 
 def process_store(tree_dir: str, process_index: int) -> str:
