@@ -132,6 +132,41 @@ class PreemptionWatch:
         return self.notice.is_set()
 
 
+class PreemptionStop:
+    """The callback's `save_on_preemption` and what it did in the last `fit`.
+
+    The callback saves and stops when `reached` says so; this keeps the
+    watch, the mode it ran in and the step that was committed.
+
+    Attributes:
+        enabled: Save and stop on a notice (`save_on_preemption`).
+        step: The step committed on a notice during the last `fit`, or None.
+        mode: How the last `fit` watched: "off", "signal", "jax" (JAX's
+            preemption service) or "signal+allgather".
+    """
+
+    def __init__(self, enabled: bool) -> None:
+        self.enabled = enabled
+        self.step: int | None = None
+        self.mode = "off"
+        self._watch = PreemptionWatch()
+
+    def start(self) -> None:
+        """Starts watching for one `fit` (when enabled)."""
+        self.step = None
+        if self.enabled:
+            self._watch.start()
+        self.mode = self._watch.mode
+
+    def reached(self, ends: int) -> bool:
+        """True at the batch end where every process saves and stops (see `PreemptionWatch.reached`)."""
+        return self.enabled and self._watch.reached(ends)
+
+    def stop(self) -> None:
+        """Stops watching; `mode` keeps saying how the `fit` watched."""
+        self._watch.stop()
+
+
 class _Handlers:
     """The process's one handler per signal, shared by the started watches.
 
