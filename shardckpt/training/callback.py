@@ -122,6 +122,20 @@ class OrbaxCheckpoint(BestTracking):
             `IteratorCountError`) or "restart_iterators" (model, optimizer and
             counters resume; each iterator keeps its own position, with a warning).
 
+    Every argument is an attribute of its name; one assigned between fits
+    is the next fit's. What the fits did:
+
+    Attributes:
+        resumed: The `ResumeInfo` of the latest resume, or None.
+        preempted_step: The step committed on a preemption notice in the
+            last fit, or None; `preemption_mode` says how it watched.
+        snapshot_modes: Each save's snapshot mode ("device" or "host");
+            `snapshot_mode_used` is the latest.
+        save_blocking_s: Seconds each save held training up;
+            `save_waits_s`: each wait for the save in flight; `save_writes_s`:
+            each write, snapshot handed over to step committed.
+        checkpointer: The Orbax `Checkpointer` of the current (or last) fit.
+
     Raises:
         ValueError: an argument is out of range.
         TypeError: `data_iterator` lacks `get_state`/`set_state`, or `metadata`
