@@ -91,7 +91,7 @@ def _resumed(step: int, *, epoch_complete: bool) -> ResumeInfo:
 
 def test_save_schedule_names_steps_and_replaces_a_resumed_partial_epoch():
     count = BatchCount(steps_per_epoch=4, total=6, epoch=1, in_epoch=2)
-    per_epoch, every_3 = SaveSchedule("epoch"), SaveSchedule(3)
+    per_epoch, every_3 = SaveSchedule(save_freq="epoch"), SaveSchedule(save_freq=3)
     assert (per_epoch.step_now(count), every_3.step_now(count)) == (1, 6)
     assert [every_3.due_after_batch(count, 1, writer_busy=lambda: True) for _ in range(6)] == [
         False, False, True, False, False, True]
@@ -108,10 +108,10 @@ def test_save_schedule_names_steps_and_replaces_a_resumed_partial_epoch():
 
 
 def test_save_schedule_auto_waits_for_the_write_in_flight():
-    schedule = SaveSchedule("auto")
+    schedule = SaveSchedule(save_freq="auto")
     schedule.begin_auto()
     count = BatchCount()
     assert not schedule.due_after_batch(count, 1, writer_busy=lambda: True)
     assert schedule.due_after_batch(count, 1, writer_busy=lambda: False)
     assert schedule.saved(None) is None  # nothing measured before the first write
-    assert SaveSchedule(2).saved(1.0) is None  # only "auto" derives an interval
+    assert SaveSchedule(save_freq=2).saved(1.0) is None  # only "auto" derives an interval

@@ -198,13 +198,13 @@ class OrbaxCheckpoint(BestTracking):
         self.directory = self._location.url
         self.verbose, self.save_best_only = verbose, save_best_only
         self.save_on_background, self.save_weights_only = save_on_background, save_weights_only
-        self._retention = Retention(max_to_keep, keep_best, keep_period)
-        self._schedule = SaveSchedule(save_freq)
-        self._snapshots = SnapshotPolicy(snapshot, snapshot_budget_bytes)
+        self._retention = Retention(max_to_keep=max_to_keep, keep_best=keep_best, keep_period=keep_period)
+        self._schedule = SaveSchedule(save_freq=save_freq)
+        self._snapshots = SnapshotPolicy(mode=snapshot, budget_bytes=snapshot_budget_bytes)
         self._contents = StepContents(metadata, compression=compression)
-        self._resume = ResumeState(resume, on_process_count_change)
+        self._resume = ResumeState(enabled=resume, on_process_count_change=on_process_count_change)
         self._data = DataPosition(data_iterator, on_first_pull=self._restore_iterator_early)
-        self._preemption = PreemptionStop(save_on_preemption)
+        self._preemption = PreemptionStop(enabled=save_on_preemption)
         self._times = SaveTimes()
         self._count = BatchCount()  # the current (or last) fit's
         self._writer: saving.StepWriter | None = None  # the current (or last) fit's

@@ -27,6 +27,7 @@ a notice reaches every watch, so each callback saves its own stopping step.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import signal
@@ -132,6 +133,7 @@ class PreemptionWatch:
         return self.notice.is_set()
 
 
+@dataclasses.dataclass(kw_only=True, eq=False)
 class PreemptionStop:
     """The callback's `save_on_preemption` and what it did in the last `fit`.
 
@@ -145,11 +147,10 @@ class PreemptionStop:
             preemption service) or "signal+allgather".
     """
 
-    def __init__(self, enabled: bool) -> None:
-        self.enabled = enabled
-        self.step: int | None = None
-        self.mode = "off"
-        self._watch = PreemptionWatch()
+    enabled: bool = True
+    step: int | None = dataclasses.field(default=None, init=False)
+    mode: str = dataclasses.field(default="off", init=False)
+    _watch: PreemptionWatch = dataclasses.field(default_factory=PreemptionWatch, init=False, repr=False)
 
     def start(self) -> None:
         """Starts watching for one `fit` (when enabled)."""

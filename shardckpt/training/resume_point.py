@@ -152,6 +152,7 @@ def describe(point: ResumePoint, info: ResumeInfo | None, *, epochs: int | None,
     return level, f"{line}; fit continues at {epoch(info.next_epoch)}." if info.epoch is not None else f"{line}."
 
 
+@dataclasses.dataclass(kw_only=True, eq=False)
 class ResumeState:
     """The callback's `resume` options and where the current `fit` resumes from.
 
@@ -169,13 +170,12 @@ class ResumeState:
         iterator_restored_from: The step `batches()` took the position from.
     """
 
-    def __init__(self, enabled: bool, on_process_count_change: str) -> None:
-        self.enabled = enabled
-        self.on_process_count_change = on_process_count_change
-        self.info: ResumeInfo | None = None
-        self.step_dir: str | None = None
-        self.decided = False
-        self.iterator_restored_from: str | None = None
+    enabled: bool = False
+    on_process_count_change: str = "error"
+    info: ResumeInfo | None = dataclasses.field(default=None, init=False)
+    step_dir: str | None = dataclasses.field(default=None, init=False)
+    decided: bool = dataclasses.field(default=False, init=False)
+    iterator_restored_from: str | None = dataclasses.field(default=None, init=False)
 
     def choose(self, directory: str, *, mid_epoch: bool) -> ResumePoint | None:
         """Decides this `fit`'s step (see `choose`)."""

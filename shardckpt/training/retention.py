@@ -104,7 +104,7 @@ def preservation_policy(
     return policies[0] if len(policies) == 1 else _policies.AnyPreservationPolicy(policies)
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(kw_only=True)
 class Retention:
     """The callback's retention options: which of its steps survive.
 

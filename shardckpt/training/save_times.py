@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(kw_only=True)
 class SaveTimes:
     """Seconds per save (the callback's `save_blocking_s`, `save_waits_s`, `save_writes_s`).
 

@@ -9,6 +9,7 @@ step, so that one step is deleted first (`claim`).
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 
 import jax
@@ -18,6 +19,7 @@ from shardckpt.training.counting import BatchCount
 from shardckpt.training.resume import ResumeInfo
 
 
+@dataclasses.dataclass(kw_only=True, eq=False)
 class SaveSchedule:
     """`save_freq` and the saves of the current `fit`.
 
@@ -29,11 +31,10 @@ class SaveSchedule:
             save of its epoch replaces.
     """
 
-    def __init__(self, save_freq: str | int) -> None:
-        self.save_freq = save_freq
-        self.auto: AutoInterval | None = None
-        self.last_saved: int | None = None
-        self.replace: int | None = None
+    save_freq: str | int = "epoch"
+    auto: AutoInterval | None = dataclasses.field(default=None, init=False)
+    last_saved: int | None = dataclasses.field(default=None, init=False)
+    replace: int | None = dataclasses.field(default=None, init=False)
 
     @property
     def per_epoch(self) -> bool:

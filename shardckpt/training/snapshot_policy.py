@@ -8,11 +8,13 @@ each save used.
 from __future__ import annotations
 
 import concurrent.futures
+import dataclasses
 from typing import Any
 
 from shardckpt.training import snapshot as snapshot_lib
 
 
+@dataclasses.dataclass(kw_only=True, eq=False)
 class SnapshotPolicy:
     """The copy a background save writes from.
 
@@ -23,12 +25,12 @@ class SnapshotPolicy:
         modes: The mode of every save, in order, over every `fit`.
     """
 
-    def __init__(self, mode: str, budget_bytes: int) -> None:
-        self.mode = mode
-        self.budget_bytes = budget_bytes
-        self.mode_used: str | None = None
-        self.modes: list[str] = []
-        self._compiled: concurrent.futures.Future | None = None  # `snapshot.prepare`'s, until the first save
+    mode: str = "auto"
+    budget_bytes: int = snapshot_lib.DEFAULT_BUDGET_BYTES
+    mode_used: str | None = dataclasses.field(default=None, init=False)
+    modes: list[str] = dataclasses.field(default_factory=list, init=False)
+    # `snapshot.prepare`'s future, until the first save.
+    _compiled: concurrent.futures.Future | None = dataclasses.field(default=None, init=False, repr=False)
 
     def prepare(self, model: Any, *, weights_only: bool) -> None:
         """Compiles the copy of the arrays the saves will copy, on a thread (see `snapshot.prepare`)."""
