@@ -95,7 +95,7 @@ def save(args: argparse.Namespace, writer: str, chunks: str, compression: str) -
         callback = OrbaxCheckpoint(dst, save_freq="epoch", save_on_background=False, save_weights_only=True,
                                    max_to_keep=1, compression=compression == "zstd")
         # The chunk size under test, on the context the callback built for its saves.
-        callback._context.array.saving.storage_options.chunk_byte_size = chunk_bytes(chunks)
+        callback._contents.context.array.saving.storage_options.chunk_byte_size = chunk_bytes(chunks)
         x = np.zeros((8, args.dim), "float32")
         model.fit(x, x, epochs=args.repeat, batch_size=8, verbose=0, callbacks=[callback])
         callback.wait_until_finished()

@@ -1,13 +1,18 @@
 """`OrbaxCheckpoint`: Keras' Orbax callback with little blocking and exact resume.
 
 A drop-in for `keras.callbacks.OrbaxCheckpoint` (same arguments and on-disk
-layout). This module is the callback's control flow; its parts live beside
-it: `options` (argument checks), `counting` (batches per epoch, fit, run),
-`snapshot` (the copy a background save writes from), `saving` (the step
-writer: local or bucket, one save in flight), `metadata`, `retention`,
-`monitoring` (best by `monitor`), `preemption` (SIGTERM -> save, commit,
-stop), `resume_point` / `resume` / `hostrng` (which step a resuming fit
-continues from, and restoring it bit-identically).
+layout). This module is the callback's control flow: it coordinates
+collaborators, each holding one group of the arguments and its state:
+`retention.Retention` (which steps survive), `schedule.SaveSchedule` (when
+to save, which step a save replaces), `snapshot_policy.SnapshotPolicy` (the
+copy a background save writes from), `contents.StepContents` (metadata,
+config, assets beside the arrays), `iterators.DataPosition` (the data
+iterator's position), `resume_point.ResumeState` (which step a resuming fit
+continues from), `preemption.PreemptionStop` (SIGTERM -> save, commit, stop),
+`save_times.SaveTimes`. Beside them: `options` (argument checks), `counting`
+(batches per epoch, fit, run), `saving` (the step writer: local or bucket,
+one save in flight), `monitoring` (best by `monitor`), `resume` / `hostrng`
+(restoring a step bit-identically).
 """
 
 from __future__ import annotations
@@ -21,15 +26,39 @@ import jax
 import numpy as np
 
 from shardckpt import _keras, storage
-from shardckpt.training import hostrng, iterators, options, preemption, quiet, resume, resume_point, retention, saving
-from shardckpt.training import metadata as metadata_lib
+from shardckpt.training import hostrng, options, quiet, resume_point, saving
 from shardckpt.training import snapshot as snapshot_lib
-from shardckpt.training.autofreq import AutoInterval
+from shardckpt.training.contents import StepContents
 from shardckpt.training.counting import BatchCount
+from shardckpt.training.iterators import DataPosition
 from shardckpt.training.monitoring import BestTracking
-from shardckpt.training.resume import ResumeInfo
+from shardckpt.training.preemption import PreemptionStop
+from shardckpt.training.resume_point import ResumeState
+from shardckpt.training.retention import Retention
+from shardckpt.training.save_times import SaveTimes
+from shardckpt.training.schedule import SaveSchedule
+from shardckpt.training.snapshot_policy import SnapshotPolicy
 
 _log = logging.getLogger("shardckpt")
+
+
+class _Kept:
+    """An attribute of the callback that one of its collaborators keeps.
+
+    Reading and assigning it reads and assigns the collaborator's, so every
+    argument stays an attribute of the same name, as on Keras' callback.
+    """
+
+    def __init__(self, part: str, name: str) -> None:
+        self.part, self.name = part, name
+
+    def __get__(self, owner: Any, cls: type | None = None) -> Any:
+        if owner is None:
+            return self
+        return getattr(getattr(owner, self.part), self.name)
+
+    def __set__(self, owner: Any, value: Any) -> None:
+        setattr(getattr(owner, self.part), self.name, value)
 
 
 class OrbaxCheckpoint(BestTracking):
@@ -93,11 +122,47 @@ class OrbaxCheckpoint(BestTracking):
             `IteratorCountError`) or "restart_iterators" (model, optimizer and
             counters resume; each iterator keeps its own position, with a warning).
 
+    Every argument is an attribute of its name; one assigned between fits
+    is the next fit's. What the fits did:
+
+    Attributes:
+        resumed: The `ResumeInfo` of the latest resume, or None.
+        preempted_step: The step committed on a preemption notice in the
+            last fit, or None; `preemption_mode` says how it watched.
+        snapshot_modes: Each save's snapshot mode ("device" or "host");
+            `snapshot_mode_used` is the latest.
+        save_blocking_s: Seconds each save held training up;
+            `save_waits_s`: each wait for the save in flight; `save_writes_s`:
+            each write, snapshot handed over to step committed.
+        checkpointer: The Orbax `Checkpointer` of the current (or last) fit.
+
     Raises:
         ValueError: an argument is out of range.
         TypeError: `data_iterator` lacks `get_state`/`set_state`, or `metadata`
             is neither a dict nor callable.
     """
+
+    # Arguments and results kept by the collaborators, under their public names.
+    save_freq = _Kept("_schedule", "save_freq")
+    max_to_keep = _Kept("_retention", "max_to_keep")
+    keep_best = _Kept("_retention", "keep_best")
+    keep_period = _Kept("_retention", "keep_period")
+    metadata = _Kept("_contents", "metadata")
+    compression = _Kept("_contents", "compression")
+    data_iterator = _Kept("_data", "data_iterator")
+    resume = _Kept("_resume", "enabled")
+    on_process_count_change = _Kept("_resume", "on_process_count_change")
+    resumed = _Kept("_resume", "info")
+    save_on_preemption = _Kept("_preemption", "enabled")
+    preempted_step = _Kept("_preemption", "step")
+    preemption_mode = _Kept("_preemption", "mode")
+    snapshot = _Kept("_snapshots", "mode")
+    snapshot_budget_bytes = _Kept("_snapshots", "budget_bytes")
+    snapshot_mode_used = _Kept("_snapshots", "mode_used")
+    snapshot_modes = _Kept("_snapshots", "modes")
+    save_blocking_s = _Kept("_times", "blocking")
+    save_waits_s = _Kept("_times", "waits")
+    save_writes_s = _Kept("_times", "writes")
 
     def __init__(
         self,
@@ -125,39 +190,24 @@ class OrbaxCheckpoint(BestTracking):
     ) -> None:
         super().__init__(monitor, mode, initial_value_threshold)
         options.check_on_count_change(on_process_count_change)
-        self.on_process_count_change = on_process_count_change
         options.validate(save_freq=save_freq, snapshot=snapshot, snapshot_budget_bytes=snapshot_budget_bytes,
                          metadata=metadata, max_to_keep=max_to_keep, keep_best=keep_best, keep_period=keep_period,
                          monitor=monitor)
         # A gs:// or s3:// URL saves through bucket_save.
         self._location = storage.parse(directory, what="directory")
         self.directory = self._location.url
-        self.verbose, self.save_best_only, self.save_freq = verbose, save_best_only, save_freq
-        self.max_to_keep, self.save_on_background, self.save_weights_only = max_to_keep, save_on_background, save_weights_only
-        self.keep_best, self.keep_period, self.metadata = keep_best, keep_period, metadata
-        self.data_iterator, self.resume, self.compression = data_iterator, resume, compression
-        self.save_on_preemption, self.snapshot, self.snapshot_budget_bytes = save_on_preemption, snapshot, snapshot_budget_bytes
-        self._tracker = (iterators.IteratorTracker(data_iterator, on_first_pull=self._restore_iterator_early)
-                         if data_iterator is not None else None)
-        self.resumed: ResumeInfo | None = None
-        self.save_blocking_s: list[float] = []
-        self.save_waits_s: list[float] = []
-        self.save_writes_s: list[float] = []
-        self.snapshot_mode_used: str | None = None
-        self.snapshot_modes: list[str] = []
-        self.preempted_step: int | None = None
-        self.preemption_mode = "off"  # then "signal", "jax" (JAX's preemption service) or "signal+allgather"
-        self._watch = preemption.PreemptionWatch()
-        self._context = saving.json_context(compression=compression)
-        self._writer: saving.StepWriter | None = None
-        self._copy_compiled: Any = None  # snapshot_lib.prepare's future, until the first save
-        self._iterator_restored_from: str | None = None
-        self._resume_dir: str | None = None  # the step this fit resumed from, once decided
-        self._resume_decided = False
-        self._count = BatchCount()
-        self._last_saved_step: int | None = None
-        self._replace_step: int | None = None
-        self._auto: AutoInterval | None = None  # save_freq="auto"'s interval, during a fit
+        self.verbose, self.save_best_only = verbose, save_best_only
+        self.save_on_background, self.save_weights_only = save_on_background, save_weights_only
+        self._retention = Retention(max_to_keep=max_to_keep, keep_best=keep_best, keep_period=keep_period)
+        self._schedule = SaveSchedule(save_freq=save_freq)
+        self._snapshots = SnapshotPolicy(mode=snapshot, budget_bytes=snapshot_budget_bytes)
+        self._contents = StepContents(metadata, compression=compression)
+        self._resume = ResumeState(enabled=resume, on_process_count_change=on_process_count_change)
+        self._data = DataPosition(data_iterator, on_first_pull=self._restore_iterator_early)
+        self._preemption = PreemptionStop(enabled=save_on_preemption)
+        self._times = SaveTimes()
+        self._count = BatchCount()  # the current (or last) fit's
+        self._writer: saving.StepWriter | None = None  # the current (or last) fit's
 
     @property
     def checkpointer(self) -> Any:
@@ -176,11 +226,11 @@ class OrbaxCheckpoint(BestTracking):
         Raises:
             ValueError: the callback has no `data_iterator`.
         """
-        if self._tracker is None:
+        if self._data.tracker is None:
             raise ValueError("OrbaxCheckpoint.batches() needs data_iterator=... in the constructor.")
-        self._tracker = iterators.IteratorTracker(self.data_iterator, on_first_pull=self._restore_iterator_early)
-        self._resume_decided = False
-        return self._tracker.batches()
+        batches = self._data.batches()
+        self._resume.decided = False
+        return batches
 
     def wait_until_finished(self) -> None:
         """Blocks until every started save is written (on every process).
@@ -204,45 +254,30 @@ class OrbaxCheckpoint(BestTracking):
 
     def on_train_begin(self, logs: dict | None = None) -> None:
         self._count = BatchCount.start(self.params, self._model)
-        self._last_saved_step = self._replace_step = None
+        self._schedule.begin()
         self._warned_monitor = False
         # Keras' trainer reads the initial epoch right after this hook (see _keras).
         self._previous_initial_epoch = _keras.initial_epoch(self._model)
         if self.monitor_op is None and (self.keep_best is not None or self.save_best_only):
             self._set_monitor_op()
         # fit peeks its input before this hook: a started batches() is what it draws.
-        tracked = self._tracker is not None and self._tracker.used
-        policy = retention.preservation_policy(
-            max_to_keep=self.max_to_keep, keep_best=self.keep_best, monitor=self.monitor,
-            higher_is_better=bool(self.monitor_op is not None and self.monitor_op(1.0, 0.0)),
+        tracked = self._data.tracked
+        policy = self._retention.policy(
+            monitor=self.monitor, higher_is_better=bool(self.monitor_op is not None and self.monitor_op(1.0, 0.0)),
             # Without batches() only whole-epoch steps resume exactly: keep the newest.
-            keep_period=self.keep_period, keep_complete_epoch=self.save_freq == "epoch" or not tracked)
+            keep_complete_epoch=self._schedule.per_epoch or not tracked)
         self._writer = saving.StepWriter(self._location, policy=policy, compression=self.compression,
-                                         background=self.save_on_background, context=self._context,
-                                         waits_s=self.save_waits_s, writes_s=self.save_writes_s)
-        # Config and assets do not change during fit; Keras' callback rebuilds
-        # both at every save (tens of ms on the training thread).
-        self._model_config = None if self.save_weights_only else _keras.serialize_model_config(self.model)
-        self._assets = None if self.save_weights_only else _keras.save_assets(self.model)
-        self._layout = metadata_lib.layout_of(self.model)
+                                         background=self.save_on_background, context=self._contents.context,
+                                         waits_s=self._times.waits, writes_s=self._times.writes)
+        self._contents.begin(self.model, weights_only=self.save_weights_only)
         if self.resume:
-            self._resume(tracked)
-        self._resume_decided = True
-        self._copy_compiled = snapshot_lib.prepare(  # after the resume: the arrays the saves will copy
-            self._model, weights_only=self.save_weights_only, mode=self.snapshot,
-            budget_bytes=self.snapshot_budget_bytes)
-        self._auto = None
-        if self.save_freq == "auto":
-            if jax.process_count() > 1:
-                # Each process would time its own writes and save at other batches.
-                raise ValueError("save_freq='auto' needs a single process: each process would pick its own "
-                                 f"interval. Fix: pass an integer save_freq. Received: {jax.process_count()} processes")
-            self._auto = AutoInterval()
+            self._restore_at_start(tracked)
+        self._resume.decided = True
+        # After the resume: the arrays the saves will copy.
+        self._snapshots.prepare(self._model, weights_only=self.save_weights_only)
+        self._schedule.begin_auto()
         quiet.start()  # after the resume: a failed one never reaches on_train_end to stop it
-        self.preempted_step = None
-        if self.save_on_preemption:
-            self._watch.start()
-        self.preemption_mode = self._watch.mode
+        self._preemption.start()
 
     def on_epoch_begin(self, epoch: int, logs: dict | None = None) -> None:
         if self._count.begin_epoch(epoch) and self._count.resume_metrics is not None:
@@ -257,16 +292,15 @@ class OrbaxCheckpoint(BestTracking):
         if count.resumed_epoch_done():
             # `_model`, not `model`: the property would sync the JAX state every batch.
             self._model.stop_training = count.stopped_early = True
-        due = count.scheduled_save_due(add, self.save_freq)
-        if self._auto is not None:
-            assert self._writer is not None  # set in on_train_begin
-            due = self._auto.due(add, writer_busy=self._writer.busy())
+        writer = self._writer
+        assert writer is not None  # set in on_train_begin
+        due = self._schedule.due_after_batch(count, add, writer_busy=writer.busy)
         if due and (
                 not self.save_best_only or self._improved(logs, f"batch {batch}")):
             # A save after an epoch's last batch resumes at the next epoch.
             self._save(count.total, logs, epoch_complete=count.epoch_complete)
         count.ends += 1
-        if self.save_on_preemption and self._watch.reached(count.ends):
+        if self._preemption.reached(count.ends):
             self._save_for_preemption(logs)
 
     def on_epoch_end(self, epoch: int, logs: dict | None = None) -> None:
@@ -277,14 +311,14 @@ class OrbaxCheckpoint(BestTracking):
         if self._count.stopped_early:
             self._model.stop_training = self._count.stopped_early = False
         self._count.resume_epoch = None
-        if self.save_freq != "epoch":
+        if not self._schedule.per_epoch:
             return
         if self.save_best_only and not self._improved(logs, f"epoch {epoch}"):
             return
         self._save(epoch, logs, epoch_complete=True)
 
     def on_train_end(self, logs: dict | None = None) -> None:
-        self._watch.stop()
+        self._preemption.stop()
         _keras.set_initial_epoch(self._model, self._previous_initial_epoch)
         try:
             if self._writer is not None:
@@ -297,8 +331,8 @@ class OrbaxCheckpoint(BestTracking):
 
     def _save_for_preemption(self, logs: dict | None) -> None:
         """Saves the state after this batch, waits for the commit, stops fit."""
-        step = self._count.epoch if self.save_freq == "epoch" else self._count.total
-        if step != self._last_saved_step or step == self._replace_step:
+        step = self._schedule.step_now(self._count)
+        if not self._schedule.holds(step):
             # (A scheduled save of this very batch already holds the state.)
             self._save(step, logs, epoch_complete=self._count.epoch_complete)
         assert self._writer is not None  # set in on_train_begin
@@ -313,35 +347,23 @@ class OrbaxCheckpoint(BestTracking):
         assert writer is not None  # set in on_train_begin
         start = time.perf_counter()
         writer.finish_pending(waiting_for=step)
-        if step == self._replace_step:
-            # The mid-epoch step this run resumed from (save_freq="epoch" names
-            # it by its epoch): Orbax never overwrites a step, so it goes first.
+        if self._schedule.claim(step):
             writer.delete(step)
-            self._replace_step = None
-        self._last_saved_step = step
         self._check_monitor_for_keep_best(logs, self.keep_best)
         model = self.model  # Callback.model syncs the JAX state into the variables
-        if self._copy_compiled is not None:
-            self._copy_compiled.result()  # raises what the compile raised, as the copy itself would
-            self._copy_compiled = None
-        tree, choice = snapshot_lib.snapshot_state(
-            model, weights_only=self.save_weights_only, mode=self.snapshot, budget_bytes=self.snapshot_budget_bytes)
-        self.snapshot_mode_used = choice.mode
-        self.snapshot_modes.append(choice.mode)
+        tree, choice = self._snapshots.take(model, weights_only=self.save_weights_only)
         logs = dict(logs or {})
-        user = self.metadata(self._count.epoch, logs) if callable(self.metadata) else self.metadata
+        user = self._contents.user(self._count.epoch, logs)
         # Counters are read now: training moves them on while the save runs.
-        meta = metadata_lib.step_metadata(
+        meta = self._contents.step_metadata(
             self._count, step, epoch_complete=epoch_complete, save_freq=self.save_freq, monitor=self.monitor,
-            weights_only=self.save_weights_only, layout=self._layout, snapshot=self.snapshot_mode_used)
-        states = None if self._tracker is None else iterators.gather_json(
-            iterators.encode_state(self._tracker.state_after(self._count.fit_batches)))
-        items = saving.payload(tree, model_config=self._model_config, assets=self._assets, iterator_states=states)
+            weights_only=self.save_weights_only, snapshot=choice.mode)
+        items = self._contents.items(tree, self._data.states(self._count.fit_batches))
         last_write_s = writer.writes_s[-1] if writer.writes_s else None  # read before this save's write ends
         writer.save(step, items, meta, logs, user, self.best,
                     before_write=snapshot_lib.before_write(tree, choice), off_devices=snapshot_lib.off_devices(choice))
         self.save_blocking_s.append(time.perf_counter() - start)
-        if self._auto is not None and (line := self._auto.saved(last_write_s)) is not None:
+        if (line := self._schedule.saved(last_write_s)) is not None:
             self._say(logging.INFO, line)
         self._say(logging.INFO, f"step {step} {'started' if self.save_on_background else 'written'} in "
                                 f"{self.directory} (training blocked {self.save_blocking_s[-1] * 1e3:.1f} ms; "
@@ -349,23 +371,17 @@ class OrbaxCheckpoint(BestTracking):
 
     # ---- resuming ------------------------------------------------------------
 
-    def _resume(self, tracked: bool) -> None:
-        point = resume_point.choose(self.directory, mid_epoch=tracked)
-        self._resume_dir = None if point is None else point.step_dir
+    def _restore_at_start(self, tracked: bool) -> None:
+        point = self._resume.choose(self.directory, mid_epoch=tracked)
         if point is None:
             return
         assert self._writer is not None  # set in on_train_begin
         for step in point.newer:  # the resumed run writes them again, bit-identical
             self._writer.delete(step)
-        info = resume_point.restore(self.model, point, tracker=self._tracker, data_iterator=self.data_iterator,
-                                    iterator_restored_from=self._iterator_restored_from,
-                                    on_process_count_change=self.on_process_count_change)
-        self.resumed = info
+        info = self._resume.restore(self.model, point, tracker=self._data.tracker, data_iterator=self.data_iterator)
         if info is not None and info.epoch is not None:  # (None: a step Keras wrote, weights only)
             _keras.set_initial_epoch(self._model, info.next_epoch)
-            self._last_saved_step = info.step
-            if self.save_freq == "epoch" and not info.epoch_complete:
-                self._replace_step = info.step
+            self._schedule.resumed(info)
             if info.metadata.get("best") is not None and not isinstance(info.metadata["best"], str):
                 self.best = float(info.metadata["best"])
             hostrng.restore(info.metadata.get("host_rng"))
@@ -376,10 +392,7 @@ class OrbaxCheckpoint(BestTracking):
 
     def _restore_iterator_early(self) -> None:
         """Sets the iterator's saved position before fit pulls its first batch."""
-        if self.resume:
-            step_dir = self._resume_dir if self._resume_decided else resume.latest_step_dir(self.directory)
-            self._iterator_restored_from = resume_point.set_iterator(
-                self.data_iterator, step_dir, on_process_count_change=self.on_process_count_change)
+        self._resume.restore_iterator(self.directory, self.data_iterator)
 
     def _say(self, level: int, message: str) -> None:
         _log.log(level, "OrbaxCheckpoint: %s", message)

@@ -174,3 +174,39 @@ def gather_json(value: Any) -> list[Any]:
     padded[: data.size] = data
     rows = multihost_utils.process_allgather(padded)
     return [json.loads(bytes(row[: int(n)]).decode()) for row, n in zip(rows, np.ravel(sizes))]
+
+
+class DataPosition:
+    """The callback's `data_iterator` and the tracker of its position in the current `fit`.
+
+    Args:
+        data_iterator: An iterator with `get_state()` / `set_state(state)`, or None.
+        on_first_pull: Given to each tracker (see `IteratorTracker`).
+
+    Raises:
+        TypeError: `data_iterator` lacks `get_state` / `set_state`.
+    """
+
+    def __init__(self, data_iterator: Any, on_first_pull: Callable[[], None]) -> None:
+        self.data_iterator = data_iterator
+        self._on_first_pull = on_first_pull
+        self.tracker = IteratorTracker(data_iterator, on_first_pull) if data_iterator is not None else None
+
+    @property
+    def tracked(self) -> bool:
+        """True once `fit` draws from `batches()` (a saved position is then exact)."""
+        return self.tracker is not None and self.tracker.used
+
+    def batches(self) -> Iterator[Any]:
+        """The iterator's batches through a new tracker (one per `fit`)."""
+        self.tracker = IteratorTracker(self.data_iterator, on_first_pull=self._on_first_pull)
+        return self.tracker.batches()
+
+    def states(self, fit_batches: int) -> list[Any] | None:
+        """Every process's position after `fit_batches` trained batches, or None without an iterator.
+
+        All processes must call this at the same point (see `gather_json`).
+        """
+        if self.tracker is None:
+            return None
+        return gather_json(encode_state(self.tracker.state_after(fit_batches)))

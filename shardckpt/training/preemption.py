@@ -27,6 +27,7 @@ a notice reaches every watch, so each callback saves its own stopping step.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import signal
@@ -130,6 +131,41 @@ class PreemptionWatch:
             flags = multihost_utils.process_allgather(np.array([self.notice.is_set()], np.int32))
             return bool(np.max(flags))
         return self.notice.is_set()
+
+
+@dataclasses.dataclass(kw_only=True, eq=False)
+class PreemptionStop:
+    """The callback's `save_on_preemption` and what it did in the last `fit`.
+
+    The callback saves and stops when `reached` says so; this keeps the
+    watch, the mode it ran in and the step that was committed.
+
+    Attributes:
+        enabled: Save and stop on a notice (`save_on_preemption`).
+        step: The step committed on a notice during the last `fit`, or None.
+        mode: How the last `fit` watched: "off", "signal", "jax" (JAX's
+            preemption service) or "signal+allgather".
+    """
+
+    enabled: bool = True
+    step: int | None = dataclasses.field(default=None, init=False)
+    mode: str = dataclasses.field(default="off", init=False)
+    _watch: PreemptionWatch = dataclasses.field(default_factory=PreemptionWatch, init=False, repr=False)
+
+    def start(self) -> None:
+        """Starts watching for one `fit` (when enabled)."""
+        self.step = None
+        if self.enabled:
+            self._watch.start()
+        self.mode = self._watch.mode
+
+    def reached(self, ends: int) -> bool:
+        """True at the batch end where every process saves and stops (see `PreemptionWatch.reached`)."""
+        return self.enabled and self._watch.reached(ends)
+
+    def stop(self) -> None:
+        """Stops watching; `mode` keeps saying how the `fit` watched."""
+        self._watch.stop()
 
 
 class _Handlers:

@@ -151,3 +151,50 @@ def describe(point: ResumePoint, info: ResumeInfo | None, *, epochs: int | None,
         return logging.WARNING, f"{line}. {done}"
     level = logging.WARNING if point.why or info.epoch is None else logging.INFO
     return level, f"{line}; fit continues at {epoch(info.next_epoch)}." if info.epoch is not None else f"{line}."
+
+
+@dataclasses.dataclass(kw_only=True, eq=False)
+class ResumeState:
+    """The callback's `resume` options and where the current `fit` resumes from.
+
+    `batches()` may set the iterator's position before `fit` calls the
+    callback's `on_train_begin` (fit peeks its input first): then the step is
+    not decided yet and the latest one is taken; `restore` checks afterwards
+    that the model resumed from that same step.
+
+    Attributes:
+        enabled: Restore the latest committed step when `fit` starts (`resume`).
+        on_process_count_change: "error" or "restart_iterators" (see `resume`).
+        info: What the latest resume restored (None: none, or from the start).
+        step_dir: The step this `fit` resumes from, once `decided`.
+        decided: `on_train_begin` has chosen `step_dir` for this `fit`.
+        iterator_restored_from: The step `batches()` took the position from.
+    """
+
+    enabled: bool = False
+    on_process_count_change: str = "error"
+    info: ResumeInfo | None = dataclasses.field(default=None, init=False)
+    step_dir: str | None = dataclasses.field(default=None, init=False)
+    decided: bool = dataclasses.field(default=False, init=False)
+    iterator_restored_from: str | None = dataclasses.field(default=None, init=False)
+
+    def choose(self, directory: str, *, mid_epoch: bool) -> ResumePoint | None:
+        """Decides this `fit`'s step (see `choose`)."""
+        point = choose(directory, mid_epoch=mid_epoch)
+        self.step_dir = None if point is None else point.step_dir
+        return point
+
+    def restore(self, model: Any, point: ResumePoint, *, tracker: IteratorTracker | None,
+                data_iterator: Any) -> ResumeInfo | None:
+        """Restores `point` (see `restore`) and keeps what it restored as `info`."""
+        self.info = restore(model, point, tracker=tracker, data_iterator=data_iterator,
+                            iterator_restored_from=self.iterator_restored_from,
+                            on_process_count_change=self.on_process_count_change)
+        return self.info
+
+    def restore_iterator(self, directory: str, data_iterator: Any) -> None:
+        """Gives `data_iterator` its position before `fit` pulls the first batch (when resuming)."""
+        if self.enabled:
+            step_dir = self.step_dir if self.decided else resume.latest_step_dir(directory)
+            self.iterator_restored_from = set_iterator(
+                data_iterator, step_dir, on_process_count_change=self.on_process_count_change)

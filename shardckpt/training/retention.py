@@ -15,6 +15,7 @@ two would otherwise leave no checkpoint at all with `max_to_keep=1`.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Any
 
@@ -101,3 +102,25 @@ def preservation_policy(
     if keep_complete_epoch:
         policies.append(LatestCompleteEpoch())
     return policies[0] if len(policies) == 1 else _policies.AnyPreservationPolicy(policies)
+
+
+@dataclasses.dataclass(kw_only=True)
+class Retention:
+    """The callback's retention options: which of its steps survive.
+
+    Attributes:
+        max_to_keep: Keep the latest N steps; None keeps every step.
+        keep_best: Also keep the N best steps by the monitored metric.
+        keep_period: Also keep every step that is a multiple of this.
+    """
+
+    max_to_keep: int | None = 1
+    keep_best: int | None = None
+    keep_period: int | None = None
+
+    def policy(self, *, monitor: str, higher_is_better: bool, keep_complete_epoch: bool) -> Any:
+        """The Orbax preservation policy of one `fit` (see `preservation_policy`)."""
+        return preservation_policy(
+            max_to_keep=self.max_to_keep, keep_best=self.keep_best, monitor=monitor,
+            higher_is_better=higher_is_better, keep_period=self.keep_period,
+            keep_complete_epoch=keep_complete_epoch)
