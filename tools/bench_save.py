@@ -23,10 +23,10 @@ background save comes to the disk's speed. A background save shares the
 machine with training, the plain write does not: "plain beside training"
 writes the same file on a thread while the same model trains on (after the
 run, in the same process; `BESIDE_WRITES` writes, their mean), the
-like-for-like baseline, and "ratio beside" is the background write over it. "D2H" is the state's bytes over
-the time to copy it into host memory ("pinned_host" where the devices have
-it), after one warm-up copy; a host-mode snapshot cannot block for less than
-state / D2H.
+like-for-like baseline, and "ratio beside" is the background write over it.
+"D2H" is the state's bytes over the time to copy it into host memory
+("pinned_host" where the devices have it), after one warm-up copy; a
+host-mode snapshot cannot block for less than state / D2H.
 
 "Peak above state" is the most memory the run held above what it held when
 `fit` started (the model, its optimizer state and the compiled step): on
