@@ -28,3 +28,8 @@ def test_bench_save_smoke_reports_blocking_and_peak_memory_per_mode():
     assert ratio.endswith("x") and float(ratio[:-1]) > 0, rows["shardckpt_auto"]
     assert rows["keras_async"][rows["keras_async"].index("GB/s") - 2] == "nanx"  # Keras' writes are not timed
     assert "shardckpt_auto: background writes" in proc.stdout
+    # ... and over the plain write of the same bytes while the same model trains beside it (the last column):
+    beside = rows["shardckpt_auto"][-1]
+    assert "plain beside training" in proc.stdout and beside.endswith("x") and float(beside[:-1]) > 0, rows
+    assert rows["keras_async"][-1] == "nanx"
+    assert "; beside training 0." in proc.stdout

@@ -19,10 +19,14 @@ counted in the total fit time, not in the per-save figures.
 "plain write" writes the same bytes (the state, copied off the devices) to
 the same directory as one file, sequentially, fsynced, in the same process
 before and after the run (the mean of the two): their ratio says how close a
-background save comes to the disk's speed. "D2H" is the state's bytes over
-the time to copy it into host memory ("pinned_host" where the devices have
-it), after one warm-up copy; a host-mode snapshot cannot block for less than
-state / D2H.
+background save comes to the disk's speed. A background save shares the
+machine with training, the plain write does not: "plain beside training"
+writes the same file on a thread while the same model trains on (after the
+run, in the same process; `BESIDE_WRITES` writes, their mean), the
+like-for-like baseline, and "ratio beside" is the background write over it.
+"D2H" is the state's bytes over the time to copy it into host memory
+("pinned_host" where the devices have it), after one warm-up copy; a
+host-mode snapshot cannot block for less than state / D2H.
 
 "Peak above state" is the most memory the run held above what it held when
 `fit` started (the model, its optimizer state and the compiled step): on
@@ -43,6 +47,7 @@ import json
 import os
 import shutil
 import statistics
+import threading
 import time
 from typing import Any
 
@@ -185,6 +190,47 @@ def plain_write(arrays: list[np.ndarray], directory: str) -> float:
     return seconds
 
 
+BESIDE_WRITES = 2
+"""Plain writes timed beside training, one after the other (`plain_writes_beside_training`)."""
+
+
+def plain_writes_beside_training(model: keras.Model, x: np.ndarray, y: np.ndarray, batch: int,
+                                 arrays: list[np.ndarray], directory: str) -> list[float]:
+    """Seconds of `BESIDE_WRITES` plain writes of `arrays` on a thread while `model` trains beside them.
+
+    The writes start at the end of the first batch (the train step is
+    compiled and running) and training stops at the first batch end after
+    they are done, as a background save runs between batches.
+    """
+    seconds: list[float] = []
+    done = threading.Event()
+    failure: list[BaseException] = []
+
+    def writes() -> None:
+        try:
+            for _ in range(BESIDE_WRITES):
+                seconds.append(plain_write(arrays, directory))
+        except BaseException as e:  # re-raised on the training thread below
+            failure.append(e)
+        finally:
+            done.set()
+
+    writer = threading.Thread(target=writes, name="plain-write-beside-training")
+
+    class Beside(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            if not writer.is_alive() and not done.is_set():
+                writer.start()
+            if done.is_set():
+                self.model.stop_training = True
+
+    model.fit(x, y, batch_size=batch, epochs=10_000, verbose=0, shuffle=False, callbacks=[Beside()])
+    writer.join()
+    if failure:
+        raise failure[0]
+    return seconds
+
+
 def run(name: str, args) -> dict:
     """One callback's run, in this process."""
     rng = np.random.default_rng(0)
@@ -221,9 +267,12 @@ def run(name: str, args) -> dict:
     shutil.rmtree(directory, ignore_errors=True)
     host_state, _ = device_to_host(_state_values(model))
     plain_s.append(plain_write(host_state, directory))
+    inner = timed.inner if timed else None
+    beside_s = []
+    if getattr(inner, "save_writes_s", None):  # only runs whose background writes are timed
+        beside_s = plain_writes_beside_training(model, x, y, args.batch, host_state, directory)
     del host_state
     shutil.rmtree(directory, ignore_errors=True)
-    inner = timed.inner if timed else None
     return {
         "name": name,
         "fit_s": total,
@@ -237,6 +286,7 @@ def run(name: str, args) -> dict:
         "waits": list(getattr(inner, "save_waits_s", [])),
         "writes": list(getattr(inner, "save_writes_s", [])),
         "plain_s": plain_s,
+        "plain_beside_s": beside_s,
         "d2h_gbs": state_bytes / d2h_s / 1e9,
         "modes": sorted(set(getattr(inner, "snapshot_modes", []))),
         "devices": f"{jax.device_count()} {jax.devices()[0].device_kind}",
@@ -285,7 +335,8 @@ def report(results: list[dict], args) -> None:
     sync_mean = statistics.mean(sync["saves"]) if sync and sync["saves"] else float("nan")
     print(f"{'callback':<17} {'mode':<7} {'saves':>5} {'block/save':>11} {'max':>8} {'vs keras sync':>14} "
           f"{'peak above state':>17} {'end wait':>9} {'fit total':>10} {'vs keras async':>15} {'bg write':>9} "
-          f"{'plain write':>11} {'ratio':>6} {'D2H':>10} {'block/(state/D2H)':>17}")
+          f"{'plain write':>11} {'ratio':>6} {'D2H':>10} {'block/(state/D2H)':>17} {'plain beside training':>21} "
+          f"{'ratio beside':>12}")
     for r in results:
         saves = r["saves"]
         mean = statistics.mean(saves) if saves else 0.0
@@ -293,11 +344,13 @@ def report(results: list[dict], args) -> None:
         # Background write per save over the plain write of the same bytes; the host-mode floor.
         write = statistics.mean(r["writes"]) if r["writes"] else float("nan")
         plain = statistics.mean(r["plain_s"])
+        beside = statistics.mean(r["plain_beside_s"]) if r["plain_beside_s"] else float("nan")
         link = r["state_mb"] * 2**20 / (r["d2h_gbs"] * 1e9)
         print(f"{r['name']:<17} {','.join(r['modes']) or '-':<7} {len(saves):>5} {mean:>9.3f} s "
               f"{max(saves or [0]):>6.3f} s {mean / sync_mean:>13.1%} {r['peak_above_mb']:>13.1f} MiB "
               f"{r['train_end_s']:>7.2f} s {r['fit_s']:>8.2f} s {vs_async:>14.2f}x {write:>7.3f} s "
-              f"{plain:>9.3f} s {write / plain:>5.2f}x {r['d2h_gbs']:>5.1f} GB/s {mean / link:>16.1f}x")
+              f"{plain:>9.3f} s {write / plain:>5.2f}x {r['d2h_gbs']:>5.1f} GB/s {mean / link:>16.1f}x "
+              f"{beside:>19.3f} s {write / beside:>11.2f}x")
     auto = by_name.get("shardckpt_auto")
     if auto and auto["saves"] and sync:
         mean = statistics.mean(auto["saves"])
@@ -308,7 +361,8 @@ def report(results: list[dict], args) -> None:
     for r in results:
         if r["writes"]:
             print(f"  {r['name']}: background writes " + ", ".join(f"{w:.3f}" for w in r["writes"])
-                  + " s; plain writes (before, after) " + ", ".join(f"{p:.3f}" for p in r["plain_s"]) + " s")
+                  + " s; plain writes (before, after) " + ", ".join(f"{p:.3f}" for p in r["plain_s"])
+                  + " s; beside training " + ", ".join(f"{p:.3f}" for p in r["plain_beside_s"]) + " s")
     for r in results:
         if r["saves"]:
             waits = f"; of which waiting for the previous save: {', '.join(f'{w:.3f}' for w in r['waits'])}" if r["waits"] else ""
