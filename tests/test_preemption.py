@@ -15,7 +15,7 @@ import pytest
 
 from shardckpt.conversion.info import inspect
 from shardckpt.training import OrbaxCheckpoint, restore_latest
-from tests._train_worker import sigterm_at
+from tests._train_worker import AtBatch, sigterm_at
 from tests.test_resume_kill import (
     EPOCHS,
     STEPS,
@@ -123,6 +123,50 @@ def test_epoch_mode_keeps_the_last_whole_epoch_beside_a_preempted_one(tmp_path):
     assert again.resumed.step == 1
     # Once whole epochs follow, max_to_keep=1 holds again.
     assert inspect(str(tmp_path)).steps == [2]
+
+
+@pytest.mark.parametrize("stop", ["sigterm", "stop_training"])
+def test_rerun_with_only_the_last_batch_left_ends_at_the_unbroken_runs_data_position(tmp_path, stop):
+    """A step saved after batch 11 of 3x4 leaves only the last epoch's last batch.
+
+    The resumed fit peeks two batches at its start and trains one; the data
+    iterator must still end where the uninterrupted run's does (12 batches),
+    so a following fit starts on the same batch, and the arrays are bit-equal.
+    """
+    ref_data = _Batches()
+    ref = _model()
+    ref.fit((b for b in ref_data), steps_per_epoch=4, epochs=3, verbose=0)  # Keras alone, uninterrupted
+    assert ref_data.get_state() == {"n": 12}
+
+    ckpt = OrbaxCheckpoint(str(tmp_path), save_freq=11, data_iterator=_Batches())
+    stopper = sigterm_at(11) if stop == "sigterm" else AtBatch(11, lambda m: setattr(m, "stop_training", True))
+    _model().fit(ckpt.batches(), steps_per_epoch=4, epochs=3, callbacks=[stopper, ckpt], verbose=0)
+    assert ckpt.preempted_step == (11 if stop == "sigterm" else None)
+    meta = inspect(str(tmp_path)).metadata
+    assert (meta["total_batches"], meta["epoch"], meta["batch"], meta["epoch_complete"]) == (11, 2, 3, False)
+
+    data = _Batches()
+    again = OrbaxCheckpoint(str(tmp_path), save_freq=11, resume=True, data_iterator=data)
+    model = _model()
+    model.fit(again.batches(), steps_per_epoch=4, epochs=3, callbacks=[again], verbose=0)
+    assert again.resumed.step == 11 and model.history.epoch == [2]
+    assert data.get_state() == ref_data.get_state()
+    for want, got in zip(ref.trainable_variables + ref.optimizer.variables,
+                         model.trainable_variables + model.optimizer.variables):
+        np.testing.assert_array_equal(np.asarray(got.value), np.asarray(want.value), err_msg=got.path)
+
+
+def test_a_batches_generator_fed_to_a_second_fit_is_left_where_keras_left_it(tmp_path):
+    """The end-of-fit rewind counts batches from the generator's first fit only:
+    fed again (not supported for saves), the iterator is not moved back."""
+    data = _Batches()
+    ckpt = OrbaxCheckpoint(str(tmp_path), save_freq=100, data_iterator=data)
+    batches = ckpt.batches()
+    model = _model()
+    model.fit(batches, steps_per_epoch=3, epochs=1, callbacks=[ckpt], verbose=0)
+    assert data.get_state() == {"n": 3}
+    model.fit(batches, steps_per_epoch=3, epochs=1, callbacks=[ckpt], verbose=0)
+    assert data.get_state() == {"n": 6}
 
 
 def test_sigterm_handler_is_only_installed_during_fit(tmp_path):

@@ -221,7 +221,9 @@ class OrbaxCheckpoint(BestTracking):
 
         The iterator gets the resumed position before its first pull, and its
         state is recorded before every pull, so a save holds the position after
-        exactly the batches trained on. Only this input resumes mid-epoch.
+        exactly the batches trained on, and when `fit` ends the iterator is
+        put back there (Keras may have pulled more). Only this input resumes
+        mid-epoch.
 
         Raises:
             ValueError: the callback has no `data_iterator`.
@@ -261,7 +263,7 @@ class OrbaxCheckpoint(BestTracking):
         if self.monitor_op is None and (self.keep_best is not None or self.save_best_only):
             self._set_monitor_op()
         # fit peeks its input before this hook: a started batches() is what it draws.
-        tracked = self._data.tracked
+        tracked = self._data.begin_fit()
         policy = self._retention.policy(
             monitor=self.monitor, higher_is_better=bool(self.monitor_op is not None and self.monitor_op(1.0, 0.0)),
             # Without batches() only whole-epoch steps resume exactly: keep the newest.
@@ -319,6 +321,8 @@ class OrbaxCheckpoint(BestTracking):
 
     def on_train_end(self, logs: dict | None = None) -> None:
         self._preemption.stop()
+        # Keras may have pulled batches it did not train on; the next fit starts after the trained ones.
+        self._data.rewind(self._count.fit_batches)
         _keras.set_initial_epoch(self._model, self._previous_initial_epoch)
         try:
             if self._writer is not None:

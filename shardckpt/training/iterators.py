@@ -112,6 +112,7 @@ class IteratorTracker:
         self._states: collections.deque[tuple[int, Any]] = collections.deque()
         self._pulled = 0
         self.used = False
+        self.fits = 0  # fits fed so far: batches are counted from the first one's start
 
     def batches(self) -> Iterator[Any]:
         """Yields the iterator's batches, remembering the state before each."""
@@ -153,6 +154,18 @@ class IteratorTracker:
             "Fix: feed fit from OrbaxCheckpoint.batches() only, without pulling from "
             "the iterator elsewhere."
         )
+
+    def rewind(self, consumed: int) -> None:
+        """Puts the iterator back at its state after `consumed` batches, if pulled past them.
+
+        `fit` may end with batches pulled that it never trains on: it peeks
+        two batches when it starts (a fit with one batch left pulls one too
+        many), and accelerators fetch one ahead. The next `fit` on the same
+        iterator then continues after exactly the batches trained, as the
+        uninterrupted run does.
+        """
+        if self.used and self.fits == 1 and self._pulled > consumed:
+            self.iterator.set_state(self.state_after(consumed))
 
 
 def gather_json(value: Any) -> list[Any]:
@@ -197,10 +210,22 @@ class DataPosition:
         """True once `fit` draws from `batches()` (a saved position is then exact)."""
         return self.tracker is not None and self.tracker.used
 
+    def begin_fit(self) -> bool:
+        """Called when `fit` starts (after its peek); returns `tracked`."""
+        if self.tracked:
+            assert self.tracker is not None
+            self.tracker.fits += 1
+        return self.tracked
+
     def batches(self) -> Iterator[Any]:
         """The iterator's batches through a new tracker (one per `fit`)."""
         self.tracker = IteratorTracker(self.data_iterator, on_first_pull=self._on_first_pull)
         return self.tracker.batches()
+
+    def rewind(self, fit_batches: int) -> None:
+        """At the end of `fit`: the iterator at its position after `fit_batches` trained batches."""
+        if self.tracker is not None:
+            self.tracker.rewind(fit_batches)
 
     def states(self, fit_batches: int) -> list[Any] | None:
         """Every process's position after `fit_batches` trained batches, or None without an iterator.
