@@ -58,11 +58,15 @@ TIERS = {
     "bench": "runs a benchmark of tools/ at its --smoke size",
     "hub_matrix": "one case of a keras-hub architecture grid (parametrized by an architecture's name)",
     "subprocess": "starts a fresh Python (reaches subprocess or sys.executable): seconds of imports each",
+    "keras_hub": "builds keras-hub models or presets (reaches keras_hub or from_preset)",
+    "buckets": "reads or writes the fake GCS / S3 servers (uses the gcs_server, s3_server or bucket fixture)",
     "slow": "takes more than a few seconds (marked by hand where no rule above applies)",
 }
 _TWO_PROCESS_NAMES = {"run_pair", "start_pair"}
 _KILL_NAMES = {"SIGKILL", "SIGTERM"}
 _SUBPROCESS_NAMES = {"subprocess", "executable"}
+_KERAS_HUB_NAMES = {"keras_hub", "from_preset"}
+_BUCKET_FIXTURES = {"gcs_server", "s3_server", "bucket"}
 _TESTS = os.path.dirname(os.path.abspath(__file__))
 
 
@@ -149,6 +153,10 @@ def _classify(items) -> None:
             item.add_marker("kill")
         if names & _SUBPROCESS_NAMES:
             item.add_marker("subprocess")
+        if names & _KERAS_HUB_NAMES:
+            item.add_marker("keras_hub")
+        if _BUCKET_FIXTURES & set(item.fixturenames):
+            item.add_marker("buckets")
         if "--smoke" in constants:
             item.add_marker("bench")
         callspec = getattr(item, "callspec", None)
