@@ -58,8 +58,8 @@ TIERS = {
     "bench": "runs a benchmark of tools/ at its --smoke size",
     "hub_matrix": "one case of a keras-hub architecture grid (parametrized by an architecture's name)",
     "subprocess": "starts a fresh Python (reaches subprocess or sys.executable): seconds of imports each",
-    "keras_hub": "builds keras-hub models or presets (reaches keras_hub or from_preset)",
-    "buckets": "reads or writes the fake GCS / S3 servers (uses the gcs_server, s3_server or bucket fixture)",
+    "keras_hub": "builds keras-hub models or presets (reaches keras_hub or from_preset, by name or in a string)",
+    "buckets": "reads or writes the fake GCS / S3 servers (the gcs_server, s3_server or bucket fixture)",
     "slow": "takes more than a few seconds (marked by hand where no rule above applies)",
 }
 _TWO_PROCESS_NAMES = {"run_pair", "start_pair"}
@@ -153,9 +153,9 @@ def _classify(items) -> None:
             item.add_marker("kill")
         if names & _SUBPROCESS_NAMES:
             item.add_marker("subprocess")
-        if names & _KERAS_HUB_NAMES:
+        if (names | constants) & _KERAS_HUB_NAMES:  # constants: pytest.importorskip("keras_hub")
             item.add_marker("keras_hub")
-        if _BUCKET_FIXTURES & set(item.fixturenames):
+        if _BUCKET_FIXTURES & (set(item.fixturenames) | constants):  # or request.getfixturevalue(name)
             item.add_marker("buckets")
         if "--smoke" in constants:
             item.add_marker("bench")
