@@ -60,6 +60,7 @@ TIERS = {
     "subprocess": "starts a fresh Python (reaches subprocess or sys.executable): seconds of imports each",
     "keras_hub": "builds keras-hub models or presets (reaches keras_hub or from_preset, by name or in a string)",
     "buckets": "reads or writes the fake GCS / S3 servers (the gcs_server, s3_server or bucket fixture)",
+    "training": "trains a model with Keras' fit (reaches fit): a train step compiled per model",
     "slow": "takes more than a few seconds (marked by hand where no rule above applies)",
 }
 _TWO_PROCESS_NAMES = {"run_pair", "start_pair"}
@@ -151,6 +152,8 @@ def _classify(items) -> None:
             item.add_marker("multiprocess")
         if names & _KILL_NAMES:
             item.add_marker("kill")
+        if "fit" in names:
+            item.add_marker("training")
         if names & _SUBPROCESS_NAMES:
             item.add_marker("subprocess")
         if (names | constants) & _KERAS_HUB_NAMES:  # constants: pytest.importorskip("keras_hub")
