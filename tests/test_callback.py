@@ -17,6 +17,7 @@ from shardckpt import errors, load_sharded
 from shardckpt.conversion.info import inspect
 from shardckpt.training import OrbaxCheckpoint, restore_latest
 from tests._train_worker import AtBatch
+from tests.support import assert_training_state_equal, column_then_row_parallel, training_state
 from tests.zoo import CountingIterator, small_regressor
 
 STEPS = 4
@@ -27,30 +28,6 @@ def _model(seed: int = 3) -> keras.Model:
     return small_regressor(seed, width=16)
 
 
-def _mesh_distribution(shape=(2, 4)) -> keras.distribution.ModelParallel:
-    mesh = keras.distribution.DeviceMesh(shape, ["data", "model"])
-    layout_map = keras.distribution.LayoutMap(mesh)
-    layout_map["hidden/kernel"] = (None, "model")
-    layout_map["head/kernel"] = ("model", None)
-    return keras.distribution.ModelParallel(layout_map=layout_map, batch_dim_name="data")
-
-
-def _state(model: keras.Model) -> dict[str, np.ndarray]:
-    out = {}
-    for group in ("trainable_variables", "non_trainable_variables", "metrics_variables"):
-        for v in getattr(model, group):
-            out[f"{group}/{v.path}"] = np.asarray(v.value)
-    for v in model.optimizer.variables:
-        out[f"optimizer_variables/{v.path}"] = np.asarray(v.value)
-    return out
-
-
-def _assert_same(model: keras.Model, expected: dict[str, np.ndarray], keys=None) -> None:
-    got = _state(model)
-    for key in keys or expected:
-        np.testing.assert_array_equal(got[key], expected[key], err_msg=key)
-
-
 def _fit(model, ckpt, it, epochs=2):
     model.fit(ckpt.batches(), steps_per_epoch=STEPS, epochs=epochs, callbacks=[ckpt], verbose=0)
     ckpt.wait_until_finished()
@@ -58,7 +35,7 @@ def _fit(model, ckpt, it, epochs=2):
 
 def test_keras_reads_the_checkpoint_and_load_sharded_reshards(tmp_path):
     """Keras' load_weights / load_model and load_sharded onto another mesh read it bit-exact."""
-    keras.distribution.set_distribution(_mesh_distribution())
+    keras.distribution.set_distribution(column_then_row_parallel("hidden", "head"))
     model = _model()
     it = CountingIterator()
     ckpt = OrbaxCheckpoint(str(tmp_path), data_iterator=it, max_to_keep=1, compression=True)
@@ -67,7 +44,7 @@ def test_keras_reads_the_checkpoint_and_load_sharded_reshards(tmp_path):
     layout = inspect(str(tmp_path)).metadata["layout"]
     assert layout["mesh_shape"] == [2, 4] and layout["mesh_axes"] == ["data", "model"]
     assert layout["variables"]["hidden/kernel"] == [None, "model"]
-    trained = _state(model)
+    trained = training_state(model)
     assert model.get_layer("hidden").kernel.value.sharding.spec == jax.sharding.PartitionSpec(None, "model")
 
     # Keras' own readers, same mesh.
@@ -75,7 +52,7 @@ def test_keras_reads_the_checkpoint_and_load_sharded_reshards(tmp_path):
     other = _model(seed=99)
     other.optimizer.build(other.trainable_variables)
     other.load_weights(str(tmp_path))
-    _assert_same(other, trained, [k for k in trained if not k.startswith("metrics")])
+    assert_training_state_equal(other, trained, [k for k in trained if not k.startswith("metrics")])
     keras.backend.clear_session()
     loaded = keras.saving.load_model(str(tmp_path))
     for v in loaded.trainable_variables:
@@ -83,7 +60,7 @@ def test_keras_reads_the_checkpoint_and_load_sharded_reshards(tmp_path):
 
     # load_sharded onto a (1, 8) mesh: every shard moves.
     keras.backend.clear_session()  # (also clears the distribution)
-    keras.distribution.set_distribution(_mesh_distribution((1, 8)))
+    keras.distribution.set_distribution(column_then_row_parallel("hidden", "head", (1, 8)))
     moved = _model(seed=5)
     moved.optimizer.build(moved.trainable_variables)
     # Compiled metrics get variables at the first fit/evaluate; until then
@@ -91,7 +68,7 @@ def test_keras_reads_the_checkpoint_and_load_sharded_reshards(tmp_path):
     moved.evaluate(np.ones((8, 6), "float32"), np.ones((8, 1), "float32"), verbose=0)
     report = load_sharded(moved, str(tmp_path), progress=False)
     assert report.format == "orbax" and report.path.endswith(os.sep + "1")
-    _assert_same(moved, trained)
+    assert_training_state_equal(moved, trained)
     kernel = moved.get_layer("hidden").kernel.value
     assert kernel.sharding.spec == jax.sharding.PartitionSpec(None, "model")
     assert kernel.sharding.mesh.devices.shape == (1, 8)
@@ -147,7 +124,7 @@ def test_metadata_and_iterator_state_round_trip(tmp_path):
     fresh.fit(fresh_it.x[:8], fresh_it.y[:8], epochs=1, verbose=0)  # builds the metrics variables
     restored = restore_latest(fresh, str(tmp_path), data_iterator=fresh_it)
     assert restored.step == 6 and restored.next_epoch == 1 and fresh_it.n == 6
-    _assert_same(fresh, record.state)
+    assert_training_state_equal(fresh, record.state)
 
 
 def _read_ahead(batches, n: int):
@@ -172,20 +149,20 @@ class _RecordAt(keras.callbacks.Callback):
     def on_train_batch_end(self, batch, logs=None):
         self.seen += 1
         if self.seen == self.n:
-            self.state = _state(self.model)
+            self.state = training_state(self.model)
 
 
 def test_resume_in_process_continues_the_epoch(tmp_path):
     """A second fit in the same directory resumes mid-epoch and ends like one long fit."""
-    keras.distribution.set_distribution(_mesh_distribution())
+    keras.distribution.set_distribution(column_then_row_parallel("hidden", "head"))
     ref = _model()
     ref_it = CountingIterator()
     ref_ckpt = OrbaxCheckpoint(str(tmp_path / "ref"), save_freq=3, data_iterator=ref_it)
     _fit(ref, ref_ckpt, ref_it, epochs=3)
-    expected = _state(ref)
+    expected = training_state(ref)
 
     keras.backend.clear_session()
-    keras.distribution.set_distribution(_mesh_distribution())
+    keras.distribution.set_distribution(column_then_row_parallel("hidden", "head"))
     part = _model()
     it = CountingIterator()
     ckpt = OrbaxCheckpoint(str(tmp_path / "run"), save_freq=3, data_iterator=it)
@@ -194,7 +171,7 @@ def test_resume_in_process_continues_the_epoch(tmp_path):
     ckpt.wait_until_finished()
 
     keras.backend.clear_session()
-    keras.distribution.set_distribution(_mesh_distribution())
+    keras.distribution.set_distribution(column_then_row_parallel("hidden", "head"))
     again = _model(seed=42)  # a different init: every value must come from the step
     it2 = CountingIterator()
     ckpt2 = OrbaxCheckpoint(str(tmp_path / "run"), save_freq=3, data_iterator=it2, resume=True)
@@ -202,7 +179,7 @@ def test_resume_in_process_continues_the_epoch(tmp_path):
     ckpt2.wait_until_finished()
     assert ckpt2.resumed.step == 6 and not ckpt2.resumed.epoch_complete
     assert again.history.epoch == [1, 2]
-    _assert_same(again, expected)
+    assert_training_state_equal(again, expected)
     for v in again.trainable_variables:
         ref_var = next(r for r in ref.trainable_variables if r.path == v.path)
         assert v.value.sharding == ref_var.value.sharding, v.path

@@ -19,7 +19,8 @@ from shardckpt import load_sharded
 from shardckpt.formats.orbax import ondisk
 from shardckpt.training import OrbaxCheckpoint
 from tests._train_worker import sigterm_at
-from tests.test_callback import _assert_same, _mesh_distribution, _model, _state
+from tests.support import assert_training_state_equal, column_then_row_parallel, training_state
+from tests.test_callback import _model
 from tests.zoo import CountingIterator
 
 STEPS, EPOCHS, ROWS = 4, 3, 32
@@ -33,7 +34,7 @@ def _run(frequent: str, per_epoch: str, also: str | None = None, *, seed: int = 
     with fresh batches: the data repeats each epoch).
     """
     keras.backend.clear_session()
-    keras.distribution.set_distribution(_mesh_distribution())
+    keras.distribution.set_distribution(column_then_row_parallel("hidden", "head"))
     model = _model(seed)
     ckpts = [OrbaxCheckpoint(frequent, save_freq=2, max_to_keep=None, data_iterator=CountingIterator(ROWS),
                              resume=resume == frequent)]
@@ -53,7 +54,7 @@ def _steps(directory: str) -> list[int]:
 def test_local_and_bucket_callbacks_in_one_fit_each_save_and_resume_exactly(tmp_path, gcs_server):
     bucket = gcs_server.new_bucket()
     reference, (a, b, c) = _run(str(tmp_path / "ref_a"), f"{bucket}/ref_b", str(tmp_path / "ref_c"))
-    expected = _state(reference)
+    expected = training_state(reference)
     shardings = {v.path: v.value.sharding for v in reference.trainable_variables}
     assert str(shardings["hidden/kernel"].spec) == "P(None, 'model')"
     assert _steps(a.directory) == [2, 4, 6, 8, 10, 12]
@@ -61,12 +62,12 @@ def test_local_and_bucket_callbacks_in_one_fit_each_save_and_resume_exactly(tmp_
     # The last step of each holds the final state.
     for step in (f"{a.directory}/12", f"{b.directory}/2", f"{c.directory}/2"):
         keras.backend.clear_session()  # (also clears the distribution)
-        keras.distribution.set_distribution(_mesh_distribution())
+        keras.distribution.set_distribution(column_then_row_parallel("hidden", "head"))
         again = _model(seed=42)
         again.optimizer.build(again.trainable_variables)
         again.evaluate(np.ones((8, 6), "float32"), np.ones((8, 1), "float32"), verbose=0)  # builds the metrics
         load_sharded(again, step, progress=False)
-        _assert_same(again, expected)
+        assert_training_state_equal(again, expected)
 
     # Preempted after 7 batches (epoch 1, batch 3 of 4): each callback saves
     # the stopping point (the per-epoch ones as an unfinished epoch 1).
@@ -79,13 +80,13 @@ def test_local_and_bucket_callbacks_in_one_fit_each_save_and_resume_exactly(tmp_
     # Each folder alone resumes to the unbroken run's state, beside a fresh callback that saves.
     resumed, (a2, b2) = _run(frequent, str(tmp_path / "fresh1"), resume=frequent, seed=42)
     assert a2.resumed.step == 7 and not a2.resumed.epoch_complete
-    _assert_same(resumed, expected)
+    assert_training_state_equal(resumed, expected)
     assert all(v.value.sharding == shardings[v.path] for v in resumed.trainable_variables)
     assert _steps(frequent) == [2, 4, 6, 7, 8, 10, 12] and _steps(b2.directory) == [1, 2]
     for i, directory in enumerate((per_epoch, local_epoch)):
         resumed, (_, resumer) = _run(str(tmp_path / f"fresh_{i}"), directory, resume=directory, seed=42)
         assert resumer.resumed.step == 0 and resumer.resumed.epoch_complete, directory
-        _assert_same(resumed, expected)
+        assert_training_state_equal(resumed, expected)
         assert all(v.value.sharding == shardings[v.path] for v in resumed.trainable_variables)
         assert _steps(directory) == [0, 1, 2]
 

@@ -13,15 +13,8 @@ import pytest
 from shardckpt.conversion.info import inspect
 from shardckpt.training import OrbaxCheckpoint, restore_latest
 from shardckpt.training import snapshot as snapshot_lib
+from tests.support import column_then_row_parallel
 from tests.zoo import small_regressor
-
-
-def _distribution() -> keras.distribution.ModelParallel:
-    mesh = keras.distribution.DeviceMesh((2, 4), ["data", "model"])
-    layout_map = keras.distribution.LayoutMap(mesh)
-    layout_map["hidden/kernel"] = (None, "model")
-    layout_map["head/kernel"] = ("model", None)
-    return keras.distribution.ModelParallel(layout_map=layout_map, batch_dim_name="data")
 
 
 def _model(seed: int = 0) -> keras.Model:
@@ -34,7 +27,7 @@ def _values(model) -> dict:
 
 
 def test_host_snapshot_is_in_host_memory_in_the_same_sharding():
-    keras.distribution.set_distribution(_distribution())
+    keras.distribution.set_distribution(column_then_row_parallel("hidden", "head"))
     model = _model()
     model.fit(np.ones((16, 6), "float32"), np.ones((16, 1), "float32"), batch_size=8, verbose=0)
     tree, used = snapshot_lib.snapshot_state(model, mode="host", budget_bytes=512)
@@ -64,7 +57,7 @@ def test_auto_takes_the_device_copy_on_cpu_devices():
 @pytest.mark.parametrize("mode, expected", [("auto", "device"), ("host", "host"), ("device", "device")])
 def test_each_snapshot_mode_saves_and_resumes_bit_exact(tmp_path, caplog, mode, expected):
     caplog.set_level(logging.INFO, logger="shardckpt")
-    keras.distribution.set_distribution(_distribution())
+    keras.distribution.set_distribution(column_then_row_parallel("hidden", "head"))
     model = _model()
     x = np.random.default_rng(1).standard_normal((32, 6)).astype("float32")
     y = np.random.default_rng(2).standard_normal((32, 1)).astype("float32")
@@ -82,7 +75,7 @@ def test_each_snapshot_mode_saves_and_resumes_bit_exact(tmp_path, caplog, mode, 
     shardings = {k: v.sharding for k, v in _values(model).items()}
 
     keras.backend.clear_session()
-    keras.distribution.set_distribution(_distribution())
+    keras.distribution.set_distribution(column_then_row_parallel("hidden", "head"))
     fresh = _model(seed=7)
     fresh.evaluate(x[:8], y[:8], verbose=0)  # builds the metrics variables
     restore_latest(fresh, str(tmp_path))
@@ -112,7 +105,7 @@ def _copy_compiles(model, caplog) -> list[str]:
 
 def test_prepare_compiles_the_copy_so_the_first_save_compiles_nothing(caplog):
     # Widths no other test uses: jit's cache lives as long as the process.
-    keras.distribution.set_distribution(_distribution())
+    keras.distribution.set_distribution(column_then_row_parallel("hidden", "head"))
     model = small_regressor(0, width=37 * 8, optimizer=keras.optimizers.Adam(name="adam"))
     model.fit(np.ones((16, 6), "float32"), np.ones((16, 1), "float32"), batch_size=8, verbose=0)
     assert _copy_compiles(model, caplog)  # unprepared: the snapshot compiles its copy itself

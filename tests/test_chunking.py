@@ -25,7 +25,7 @@ from shardckpt.training import OrbaxCheckpoint
 IN, OUT = 1024, 2048  # an 8 MiB float32 kernel: two chunks
 
 
-def _model() -> keras.Model:
+def _one_wide_dense() -> keras.Model:
     return keras.Sequential([keras.Input((IN,)), keras.layers.Dense(OUT, use_bias=False, name="big")], name="m")
 
 
@@ -56,7 +56,7 @@ def _restore_on_mesh(path: str, expected: np.ndarray) -> None:
     layout_map = keras.distribution.LayoutMap(mesh)
     layout_map["m/big/kernel"] = (None, "model")
     with shardckpt.lazy_init():
-        model = _model()
+        model = _one_wide_dense()
     shardckpt.load_sharded(model, path, layout=layout_map, progress=False)
     [kernel] = model.weights
     np.testing.assert_array_equal(np.asarray(kernel.value), expected)
@@ -66,14 +66,14 @@ def _restore_on_mesh(path: str, expected: np.ndarray) -> None:
 @pytest.mark.parametrize("compression", ["none", "zstd"])
 def test_convert_stores_chunk_bytes_chunks(tmp_path, compression):
     keras.backend.clear_session()
-    src = _model()
+    src = _one_wide_dense()
     expected = np.random.default_rng(3).standard_normal((IN, OUT), dtype=np.float32)
     src.weights[0].assign(expected)
     path = str(tmp_path / "m.weights.h5")
     src.save_weights(path)
     keras.backend.clear_session()
     with shardckpt.lazy_init():
-        arch = _model()
+        arch = _one_wide_dense()
     dst = str(tmp_path / "orbax")
     convert(path, dst, model=arch, compression=compression, progress=False)
     _assert_chunked(*_kernel_chunks(dst), compression)
@@ -83,7 +83,7 @@ def test_convert_stores_chunk_bytes_chunks(tmp_path, compression):
 def test_orbax_checkpoint_stores_chunk_bytes_chunks_compressed_or_not(tmp_path):
     for compression in (False, True):
         keras.backend.clear_session()
-        model = _model()
+        model = _one_wide_dense()
         expected = np.random.default_rng(4).standard_normal((IN, OUT), dtype=np.float32)
         model.weights[0].assign(expected)
         model.compile(optimizer=keras.optimizers.SGD(0.0), loss="mse")

@@ -24,19 +24,15 @@ from shardckpt.conversion.boxes import write_boxes
 from shardckpt.conversion.converter import convert
 from shardckpt.conversion.integrity import read_checksums
 from shardckpt.restore import hostmem
+from tests.support import rss_anon
 from tests.zoo import build_zoo, lazy_zoo, model_parallel, randomize
-
-
-def _rss_anon() -> int:
-    with open("/proc/self/status") as f:
-        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("RssAnon:"))
 
 
 class _PeakRssAnon:
     """Samples this process's anonymous memory every millisecond; `.value` is the peak."""
 
     def __enter__(self):
-        self.value = _rss_anon()
+        self.value = rss_anon()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._sample, daemon=True)
         self._thread.start()
@@ -44,13 +40,13 @@ class _PeakRssAnon:
 
     def _sample(self):
         while not self._stop.is_set():
-            self.value = max(self.value, _rss_anon())
+            self.value = max(self.value, rss_anon())
             time.sleep(0.001)
 
     def __exit__(self, *exc):
         self._stop.set()
         self._thread.join()
-        self.value = max(self.value, _rss_anon())
+        self.value = max(self.value, rss_anon())
 
 
 def _source(tmp_path, dtype="float32", seed=0):
@@ -240,7 +236,7 @@ def test_large_tensors_stream_in_pieces_within_the_budget(tmp_path):
         arch = keras.Sequential([keras.Input((4096,)), keras.layers.Dense(4096, use_bias=False, name="big")])
     gc.collect()
     hostmem.trim()
-    base = _rss_anon()
+    base = rss_anon()
     with _PeakRssAnon() as peak:
         convert(big_src, str(tmp_path / "big_orbax"), model=arch, max_inflight_bytes=8 << 20, progress=False)
     assert peak.value - base < kernel_bytes // 2, (peak.value - base) / 2**20

@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import os
 
+import pytest
+
 from shardckpt.cli.demo import run_demo
 
 
+@pytest.mark.slow  # every step of the demo: a conversion, a plan, two epochs and a resume
 def test_demo_runs_every_step(tmp_path):
     lines = []
     assert run_demo(workdir=str(tmp_path), echo=lambda x: lines.append(str(x))) == 0

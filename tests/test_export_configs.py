@@ -50,7 +50,7 @@ def _unnumbered(path: str) -> str:
     return re.sub(r"_\d+(?=/)", "", path)
 
 
-def _assert_same(back: keras.Model, values: dict[str, np.ndarray], name: str, cast: bool) -> None:
+def _assert_read_back_bit_equal(back: keras.Model, values: dict[str, np.ndarray], name: str, cast: bool) -> None:
     assert [_unnumbered(v.path) for v in back.weights] == [_unnumbered(p) for p in values], name
     for v, want in zip(back.weights, values.values(), strict=True):
         if cast:  # keras-hub's Mistral converter rounds through float16
@@ -94,7 +94,7 @@ def test_constructor_config_exports_and_reads_back_bit_equal(name, class_name, a
     cast = class_name == "MistralBackbone"
     if class_name == "Phi3Backbone" or misread is not None:
         if class_name != "Phi3Backbone":
-            _assert_same(_converter_into_twin(class_name, args, folder), values, name, cast)
+            _assert_read_back_bit_equal(_converter_into_twin(class_name, args, folder), values, name, cast)
         keras.backend.clear_session()
         back = shardckpt.from_preset(folder)
         cast = False  # shardckpt reads the stored float32 values as they are
@@ -102,7 +102,7 @@ def test_constructor_config_exports_and_reads_back_bit_equal(name, class_name, a
         back = fx.keras_hub_load(folder)
     built = back.get_config()
     assert {k: built.get(k, getattr(back, k, None)) for k in args} == args, config
-    _assert_same(back, values, name, cast)
+    _assert_read_back_bit_equal(back, values, name, cast)
 
 
 def test_grid_covers_every_mapped_architecture_three_times():

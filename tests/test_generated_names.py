@@ -16,6 +16,7 @@ import pytest
 
 import shardckpt
 from shardckpt import errors
+from tests.support import assert_arrays_equal
 
 X = np.random.default_rng(0).standard_normal((32, 6)).astype("float32")
 Y = np.random.default_rng(1).standard_normal((32, 1)).astype("float32")
@@ -46,12 +47,6 @@ def _fit(model, epochs, callbacks=(), initial_epoch=0):
               callbacks=list(callbacks), verbose=0)
 
 
-def _assert_same(got, want, label):
-    assert len(got) == len(want)
-    for i, (g, w) in enumerate(zip(got, want)):
-        np.testing.assert_array_equal(g, w, err_msg=f"{label}: variable {i}")
-
-
 def test_a_rebuilt_model_resumes_bit_exact_from_a_shardckpt_checkpoint(tmp_path):
     reference = _build()
     _fit(reference, 4)
@@ -65,7 +60,7 @@ def test_a_rebuilt_model_resumes_bit_exact_from_a_shardckpt_checkpoint(tmp_path)
     _fit(again, 4, [ckpt])
     assert ckpt.resumed is not None and ckpt.resumed.step == 1
     assert again.history.epoch == [2, 3]
-    _assert_same(_values(again), want, "resumed")
+    assert_arrays_equal(_values(again), want, "resumed")
 
 
 def test_a_rebuilt_model_restores_a_keras_written_checkpoint_bit_exact(tmp_path):
@@ -80,12 +75,12 @@ def test_a_rebuilt_model_restores_a_keras_written_checkpoint_bit_exact(tmp_path)
     again.evaluate(X, Y, verbose=0)  # builds the compiled metrics, whose state the checkpoint holds
     info = shardckpt.restore_latest(again, str(tmp_path))
     assert info.step == 1 and info.report is not None and not info.report.missing
-    _assert_same(_values(again), saved, "restore_latest")
+    assert_arrays_equal(_values(again), saved, "restore_latest")
 
     # And training goes on from there exactly as the first model would have.
     _fit(first, 4, initial_epoch=2)
     _fit(again, 4, initial_epoch=2)
-    _assert_same(_values(again), _values(first), "continued")
+    assert_arrays_equal(_values(again), _values(first), "continued")
 
 
 def test_explicit_names_win_over_position(tmp_path):
@@ -127,4 +122,4 @@ def test_another_architecture_is_refused_listing_every_problem(tmp_path, widths,
     else:
         for variable in other.trainable_variables[2:4]:  # the 5-wide layer and the next kernel
             assert variable.path in message
-    _assert_same([np.asarray(v.value) for v in other.weights], before, "nothing loaded")
+    assert_arrays_equal([np.asarray(v.value) for v in other.weights], before, "nothing loaded")

@@ -35,7 +35,7 @@ from shardckpt.presets import hf
 keras_hub = pytest.importorskip("keras_hub")
 
 
-def _distribution(model: keras.Model) -> keras.distribution.ModelParallel:
+def _largest_dims_over_the_mesh(model: keras.Model) -> keras.distribution.ModelParallel:
     """Shards each matrix's largest dimension divisible by 4 over "model" and
     another one divisible by 2 over "data": remaps are read in 2-D boxes."""
     mesh = keras.distribution.DeviceMesh((2, 4), ["data", "model"])
@@ -80,7 +80,7 @@ def test_folder_loads_bit_equal_to_keras_hub_in_its_sharding(arch, tmp_path):
     model = hf.build(folder)
     assert type(model).__name__ == type(source).__name__
     assert all(v._value is None for v in model.weights)  # built lazily
-    dist = _distribution(model)
+    dist = _largest_dims_over_the_mesh(model)
     keras.distribution.set_distribution(dist)
     report = shardckpt.load_sharded(model, folder)
     assert report.format == "hf" and report.arrays == len(model.weights), report

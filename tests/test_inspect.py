@@ -15,7 +15,7 @@ from shardckpt.conversion.info import inspect
 from shardckpt.training import OrbaxCheckpoint
 
 
-def _model(compile: bool = True) -> keras.Model:
+def _dense_pair_with_bfloat16_head(compile: bool = True) -> keras.Model:
     inputs = keras.Input((5,), name="x")
     h = keras.layers.Dense(7, name="a")(inputs)
     outputs = keras.layers.Dense(2, name="b", dtype="bfloat16")(h)
@@ -26,7 +26,7 @@ def _model(compile: bool = True) -> keras.Model:
 
 
 def test_inspect_orbax_root_step_and_half_written_steps(tmp_path, capsys):
-    model = _model()
+    model = _dense_pair_with_bfloat16_head()
     ckpt = OrbaxCheckpoint(str(tmp_path), metadata={"note": "hello"}, max_to_keep=None)
     model.fit(np.ones((8, 5), "float32"), np.ones((8, 2), "float32"), epochs=2, verbose=0, callbacks=[ckpt])
     ckpt.wait_until_finished()
@@ -70,7 +70,7 @@ def test_inspect_orbax_root_step_and_half_written_steps(tmp_path, capsys):
 
 
 def test_inspect_weights_h5_and_missing_path(tmp_path):
-    model = _model(compile=False)  # no optimizer: the file holds the layer weights only
+    model = _dense_pair_with_bfloat16_head(compile=False)  # no optimizer: the file holds the layer weights only
     path = str(tmp_path / "m.weights.h5")
     model.save_weights(path)
     info = inspect(path)

@@ -16,7 +16,7 @@ def _sequential() -> keras.Model:
     return model
 
 
-def _distribution(*keys: str) -> keras.distribution.ModelParallel:
+def _columns_over_model(*keys: str) -> keras.distribution.ModelParallel:
     mesh = keras.distribution.DeviceMesh((1, 8), ["data", "model"], jax.devices())
     layout_map = keras.distribution.LayoutMap(mesh)
     for key in keys:
@@ -37,7 +37,7 @@ def saved(tmp_path):
 
 def _load(path: str, *keys: str) -> tuple[keras.Model, list[warnings.WarningMessage]]:
     targets._warned_unmatched.clear()
-    keras.distribution.set_distribution(_distribution(*keys))
+    keras.distribution.set_distribution(_columns_over_model(*keys))
     with shardckpt.lazy_init():
         model = _sequential()
     with warnings.catch_warnings(record=True) as caught:

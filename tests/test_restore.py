@@ -14,6 +14,7 @@ import safetensors.numpy as stnp
 
 import shardckpt
 from shardckpt.restore import hostmem
+from tests.support import rss_anon
 from tests.zoo import build_zoo, model_parallel, randomize, save_as, zoo_layout_map
 
 MESHES = {"1x8": (1, 8), "2x4": (2, 4), "8x1": (8, 1)}
@@ -44,7 +45,7 @@ def _where(mesh):
     return {"layout": keras.distribution.LayoutMap(one), "allow_other_mesh": True}
 
 
-def _assert_same(model, expected_values, dist):
+def _assert_bit_equal_and_placed(model, expected_values, dist):
     assert len(model.weights) == len(expected_values)
     for v, want in zip(model.weights, expected_values):
         got = np.asarray(v.value)
@@ -77,7 +78,7 @@ def test_formats_bit_exact_on_1x8(tmp_path, fmt):
             np.testing.assert_array_equal(a, b)
     model, dist = _fresh(build_zoo, MESHES["1x8"], lazy=True)
     report = shardckpt.load_sharded(model, path)
-    _assert_same(model, want, dist)
+    _assert_bit_equal_and_placed(model, want, dist)
     assert report.arrays == len(model.weights)
     assert report.missing == [] and report.unexpected == [] and report.casts == []
     assert report.format == {"h5": "h5", "keras": "keras", "safetensors": "safetensors"}[fmt]
@@ -92,7 +93,7 @@ def test_meshes_and_dtypes_h5(tmp_path, mesh, dtype):
     want = _keras_loaded(path, dtype)
     model, dist = _fresh(build_zoo, MESHES.get(mesh), lazy=True, dtype=dtype)
     shardckpt.load_sharded(model, path, **_where(mesh))
-    _assert_same(model, want, dist)
+    _assert_bit_equal_and_placed(model, want, dist)
     if mesh is None:  # no distribution, device 0 asked for: everything there, like Keras
         for v in model.weights:
             assert v.value.sharding.device_set == {jax.devices()[0]}, v.path
@@ -115,7 +116,7 @@ def test_cast_float32_checkpoint_into_bfloat16_model_like_keras(tmp_path):
     want = _keras_loaded(path, "bfloat16", rnn=False)
     model, dist = _fresh(build_zoo, MESHES["2x4"], lazy=True, dtype="bfloat16", rnn=False)
     report = shardckpt.load_sharded(model, path)
-    _assert_same(model, want, dist)
+    _assert_bit_equal_and_placed(model, want, dist)
     cast = [v.path for v in model.weights if np.dtype(v.dtype) == np.dtype(ml_dtypes.bfloat16)]
     assert sorted(c.split(":")[0] for c in report.casts) == sorted(cast)
 
@@ -128,13 +129,8 @@ def test_normally_built_model_is_replaced_in_its_sharding(tmp_path):
     model, dist = _fresh(build_zoo, MESHES["2x4"], lazy=False)
     before = {v.path: np.asarray(v.value) for v in model.weights}
     shardckpt.load_sharded(model, path)
-    _assert_same(model, want, dist)
+    _assert_bit_equal_and_placed(model, want, dist)
     assert any(not np.array_equal(before[v.path], np.asarray(v.value)) for v in model.weights)
-
-
-def _rss_anon() -> int:
-    with open("/proc/self/status") as f:
-        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("RssAnon:"))
 
 
 @pytest.mark.skipif(hostmem._MALLOC_TRIM is None, reason="glibc's malloc_trim is not available")
@@ -160,10 +156,10 @@ def test_normally_built_model_gives_its_old_values_back(tmp_path):
     model = build()
     jax.block_until_ready([v.value for v in model.weights])
     hostmem.trim()  # what the build freed is not the load's
-    before = _rss_anon()
+    before = rss_anon()
     shardckpt.load_sharded(model, path)
-    grown = _rss_anon() - before
-    _assert_same(model, want, dist)
+    grown = rss_anon() - before
+    _assert_bit_equal_and_placed(model, want, dist)
     assert model.weights[0].value.sharding.spec == jax.sharding.PartitionSpec(None, "model")
     # Without trimming, the process grew by about the whole old model (214 MiB).
     assert grown < model_bytes // 4, f"anonymous memory grew by {grown / 2**20:.0f} MiB"
@@ -178,7 +174,7 @@ def test_explicit_layout_map_without_distribution(tmp_path):
     layout_map = zoo_layout_map(mesh)
     shardckpt.load_sharded(model, path, layout=layout_map)
     dist = keras.distribution.ModelParallel(layout_map=zoo_layout_map(mesh))
-    _assert_same(model, [np.asarray(v.value) for v in src.weights], dist)
+    _assert_bit_equal_and_placed(model, [np.asarray(v.value) for v in src.weights], dist)
 
 
 def test_small_inflight_budget_gives_same_result(tmp_path):
@@ -187,7 +183,7 @@ def test_small_inflight_budget_gives_same_result(tmp_path):
     path = save_as(src, tmp_path, "h5")
     model, dist = _fresh(build_zoo, MESHES["1x8"], lazy=True)
     shardckpt.load_sharded(model, path, max_inflight_bytes=64)  # one row at a time
-    _assert_same(model, [np.asarray(v.value) for v in src.weights], dist)
+    _assert_bit_equal_and_placed(model, [np.asarray(v.value) for v in src.weights], dist)
 
 
 def test_strict_false_initialises_missing_variables_in_their_sharding(tmp_path):

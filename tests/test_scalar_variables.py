@@ -41,7 +41,7 @@ class Scaled(keras.layers.Layer):
         return {**super().get_config(), "empty": self.with_empty}
 
 
-def _model(empty=True):
+def _dense_then_scaled(empty=True):
     """Orbax cannot save arrays of size 0 ("Cannot save arrays with zero size"):
     `empty=False` leaves that weight out."""
     return keras.Sequential(
@@ -53,14 +53,14 @@ def _build(empty=True, lazy=False):
     """The model, compiled with Adam (Keras creates no optimizer under a StatelessScope)."""
     if lazy:
         with shardckpt.lazy_init():
-            model = _model(empty)
+            model = _dense_then_scaled(empty)
     else:
-        model = _model(empty)
+        model = _dense_then_scaled(empty)
     model.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse")
     return model
 
 
-def _distribution():
+def _dense_over_model():
     mesh = keras.distribution.DeviceMesh((2, 4), ["data", "model"])
     layout_map = keras.distribution.LayoutMap(mesh)
     layout_map["dense/kernel"] = (None, "model")
@@ -99,7 +99,7 @@ def _trained(tmp_path, fmt):
 @pytest.mark.parametrize("fmt", ["h5", "keras", "h5-sharded", "orbax", "safetensors"])
 def test_full_state_with_scalars_and_empty_arrays_loads_bit_exact(tmp_path, fmt, lazy):
     path, want = _trained(tmp_path, fmt)
-    distribution = _distribution()
+    distribution = _dense_over_model()
     keras.distribution.set_distribution(distribution)
     model = _build(empty=fmt != "orbax", lazy=lazy)
     model.optimizer.build(model.trainable_variables)

@@ -11,15 +11,7 @@ import numpy as np
 
 from shardckpt.training import OrbaxCheckpoint
 from shardckpt.training import snapshot as snapshot_lib
-
-
-def _distribution() -> keras.distribution.ModelParallel:
-    # (2, 4): every shard is held by two devices (replicated over "data").
-    mesh = keras.distribution.DeviceMesh((2, 4), ["data", "model"])
-    layout_map = keras.distribution.LayoutMap(mesh)
-    layout_map["d0/kernel"] = (None, "model")
-    layout_map["d1/kernel"] = ("model", None)
-    return keras.distribution.ModelParallel(layout_map=layout_map, batch_dim_name="data")
+from tests.support import column_then_row_parallel
 
 
 def _model() -> keras.Model:
@@ -75,7 +67,7 @@ class _Sampler:
 
 
 def test_device_snapshot_holds_at_most_one_copy_of_the_state_during_a_save(tmp_path):
-    keras.distribution.set_distribution(_distribution())
+    keras.distribution.set_distribution(column_then_row_parallel("d0", "d1"))
     model = _model()
     x = np.random.default_rng(1).standard_normal((64, 256)).astype("float32")
     model.fit(x[:16], x[:16], batch_size=16, verbose=0)  # state built, step compiled
@@ -95,7 +87,7 @@ def test_device_snapshot_holds_at_most_one_copy_of_the_state_during_a_save(tmp_p
 
 
 def test_to_host_dropping_moves_every_leaf_to_host_memory_and_deletes_the_device_copy():
-    keras.distribution.set_distribution(_distribution())
+    keras.distribution.set_distribution(column_then_row_parallel("d0", "d1"))
     model = _model()
     x = np.ones((16, 256), "float32")
     model.fit(x, x, batch_size=16, verbose=0)

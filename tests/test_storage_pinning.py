@@ -22,7 +22,7 @@ _ONE_KERNEL = 20_000
 """In-flight budget of a load: about one 64x64 float32 kernel, so arrays are read one after another."""
 
 
-def _model(seed: int) -> keras.Model:
+def _six_dense_seeded(seed: int) -> keras.Model:
     keras.backend.clear_session()
     keras.utils.set_random_seed(seed)
     model = keras.Sequential(
@@ -67,7 +67,7 @@ def _replace_after(proxy, reads: int, marker: str, replace) -> list[str]:
 def test_object_replaced_in_the_middle_of_a_load_raises_never_mixes(proxied, fmt, tmp_path):
     server, proxy = proxied
     bucket = storage.parse(server.new_bucket())
-    old_model, new_model = _model(1), _model(2)
+    old_model, new_model = _six_dense_seeded(1), _six_dense_seeded(2)
     old, new = _values(old_model), _values(new_model)
     assert all(not np.array_equal(old[k], new[k]) for k in old if old[k].any())
     for name, model in (("old", old_model), ("new", new_model)):
@@ -78,7 +78,7 @@ def test_object_replaced_in_the_middle_of_a_load_raises_never_mixes(proxied, fmt
     if fmt == "orbax":
         # Two steps; the replacement rewrites step "a" in place with "b"'s files
         # (OCDBT data files have unique names; the manifest is overwritten).
-        with_model = _model(1)
+        with_model = _six_dense_seeded(1)
         for name in ("old", "new"):
             convert(str(tmp_path / f"{name}.weights.h5"), bucket.join(name, "0").url, model=with_model, progress=False)
         source, target = bucket.join("new", "0"), bucket.join("old", "0")
@@ -102,14 +102,14 @@ def test_object_replaced_in_the_middle_of_a_load_raises_never_mixes(proxied, fmt
 
     # A whole load first, unchanged: its values, and how many ranged reads it makes.
     counted = _replace_after(proxy, -2, marker, lambda: None)
-    model = _model(3)
+    model = _six_dense_seeded(3)
     load_sharded(model, path, max_inflight_bytes=_ONE_KERNEL, progress=False)
     assert all(np.array_equal(v, old[k]) for k, v in _values(model).items())
     total = len(counted)
     assert total >= 4, counted
     # Again, the object replaced half-way through the reads.
     seen = _replace_after(proxy, total // 2, marker, replace)
-    model = _model(3)
+    model = _six_dense_seeded(3)
     before = _values(model)
     with pytest.raises(ObjectChangedError, match=r"replaced (while it was being read|during the load)") as info:
         # About one array in flight at a time: the replacement lands in the middle.
@@ -129,12 +129,12 @@ def test_object_replaced_by_a_shorter_one_mid_load_raises_object_changed_not_tru
     """A later range past the new, shorter version's end is the replacement, not a truncated upload."""
     server, proxy = proxied
     target = storage.parse(server.new_bucket()).join("m.safetensors")
-    safetensors.numpy.save_file(_values(_model(1)), str(tmp_path / "old.safetensors"))
+    safetensors.numpy.save_file(_values(_six_dense_seeded(1)), str(tmp_path / "old.safetensors"))
     safetensors.numpy.save_file({"x": np.zeros(4, np.float32)}, str(tmp_path / "new.safetensors"))
     _upload(tmp_path / "old.safetensors", target)
     _replace_after(proxy, 3, target.name, lambda: _upload(tmp_path / "new.safetensors", target))
     with pytest.raises(ObjectChangedError, match="replaced while it was being read") as info:
-        load_sharded(_model(3), target.url, max_inflight_bytes=_ONE_KERNEL, progress=False)
+        load_sharded(_six_dense_seeded(3), target.url, max_inflight_bytes=_ONE_KERNEL, progress=False)
     assert info.value.expected and info.value.found and info.value.expected != info.value.found
 
 
