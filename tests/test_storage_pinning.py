@@ -146,7 +146,7 @@ def test_local_orbax_manifest_is_pinned_like_a_buckets(tmp_path):
 
     from shardckpt.formats.orbax.reader import OrbaxReader
 
-    model = _model(0)
+    model = _six_dense_seeded(0)
     model.save_weights(tmp_path / "m.weights.h5")
     convert(tmp_path / "m.weights.h5", tmp_path / "ck", model=model)
     untouched = OrbaxReader(tmp_path / "ck")
