@@ -105,14 +105,19 @@ def test_a_bug_in_a_converter_is_raised_not_taken_for_a_rejected_config():
         hf_config.inverse(types.SimpleNamespace(convert_backbone_config=buggy), "toy", keras_args)
 
 
-@pytest.mark.parametrize("where", ["local", "bucket"])
-def test_convert_to_hf_from_a_folder_with_a_damaged_config_names_the_file_not_the_model(tmp_path, where, request, capsys):
+def _preset_folder(tmp_path, where: str, request):
+    """An empty folder named like a preset, local or in a fake GCS bucket: (its path, its Location)."""
     if where == "bucket":
         src = request.getfixturevalue("gcs_server").new_bucket() + "/preset"
     else:
         src = str(tmp_path / "preset")
         os.makedirs(src)
-    folder = storage.parse(src)
+    return src, storage.parse(src)
+
+
+@pytest.mark.parametrize("where", ["local", "bucket"])
+def test_convert_to_hf_from_a_folder_with_a_damaged_config_names_the_file_not_the_model(tmp_path, where, request, capsys):
+    src, folder = _preset_folder(tmp_path, where, request)
     storage.write_bytes(folder.join("config.json"), b'{"registered_name": "keras_hub>LlamaBackbone", ')
     storage.write_bytes(folder.join("model.weights.h5"), b"\x89HDF\r\n\x1a\n")
     assert main(["convert", src, str(tmp_path / "out"), "--to", "hf"]) == 1
@@ -123,12 +128,7 @@ def test_convert_to_hf_from_a_folder_with_a_damaged_config_names_the_file_not_th
         shardckpt.convert(src, str(tmp_path / "out"), to="hf")
 @pytest.mark.parametrize("where", ["local", "bucket"])
 def test_convert_to_hf_from_a_folder_with_a_config_of_no_kind_is_unknown_format_not_needs_model(tmp_path, where, request):
-    if where == "bucket":
-        src = request.getfixturevalue("gcs_server").new_bucket() + "/preset"
-    else:
-        src = str(tmp_path / "preset")
-        os.makedirs(src)
-    folder = storage.parse(src)
+    src, folder = _preset_folder(tmp_path, where, request)
     storage.write_bytes(folder.join("config.json"), json.dumps({"hello": 1}).encode())
     storage.write_bytes(folder.join("model.weights.h5"), b"\x89HDF\r\n\x1a\n")
     with pytest.raises(errors.UnknownFormatError, match="registered_name") as e:
