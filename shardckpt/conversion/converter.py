@@ -22,7 +22,7 @@ the `.keras` file's own config, or `model=`. Keys are matched with
 Chunking: each array is written in blocks (Orbax's "write shape") no
 larger than a piece and no larger than its shard under `layout`/`mesh` when
 given, which Orbax's `chunk_byte_size` splits into stored chunks of at most
-`shardckpt.formats.orbax.writer.CHUNK_BYTES` (64 MiB uncompressed, 4 MiB
+`shardckpt.formats.orbax.writer.CHUNK_BYTES` (31 MiB uncompressed, 4 MiB
 with zstd, measured): the chunk is what a restore reads, so a device of any
 later mesh reads at most one partial chunk's worth beyond its shard at each
 edge, and a compressed array's chunks decode in parallel.
