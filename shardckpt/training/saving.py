@@ -163,13 +163,14 @@ class StepWriter:
         devices is freed by its write alone, which a later save waits for).
         """
         if not self.background:
-            self._timed_write(step, payload, meta, logs, user, best, before_write, None)
+            self._timed_write(step, payload, meta, logs, user, best, before_write)
             return
         since = time.perf_counter()
         if self._executor is not None:
             assert self._stager is not None
             staged = self._stager.submit(before_write) if before_write is not None else None
-            done = self._executor.submit(self._timed_write, step, payload, meta, logs, user, best, None, staged)
+            ready = staged.result if staged is not None else None
+            done = self._executor.submit(self._timed_write, step, payload, meta, logs, user, best, ready)
             self._in_flight.append(_InFlight(done, step, since, staged, off_devices))
             return
         global _async_in_flight
@@ -182,18 +183,17 @@ class StepWriter:
         self._in_flight.append(_InFlight(response, step, since))
 
     def _timed_write(self, step: int, payload: dict[str, Any], meta: dict[str, Any], logs: dict[str, Any],
-                     user: Any, best: Any, before_write: Callable[[], None] | None,
-                     staged: concurrent.futures.Future | None) -> None:
+                     user: Any, best: Any, ready: Callable[[], Any] | None) -> None:
         # On the save worker (background) or the training thread (sync). The
         # training thread never touches the Checkpointer while a save is in
         # flight (`delete` and `wait` wait for them first), so Orbax sees one
-        # caller at a time. Timed from the moment the write can start: a
-        # queued save's time in the queue is not its write's.
+        # caller at a time. `ready`: the snapshot's move off the devices (sync)
+        # or the wait for it (worker: the stager runs it). Timed from the
+        # moment the write can start: a queued save's time in the queue is not
+        # its write's.
         start = time.perf_counter()
-        if staged is not None:
-            staged.result()
-        if before_write is not None:
-            before_write()
+        if ready is not None:
+            ready()
         metrics = metadata_lib.complete(payload, meta, logs, user, best)
         with self._one_orbax_call(), self.context:
             self.checkpointer.save_checkpointables(step, payload, metrics=metrics, force=True)

@@ -185,16 +185,19 @@ MOVED_TO_HOST = "; the save's worker moves the copy to host memory, dropping eac
 """Ends the reason of a "device" snapshot that `before_write` moves off the devices."""
 
 
+def _moved_to_host(choice: Choice) -> bool:
+    """Whether the save moves a "device" snapshot of `choice` off the devices (`before_write`)."""
+    return choice.mode == "device" and choice.reason.endswith(MOVED_TO_HOST)
+
+
 def before_write(tree: dict[str, Any], choice: Choice) -> Callable[[], None] | None:
     """What the save's worker runs before writing the snapshot `tree` (`to_host_dropping`), or None."""
-    if choice.mode == "device" and choice.reason.endswith(MOVED_TO_HOST):
-        return lambda: to_host_dropping(tree)
-    return None
+    return (lambda: to_host_dropping(tree)) if _moved_to_host(choice) else None
 
 
 def off_devices(choice: Choice) -> bool:
     """Whether a snapshot of `choice` is in host memory once `before_write` ran (a later save may queue behind it)."""
-    return choice.mode == "host" or before_write({}, choice) is not None
+    return choice.mode == "host" or _moved_to_host(choice)
 
 
 def stays_on_device(values: list[jax.Array]) -> bool:
