@@ -188,7 +188,12 @@ def rename_out(path: str) -> str:
 
 def sync_dir(path: str) -> None:
     """Makes the entries of folder `path` (renames, new names) durable."""
-    fd = os.open(path or ".", os.O_RDONLY)
+    _fsync(path or ".")
+
+
+def _fsync(path: str) -> None:
+    """fsync of a file or a folder by its path."""
+    fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
     finally:
@@ -197,15 +202,10 @@ def sync_dir(path: str) -> None:
 
 def _sync_tree(path: str) -> None:
     """Makes every file and folder under `path` durable (files already synced cost one call each)."""
-    for root, folders, files in os.walk(path):
+    for root, _folders, files in os.walk(path):
         for name in files:
-            fd = os.open(os.path.join(root, name), os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
+            _fsync(os.path.join(root, name))
         sync_dir(root)
-        del folders
 
 
 def remove_leftovers(dst: str, *, who: str) -> list[str]:
