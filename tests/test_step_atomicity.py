@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 
 import shardckpt
+from shardckpt import storage
 from shardckpt.errors import CheckpointNotFoundError, IncompleteCheckpointError
 from shardckpt.formats.orbax import ondisk, removal
 
@@ -189,3 +190,25 @@ def test_export_removes_what_a_killed_export_left(tmp_path, caplog):
     assert sorted(os.listdir(tmp_path)) == ["exported"]
     for suffix in (".shardckpt-partial", ".shardckpt-old"):
         assert sum((dst + suffix) in r.getMessage() for r in caplog.records) == 1
+
+
+@pytest.mark.parametrize("where", ["local", "gs", "s3"])
+def test_step_items_read_the_same_on_a_disk_and_in_a_bucket(tmp_path, where, request):
+    """`items`, `tree_dir` and `read_json_item` answer from one code path: a JSON item,
+    a missing one, and an item folder holding none of its files (damaged: raised, not None)."""
+    if where == "local":
+        step = storage.parse(str(tmp_path / "7"))
+        for item in (ondisk.ARRAYS_ITEM, ondisk.METADATA_ITEM, ondisk.ITERATOR_ITEM):
+            os.makedirs(os.path.join(step.path, item))
+    else:
+        server = request.getfixturevalue("gcs_server" if where == "gs" else "s3_server")
+        step = storage.parse(server.new_bucket()).join("7")
+    storage.write_bytes(step.join(ondisk.ARRAYS_ITEM, ondisk.TREE_METADATA), b"{}")
+    storage.write_bytes(step.join(ondisk.METADATA_ITEM, "data.json"), b'{"epoch": 3}')
+    storage.write_bytes(step.join(ondisk.ITERATOR_ITEM, "notes.txt"), b"not the item's file")
+    assert ondisk.items(step) == sorted([ondisk.ARRAYS_ITEM, ondisk.METADATA_ITEM, ondisk.ITERATOR_ITEM])
+    assert ondisk.tree_dir(step) == step.join(ondisk.ARRAYS_ITEM).url
+    assert ondisk.read_json_item(step, ondisk.METADATA_ITEM) == {"epoch": 3}
+    assert ondisk.read_json_item(step, "metrics") is None
+    with pytest.raises(shardckpt.errors.CorruptCheckpointError, match="none of the files"):
+        ondisk.read_json_item(step, ondisk.ITERATOR_ITEM)

@@ -32,7 +32,6 @@ import os
 from collections.abc import Sequence
 from typing import Any
 
-import orbax.checkpoint.experimental.v1 as ocp
 from etils import epath
 from orbax.checkpoint import type_handlers
 
@@ -319,68 +318,53 @@ def _only_leftovers(root: str, found: list[tuple[str, str]]) -> IncompleteCheckp
 
 
 def tree_dir(step: str | storage.Location) -> str:
-    """The folder of a step's array tree (the step itself for a bare tree).
+    """The folder of a step's array tree (the step itself for a bare tree), local or in a bucket.
 
     Raises:
         IncompleteCheckpointError: it has no `_METADATA` file.
     """
     location = storage.parse(step)
-    if not commit.renames(location):
-        names = storage.listdir(location)
-        item = next((n for n in TREE_ITEMS if n in names), None)
-        remote_tree = location.join(item) if item else location
-        if TREE_METADATA not in storage.listdir(remote_tree):
-            raise IncompleteCheckpointError(
-                f"{remote_tree.url!r} has no {TREE_METADATA} object: the step is incomplete or "
-                "not an Orbax pytree checkpoint. Fix: restore from another step."
-            )
-        return remote_tree.url
-    step = location.path
-    for name in TREE_ITEMS:
-        if os.path.isdir(os.path.join(step, name)):
-            tree = os.path.join(step, name)
-            break
-    else:
-        tree = step
-    if not os.path.isfile(os.path.join(tree, TREE_METADATA)):
+    names = storage.listdir(location) if storage.isdir(location) else []
+    item = next((n for n in TREE_ITEMS if n in names and storage.isdir(location.join(n))), None)
+    tree = location.join(item) if item else location
+    if not storage.exists(tree.join(TREE_METADATA)):
         raise IncompleteCheckpointError(
-            f"{tree!r} has no {TREE_METADATA} file: the step is incomplete or not "
+            f"{tree.url!r} has no {TREE_METADATA} file: the step is incomplete or not "
             "an Orbax pytree checkpoint. Fix: restore from another step."
         )
-    return tree
+    return tree.url
 
 
 def items(step_dir: str | storage.Location) -> list[str]:
-    """The checkpointables of a step ("pytree", "model_config", ...), sorted."""
-    location = storage.parse(step_dir)
-    if not commit.renames(location):
-        keys = storage.list_keys(location)
-        return sorted({k.split("/", 1)[0] for k in keys if "/" in k and not k.startswith((".", "_"))})
-    step_dir = location.path
-    return sorted(
-        n for n in os.listdir(step_dir) if os.path.isdir(os.path.join(step_dir, n)) and not n.startswith((".", "_"))
-    )
+    """The checkpointables of a step ("pytree", "model_config", ...), sorted: its folders that hold a file."""
+    keys = storage.list_keys(storage.parse(step_dir))
+    return sorted({k.split("/", 1)[0] for k in keys if "/" in k and not k.startswith((".", "_"))})
 
 
 def read_json_item(step_dir: str | storage.Location, name: str) -> Any:
     """Returns JSON checkpointable `name` of a step, or None if it has none.
 
+    The item's one file is read whole, from the names Orbax's JsonHandler
+    reads (`JSON_ITEM_FILES`), alike on a disk and in a bucket (where Orbax's
+    epath has no `s3://`).
+
     Raises:
-        CorruptCheckpointError: the item exists but cannot be read.
+        CorruptCheckpointError: the item exists but is not valid JSON, or has no such file.
     """
     location = storage.parse(step_dir)
-    if location.local_path is None:
-        return _read_remote_json_item(location, name)
-    step_dir = location.path
-    if not os.path.isdir(os.path.join(step_dir, name)):
-        return None
-    try:
-        return ocp.load_checkpointables(step_dir, {name: None})[name]
-    except (ValueError, KeyError, FileNotFoundError) as e:
+    for filename in JSON_ITEM_FILES:
+        value = storage.read_json(
+            location.join(name, filename), fix="delete this step to resume from the previous one.", missing_ok=True
+        )
+        if value is not None:
+            return value
+    if storage.isdir(location.join(name)):
         raise CorruptCheckpointError(
-            f"Cannot read item {name!r} of checkpoint step {step_dir!r}: {type(e).__name__}: {short(e)}. Fix: "
-            "delete this step folder to resume from the previous one."
-        ) from e
+            f"Item {name!r} of checkpoint step {location.url!r} has none of the files Orbax's JsonHandler "
+            f"writes ({', '.join(JSON_ITEM_FILES)}): the item is damaged. Fix: delete this step folder to "
+            "resume from the previous one."
+        )
+    return None
 
 
 def short(error: BaseException, limit: int = 200) -> str:
@@ -396,18 +380,6 @@ def short(error: BaseException, limit: int = 200) -> str:
     if len(text) > limit:
         text = text[: limit - 3] + "..."
     return text + (" (Orbax's handler registry left out)" if at >= 0 else "")
-
-
-def _read_remote_json_item(step: storage.Location, name: str) -> Any:
-    # Orbax reads items through etils.epath, which has no s3://; a JSON item
-    # is one small object, read as such.
-    for filename in JSON_ITEM_FILES:
-        value = storage.read_json(
-            step.join(name, filename), fix="delete this step to resume from the previous one.", missing_ok=True
-        )
-        if value is not None:
-            return value
-    return None
 
 
 def read_json(path: str) -> Any:
