@@ -24,7 +24,7 @@ STEPS = 4
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def _model(seed: int = 3) -> keras.Model:
+def _small_regressor_16(seed: int = 3) -> keras.Model:
     return small_regressor(seed, width=16)
 
 
@@ -36,7 +36,7 @@ def _fit(model, ckpt, it, epochs=2):
 def test_keras_reads_the_checkpoint_and_load_sharded_reshards(tmp_path):
     """Keras' load_weights / load_model and load_sharded onto another mesh read it bit-exact."""
     keras.distribution.set_distribution(column_then_row_parallel("hidden", "head"))
-    model = _model()
+    model = _small_regressor_16()
     it = CountingIterator()
     ckpt = OrbaxCheckpoint(str(tmp_path), data_iterator=it, max_to_keep=1, compression=True)
     _fit(model, ckpt, it)
@@ -49,7 +49,7 @@ def test_keras_reads_the_checkpoint_and_load_sharded_reshards(tmp_path):
 
     # Keras' own readers, same mesh.
     keras.backend.clear_session()
-    other = _model(seed=99)
+    other = _small_regressor_16(seed=99)
     other.optimizer.build(other.trainable_variables)
     other.load_weights(str(tmp_path))
     assert_training_state_equal(other, trained, [k for k in trained if not k.startswith("metrics")])
@@ -61,7 +61,7 @@ def test_keras_reads_the_checkpoint_and_load_sharded_reshards(tmp_path):
     # load_sharded onto a (1, 8) mesh: every shard moves.
     keras.backend.clear_session()  # (also clears the distribution)
     keras.distribution.set_distribution(column_then_row_parallel("hidden", "head", (1, 8)))
-    moved = _model(seed=5)
+    moved = _small_regressor_16(seed=5)
     moved.optimizer.build(moved.trainable_variables)
     # Compiled metrics get variables at the first fit/evaluate; until then
     # their keys are ones the model lacks (strict refuses them).
@@ -76,7 +76,7 @@ def test_keras_reads_the_checkpoint_and_load_sharded_reshards(tmp_path):
 
 def test_metadata_and_iterator_state_round_trip(tmp_path):
     """The metadata item and the iterator position are saved and read back exactly."""
-    model = _model()
+    model = _small_regressor_16()
     it = CountingIterator()
     seen = []
 
@@ -119,7 +119,7 @@ def test_metadata_and_iterator_state_round_trip(tmp_path):
 
     # restore_latest outside fit: model, optimizer, metrics and iterator.
     keras.backend.clear_session()
-    fresh = _model(seed=11)
+    fresh = _small_regressor_16(seed=11)
     fresh_it = CountingIterator()
     fresh.fit(fresh_it.x[:8], fresh_it.y[:8], epochs=1, verbose=0)  # builds the metrics variables
     restored = restore_latest(fresh, str(tmp_path), data_iterator=fresh_it)
@@ -155,7 +155,7 @@ class _RecordAt(keras.callbacks.Callback):
 def test_resume_in_process_continues_the_epoch(tmp_path):
     """A second fit in the same directory resumes mid-epoch and ends like one long fit."""
     keras.distribution.set_distribution(column_then_row_parallel("hidden", "head"))
-    ref = _model()
+    ref = _small_regressor_16()
     ref_it = CountingIterator()
     ref_ckpt = OrbaxCheckpoint(str(tmp_path / "ref"), save_freq=3, data_iterator=ref_it)
     _fit(ref, ref_ckpt, ref_it, epochs=3)
@@ -163,7 +163,7 @@ def test_resume_in_process_continues_the_epoch(tmp_path):
 
     keras.backend.clear_session()
     keras.distribution.set_distribution(column_then_row_parallel("hidden", "head"))
-    part = _model()
+    part = _small_regressor_16()
     it = CountingIterator()
     ckpt = OrbaxCheckpoint(str(tmp_path / "run"), save_freq=3, data_iterator=it)
     # Stop after 7 batches: the last save is step 6 (epoch 1, batch 2 of 4).
@@ -172,7 +172,7 @@ def test_resume_in_process_continues_the_epoch(tmp_path):
 
     keras.backend.clear_session()
     keras.distribution.set_distribution(column_then_row_parallel("hidden", "head"))
-    again = _model(seed=42)  # a different init: every value must come from the step
+    again = _small_regressor_16(seed=42)  # a different init: every value must come from the step
     it2 = CountingIterator()
     ckpt2 = OrbaxCheckpoint(str(tmp_path / "run"), save_freq=3, data_iterator=it2, resume=True)
     again.fit(ckpt2.batches(), steps_per_epoch=STEPS, epochs=3, callbacks=[ckpt2], verbose=0)
@@ -192,7 +192,7 @@ def _stop(model: keras.Model) -> None:
 
 def test_retention_keeps_latest_best_and_periodic_steps(tmp_path):
     """max_to_keep=2 plus keep_best=1 plus keep_period=4: the best step is never aged out."""
-    model = _model()
+    model = _small_regressor_16()
     x = np.random.default_rng(1).standard_normal((32, 6)).astype("float32")
     y = np.random.default_rng(2).standard_normal((32, 1)).astype("float32")
     # mode="max" on the loss makes the first, worst epoch the "best" one:
@@ -208,7 +208,7 @@ def test_retention_keeps_latest_best_and_periodic_steps(tmp_path):
 
 
 def test_retention_without_max_to_keep_keeps_everything(tmp_path):
-    model = _model()
+    model = _small_regressor_16()
     x, y = np.ones((16, 6), "float32"), np.ones((16, 1), "float32")
     ckpt = OrbaxCheckpoint(str(tmp_path), keep_best=1, monitor="loss", max_to_keep=None)
     model.fit(x, y, batch_size=8, epochs=3, callbacks=[ckpt], verbose=0)
@@ -249,7 +249,7 @@ def test_drop_in_positional_arguments_and_bad_input(tmp_path):
     ckpt = OrbaxCheckpoint(str(tmp_path), "loss", 0, False, "min", 2, None, 1, False, True)
     assert (ckpt.monitor, ckpt.save_freq, ckpt.max_to_keep, ckpt.save_on_background, ckpt.save_weights_only) == (
         "loss", 2, 1, False, True)
-    model = _model()
+    model = _small_regressor_16()
     model.fit(np.ones((16, 6), "float32"), np.ones((16, 1), "float32"), batch_size=8, epochs=2,
               callbacks=[ckpt], verbose=0)
     ckpt.wait_until_finished()
@@ -262,7 +262,7 @@ def test_drop_in_positional_arguments_and_bad_input(tmp_path):
     # Resuming from a weights-only step restores the weights (not exact, but no error).
     saved = {v.path: np.asarray(v.value) for v in model.trainable_variables}
     keras.backend.clear_session()
-    again = _model(seed=8)
+    again = _small_regressor_16(seed=8)
     resumed = OrbaxCheckpoint(str(tmp_path), "loss", 0, False, "min", 2, None, 1, False, True, resume=True)
     again.fit(np.ones((16, 6), "float32"), np.ones((16, 1), "float32"), batch_size=8, epochs=2,
               callbacks=[resumed, _RecordAt(1)], verbose=0)

@@ -23,7 +23,7 @@ from shardckpt.training import OrbaxCheckpoint
 DENSE, OUT, SAMPLES, PREDICT = 32, 16, 64, 8  # Keras' distributed-test sizes
 
 
-def _model(steps_per_execution: int = 1) -> keras.Model:
+def _two_dense_regressor(steps_per_execution: int = 1) -> keras.Model:
     inputs = keras.layers.Input(shape=(10,), name="input_layer")
     x = keras.layers.Dense(6, name="dense_layer")(inputs)
     outputs = keras.layers.Dense(2, name="output_layer")(x)
@@ -52,7 +52,7 @@ def _assert_equal_lists(a, b) -> None:
     ("epoch", 3, None, [2]),     # max_to_keep=1 (Keras' default) keeps the last epoch
 ])
 def test_checkpoint_saving_basic(tmp_path, save_freq, epochs, batch_size, expected):
-    model = _model()
+    model = _two_dense_regressor()
     x, y = _data(50)
     callback = OrbaxCheckpoint(directory=str(tmp_path / "c"), save_freq=save_freq)
     kwargs = {"batch_size": batch_size} if batch_size else {}
@@ -62,7 +62,7 @@ def test_checkpoint_saving_basic(tmp_path, save_freq, epochs, batch_size, expect
 
 @pytest.mark.parametrize("mode", ["min", "max"])
 def test_save_best_only(tmp_path, mode):
-    model = _model()
+    model = _two_dense_regressor()
     x, y = _data(100)
     callback = OrbaxCheckpoint(directory=str(tmp_path / "c"), monitor="loss", save_best_only=True, mode=mode,
                                save_freq="epoch")
@@ -75,7 +75,7 @@ def test_save_best_only(tmp_path, mode):
 
 @pytest.mark.parametrize("save_on_background", [False, True])
 def test_async_vs_sync_saving(tmp_path, save_on_background):
-    model = _model()
+    model = _two_dense_regressor()
     x, y = _data()
     callback = OrbaxCheckpoint(directory=str(tmp_path / "c"), save_freq="epoch",
                                save_on_background=save_on_background)
@@ -85,7 +85,7 @@ def test_async_vs_sync_saving(tmp_path, save_on_background):
 
 
 def test_max_to_keep(tmp_path):
-    model = _model()
+    model = _two_dense_regressor()
     x, y = _data()
     callback = OrbaxCheckpoint(directory=str(tmp_path / "c"), save_freq="epoch", max_to_keep=2)
     model.fit(x, y, epochs=5, callbacks=[callback], verbose=0)
@@ -99,12 +99,12 @@ def test_default_max_to_keep_is_keras_one():
 
 
 def test_load_weights_from_orbax_checkpoint(tmp_path):
-    model = _model()
+    model = _two_dense_regressor()
     x, y = _data()
     callback = OrbaxCheckpoint(directory=str(tmp_path / "c"), save_freq="epoch", save_weights_only=True)
     model.fit(x, y, epochs=1, callbacks=[callback], verbose=0)
     original = model.get_weights()
-    new_model = _model()
+    new_model = _two_dense_regressor()
     new_model.set_weights([w * 2 for w in original])
     for o, n in zip(original, new_model.get_weights()):
         assert not np.array_equal(o, n)
@@ -113,7 +113,7 @@ def test_load_weights_from_orbax_checkpoint(tmp_path):
 
 
 def test_save_freq_epoch(tmp_path):
-    model = _model()
+    model = _two_dense_regressor()
     x, y = _data()
     callback = OrbaxCheckpoint(directory=str(tmp_path / "c"), save_freq="epoch")
     model.fit(x, y, epochs=3, callbacks=[callback], verbose=0)
@@ -127,7 +127,7 @@ def test_invalid_save_freq(tmp_path):
 
 
 def test_initial_value_threshold(tmp_path):
-    model = _model()
+    model = _two_dense_regressor()
     x, y = _data()
     callback = OrbaxCheckpoint(directory=str(tmp_path / "c"), monitor="loss", save_best_only=True, mode="min",
                                initial_value_threshold=1.0, save_freq="epoch")
@@ -140,13 +140,13 @@ def test_initial_value_threshold(tmp_path):
 
 @pytest.mark.parametrize("save_on_background", [False, True])
 def test_checkpoint_loading_comprehensive(tmp_path, save_on_background):
-    model = _model()
+    model = _two_dense_regressor()
     x, y = _data(200)
     callback = OrbaxCheckpoint(directory=str(tmp_path / "c"), save_freq="epoch",
                                save_on_background=save_on_background, save_weights_only=True)
     model.fit(x, y, epochs=1, callbacks=[callback], verbose=0)
     original = model.get_weights()
-    new_model = _model()
+    new_model = _two_dense_regressor()
     nx, ny = _data(10, seed=1)
     new_model.fit(nx, ny, epochs=1, batch_size=5, verbose=0)
     new_model.set_weights([w * 2 for w in original])
@@ -215,7 +215,7 @@ def test_distributed_checkpoint_resharding(tmp_path):
 
 
 def test_checkpoint_loading_via_saving_api(tmp_path):
-    model = _model()
+    model = _two_dense_regressor()
     x, y = _data()
     callback = OrbaxCheckpoint(directory=str(tmp_path / "full"), save_freq="epoch")
     model.fit(x, y, epochs=1, callbacks=[callback], verbose=0)
@@ -268,7 +268,7 @@ def test_comprehensive_model_state_restoration(tmp_path, save_on_background):
 @pytest.mark.parametrize("steps_per_execution", [1, 2])
 def test_training_resumption(tmp_path, steps_per_execution):
     """A second fit on a reloaded model trains and saves new steps (no auto-resume)."""
-    model = _model(steps_per_execution)
+    model = _two_dense_regressor(steps_per_execution)
     x, y = _data(50)
     directory = str(tmp_path / "c")
     oc1 = OrbaxCheckpoint(directory, save_freq=1, max_to_keep=10)

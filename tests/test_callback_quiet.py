@@ -21,7 +21,7 @@ from shardckpt import storage
 from shardckpt.training import OrbaxCheckpoint, saving
 
 
-def _model() -> keras.Model:
+def _sgd_dense_regressor() -> keras.Model:
     keras.utils.set_random_seed(3)
     model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2, name="d")], name="m")
     model.compile(optimizer=keras.optimizers.SGD(0.1, name="sgd"), loss="mse")
@@ -37,7 +37,7 @@ def test_a_fit_with_five_saves_logs_at_most_five_lines_and_nothing_from_absl(tmp
     """Default verbosity (WARNING): records of every logger and the process's stderr (C++ included)."""
     caplog.set_level(logging.WARNING)
     ckpt = OrbaxCheckpoint(str(tmp_path), max_to_keep=2)
-    _model().fit(*_data(), batch_size=8, epochs=5, callbacks=[ckpt], verbose=0)
+    _sgd_dense_regressor().fit(*_data(), batch_size=8, epochs=5, callbacks=[ckpt], verbose=0)
     ckpt.wait_until_finished()
     assert len(ckpt.snapshot_modes) == 5, "five saves"
     ours = [r for r in caplog.records if r.name.startswith("shardckpt")]
@@ -62,7 +62,7 @@ def test_a_monitor_missing_at_save_time_warns_once_naming_it_and_the_keys(tmp_pa
     x, y = _data()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        _model().fit(x, y, batch_size=8, epochs=2, validation_data=(x, y), callbacks=[ckpt], verbose=0)
+        _sgd_dense_regressor().fit(x, y, batch_size=8, epochs=2, validation_data=(x, y), callbacks=[ckpt], verbose=0)
     ckpt.wait_until_finished()
     ours = [str(w.message) for w in caught if "val_loss" in str(w.message)]
     assert len(ours) == 1, ours
@@ -74,12 +74,12 @@ def test_a_monitor_missing_at_save_time_warns_once_naming_it_and_the_keys(tmp_pa
 def test_rerunning_a_finished_job_says_so_in_one_line(tmp_path, caplog):
     x, y = _data()
     first = OrbaxCheckpoint(str(tmp_path), resume=True)
-    _model().fit(x, y, batch_size=8, epochs=2, callbacks=[first], verbose=0)
+    _sgd_dense_regressor().fit(x, y, batch_size=8, epochs=2, callbacks=[first], verbose=0)
     assert first.resumed is None
     caplog.clear()
     with caplog.at_level(logging.INFO, logger="shardckpt"):
         again = OrbaxCheckpoint(str(tmp_path), resume=True)
-        model = _model()
+        model = _sgd_dense_regressor()
         model.fit(x, y, batch_size=8, epochs=2, callbacks=[again], verbose=0)
     assert model.history.epoch == [] and again.resumed is not None and again.resumed.step == 1
     lines = [(r.levelno, r.getMessage()) for r in caplog.records if r.name == "shardckpt"]
@@ -92,7 +92,7 @@ def test_rerunning_a_finished_job_says_so_in_one_line(tmp_path, caplog):
     caplog.clear()
     with caplog.at_level(logging.INFO, logger="shardckpt"):
         more = OrbaxCheckpoint(str(tmp_path), resume=True)
-        _model().fit(x, y, batch_size=8, epochs=3, callbacks=[more], verbose=0)
+        _sgd_dense_regressor().fit(x, y, batch_size=8, epochs=3, callbacks=[more], verbose=0)
     resumed = [r.getMessage() for r in caplog.records if "resumed" in r.getMessage()]
     assert len(resumed) == 1 and "resumed from step 1" in resumed[0] and "(epoch 2/3 complete)" in resumed[0]
     assert "fit continues at epoch 3/3." in resumed[0]

@@ -20,7 +20,7 @@ from shardckpt.formats.orbax import ondisk
 from shardckpt.training import OrbaxCheckpoint
 from tests._train_worker import sigterm_at
 from tests.support import assert_training_state_equal, column_then_row_parallel, training_state
-from tests.test_callback import _model
+from tests.test_callback import _small_regressor_16
 from tests.zoo import CountingIterator
 
 STEPS, EPOCHS, ROWS = 4, 3, 32
@@ -35,7 +35,7 @@ def _run(frequent: str, per_epoch: str, also: str | None = None, *, seed: int = 
     """
     keras.backend.clear_session()
     keras.distribution.set_distribution(column_then_row_parallel("hidden", "head"))
-    model = _model(seed)
+    model = _small_regressor_16(seed)
     ckpts = [OrbaxCheckpoint(frequent, save_freq=2, max_to_keep=None, data_iterator=CountingIterator(ROWS),
                              resume=resume == frequent)]
     ckpts += [OrbaxCheckpoint(d, max_to_keep=None, resume=resume == d) for d in (per_epoch, also) if d]
@@ -63,7 +63,7 @@ def test_local_and_bucket_callbacks_in_one_fit_each_save_and_resume_exactly(tmp_
     for step in (f"{a.directory}/12", f"{b.directory}/2", f"{c.directory}/2"):
         keras.backend.clear_session()  # (also clears the distribution)
         keras.distribution.set_distribution(column_then_row_parallel("hidden", "head"))
-        again = _model(seed=42)
+        again = _small_regressor_16(seed=42)
         again.optimizer.build(again.trainable_variables)
         again.evaluate(np.ones((8, 6), "float32"), np.ones((8, 1), "float32"), verbose=0)  # builds the metrics
         load_sharded(again, step, progress=False)

@@ -17,7 +17,7 @@ from tests.support import column_then_row_parallel
 from tests.zoo import small_regressor
 
 
-def _model(seed: int = 0) -> keras.Model:
+def _small_regressor_32(seed: int = 0) -> keras.Model:
     return small_regressor(seed, width=32, optimizer=keras.optimizers.Adam(name="adam"))
 
 
@@ -28,7 +28,7 @@ def _values(model) -> dict:
 
 def test_host_snapshot_is_in_host_memory_in_the_same_sharding():
     keras.distribution.set_distribution(column_then_row_parallel("hidden", "head"))
-    model = _model()
+    model = _small_regressor_32()
     model.fit(np.ones((16, 6), "float32"), np.ones((16, 1), "float32"), batch_size=8, verbose=0)
     tree, used = snapshot_lib.snapshot_state(model, mode="host", budget_bytes=512)
     assert used.mode == "host"
@@ -58,7 +58,7 @@ def test_auto_takes_the_device_copy_on_cpu_devices():
 def test_each_snapshot_mode_saves_and_resumes_bit_exact(tmp_path, caplog, mode, expected):
     caplog.set_level(logging.INFO, logger="shardckpt")
     keras.distribution.set_distribution(column_then_row_parallel("hidden", "head"))
-    model = _model()
+    model = _small_regressor_32()
     x = np.random.default_rng(1).standard_normal((32, 6)).astype("float32")
     y = np.random.default_rng(2).standard_normal((32, 1)).astype("float32")
     # A budget of 1 KiB: the host copy goes in many pieces.
@@ -76,7 +76,7 @@ def test_each_snapshot_mode_saves_and_resumes_bit_exact(tmp_path, caplog, mode, 
 
     keras.backend.clear_session()
     keras.distribution.set_distribution(column_then_row_parallel("hidden", "head"))
-    fresh = _model(seed=7)
+    fresh = _small_regressor_32(seed=7)
     fresh.evaluate(x[:8], y[:8], verbose=0)  # builds the metrics variables
     restore_latest(fresh, str(tmp_path))
     got = _values(fresh)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import json
 import os
 import subprocess
 import sys
@@ -16,6 +17,7 @@ import pytest
 from safetensors.numpy import load_file
 
 import shardckpt
+from shardckpt import budget
 from shardckpt.cli import main
 
 keras_hub = pytest.importorskip("keras_hub")
@@ -88,6 +90,38 @@ def test_convert_a_keras_hub_preset_folder_to_every_other_target(preset, tmp_pat
     assert sorted(v.path for v in model.weights) == sorted(values)
     for v in model.weights:
         np.testing.assert_array_equal(np.asarray(v.value), values[v.path], err_msg=v.path)
+
+
+@pytest.mark.parametrize("source", ["preset folder", "weights file and --model"])
+def test_max_inflight_mb_bounds_the_models_load_too(preset, tmp_path, source):
+    """`--max-inflight-mb` reaches the load of the model, not only the writing: the report the
+    command prints names the load's budget, the one given; without the flag, load_sharded's default.
+    Both ways a target loads the model: from_preset (a preset folder) and load_sharded (--model)."""
+    folder, values = preset
+    src = [folder] if source == "preset folder" else [os.path.join(folder, "model.weights.h5"), "--model", folder]
+    out = str(tmp_path / "given")
+    code, stdout, err = _run(["convert", *src, out, "--to", "safetensors", "--mesh", "2x4", "--max-inflight-mb", "3",
+                              "--quiet"])
+    assert code == 0, err
+    lines = stdout.splitlines()
+    assert lines[0].startswith(f"Loaded {len(values)} arrays"), stdout
+    assert "Host-memory budget of the load: 3 MiB, given." in lines, stdout
+    assert lines[-1].startswith(f"exported {len(values)} arrays"), stdout
+    stored = {}
+    for name in os.listdir(out):
+        if name.endswith(".safetensors"):
+            stored.update(load_file(os.path.join(out, name)))
+    assert sorted(stored) == sorted(values)
+    for path, want in values.items():
+        np.testing.assert_array_equal(stored[path], want, err_msg=path)
+    keras.distribution.set_distribution(None)
+    code, stdout, err = _run(["convert", *src, str(tmp_path / "default"), "--to", "safetensors", "--mesh", "2x4",
+                              "--quiet", "--json"])
+    assert code == 0, err
+    load = json.loads(stdout)["load"]
+    assert load["max_inflight_bytes"] == budget.resolve(None, accelerators=0)  # CPU devices: no accelerator
+    assert load["budget_rule"] == budget.describe_default(0)
+    assert load["arrays"] == len(values) and not load["missing"] and not load["unexpected"]
 
 
 def test_python_convert_takes_to_like_the_cli(preset, tmp_path):

@@ -12,9 +12,9 @@ import numpy as np
 import pytest
 
 import shardckpt
-from shardckpt import errors
+from shardckpt import budget, errors
 from shardckpt.lazy import is_unloaded
-from shardckpt.presets import kerashub
+from shardckpt.presets import kerashub, load_preset
 
 keras_hub = pytest.importorskip("keras_hub")
 
@@ -120,6 +120,25 @@ def _lazy_under(layout_map, build):
     keras.distribution.set_distribution(dist)
     with shardckpt.lazy_init():
         return build(), dist
+
+
+def test_from_preset_loads_within_the_budget_given(llama_presets):
+    """`max_inflight_bytes` reaches the load (its report's budget, "given"); None leaves
+    load_sharded's default. A budget below every variable still loads each, alone."""
+    root, saved = llama_presets
+    model, report = load_preset(str(root / "sharded"), mesh=(2, 4), max_inflight_bytes=3 * 2**20)
+    assert report.max_inflight_bytes == 3 * 2**20 and report.budget_rule == "given"
+    assert report.arrays == len(saved) and not report.missing
+    _assert_loaded(model, saved, keras.distribution.distribution())
+    keras.distribution.set_distribution(None)
+    keras.backend.clear_session()
+    _, report = load_preset(str(root / "single"), mesh=(2, 4))
+    assert report.max_inflight_bytes == budget.resolve(None, accelerators=0)  # CPU devices: no accelerator
+    assert report.budget_rule == budget.describe_default(0)
+    keras.distribution.set_distribution(None)
+    keras.backend.clear_session()
+    model = shardckpt.from_preset(str(root / "single"), mesh=(2, 4), max_inflight_bytes=64)
+    _assert_loaded(model, saved, keras.distribution.distribution())
 
 
 def test_load_sharded_reads_a_preset_folder_into_a_lazy_backbone(llama_presets):

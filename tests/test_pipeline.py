@@ -16,7 +16,7 @@ import pytest
 
 import shardckpt
 from shardckpt.formats import open_reader
-from shardckpt.restore import pipeline
+from shardckpt.restore import pipeline, readplan
 from tests.zoo import build_zoo, lazy_zoo, model_parallel, randomize, save_as
 
 BUDGET = 256 * 1024
@@ -175,5 +175,32 @@ def test_cpu_devices_never_get_a_view_of_the_mapping(tmp_path):
         assert reader.is_mapped(key)
         assert pipeline.sendable(reader.view(key, box), spec.dtype)  # an accelerator would take it
         assert pipeline.mapped_run(reader, key, box, spec.dtype, jax.devices()[:1]) is None
+    finally:
+        reader.close()
+
+
+def test_a_piece_sent_whole_from_its_mapping_may_have_rows_larger_than_a_slot(tmp_path):
+    """Rows larger than a slot keep a piece out of the ring only where it would be cut into
+    row blocks in slots: a piece sent whole from a memory map (`mapped_run`, accelerators
+    only) takes no slot's bytes, whatever its rows. The views here are the reader's own
+    (`mapped_runs` gives none on CPU devices: see the test above)."""
+    _, path, _ = _wide(tmp_path)  # the kernel: (512, 1024) float32, rows of 4 KiB
+    reader = open_reader(path)
+    try:
+        key = "layers/dense/vars/0"
+        spec = reader.spec(key)
+        mesh = jax.sharding.Mesh(np.array(jax.devices()), ("model",))
+        sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("model", None))
+        parts = readplan.pieces(sharding.addressable_devices_indices_map(spec.shape), spec.shape)
+        assert reader.is_mapped(key) and len(parts) == 8
+        views = [reader.view(key, p.box) for p in parts]
+        assert all(pipeline.sendable(v, spec.dtype) for v in views)  # 64 whole rows each: one run
+        slot = 1024
+        assert not pipeline.fits(parts, spec.dtype.itemsize, slot)  # in slots: no row fits one
+        assert pipeline.fits(parts, spec.dtype.itemsize, slot, views)  # whole from the mapping: no slot
+        assert not pipeline.fits(parts, spec.dtype.itemsize, slot, [None, *views[1:]])  # one piece in slots
+        assert pipeline.fits(parts, spec.dtype.itemsize, 4096)  # rows of one slot: in slots
+        assert pipeline.mapped_runs(reader, key, parts, spec.dtype) == [None] * 8  # CPU devices
+        del views
     finally:
         reader.close()

@@ -50,7 +50,7 @@ class _Batches:
         self.n = state["n"]
 
 
-def _model() -> keras.Model:
+def _two_dense_adam_regressor() -> keras.Model:
     keras.utils.set_random_seed(2)
     # Explicit names: every model of a test has the same variable paths.
     model = keras.Sequential([keras.Input((6,)), keras.layers.Dense(8, name="a"), keras.layers.Dense(1, name="b")],
@@ -66,7 +66,7 @@ def test_sigterm_saves_commits_and_stops_fit_in_process(tmp_path, save_freq, exp
     data = _Batches()
     ckpt = OrbaxCheckpoint(str(tmp_path), save_freq=save_freq, max_to_keep=3, data_iterator=data)
     sender = sigterm_at(6)  # before ckpt: the notice is there at ckpt's hook of batch 6
-    model = _model()
+    model = _two_dense_adam_regressor()
     model.fit(ckpt.batches(), steps_per_epoch=4, epochs=3, callbacks=[sender, ckpt], verbose=0)
     assert sender.seen == 6, "fit must stop at the step boundary after the notice"
     assert ckpt.preempted_step == expected_step and ckpt.preemption_mode == "signal"
@@ -80,7 +80,7 @@ def test_sigterm_saves_commits_and_stops_fit_in_process(tmp_path, save_freq, exp
         assert info.steps == [4, 6]
     # The committed step holds the state fit stopped with.
     stopped = [np.asarray(v.value) for v in model.trainable_variables + model.optimizer.variables]
-    check = _model()
+    check = _two_dense_adam_regressor()
     restore_latest(check, str(tmp_path))
     for want, v in zip(stopped, check.trainable_variables + check.optimizer.variables):
         np.testing.assert_array_equal(np.asarray(v.value), want, err_msg=v.path)
@@ -89,7 +89,7 @@ def test_sigterm_saves_commits_and_stops_fit_in_process(tmp_path, save_freq, exp
     # mid-epoch step 1 is replaced by the full epoch's step 1.
     again = OrbaxCheckpoint(str(tmp_path), save_freq=save_freq, max_to_keep=3, resume=True,
                             data_iterator=_Batches())
-    model2 = _model()
+    model2 = _two_dense_adam_regressor()
     model2.fit(again.batches(), steps_per_epoch=4, epochs=3, callbacks=[again], verbose=0)
     assert again.resumed.step == expected_step and again.preempted_step is None
     meta = inspect(str(tmp_path)).metadata
@@ -104,7 +104,7 @@ def test_epoch_mode_keeps_the_last_whole_epoch_beside_a_preempted_one(tmp_path):
     partial step 1 before it saves the whole epoch 1 under the same number; a
     kill between the two finds step 0, not an empty folder."""
     ckpt = OrbaxCheckpoint(str(tmp_path), save_freq="epoch", data_iterator=_Batches())
-    model = _model()
+    model = _two_dense_adam_regressor()
     model.fit(ckpt.batches(), steps_per_epoch=4, epochs=3, callbacks=[sigterm_at(6), ckpt], verbose=0)
     assert ckpt.preempted_step == 1
     assert inspect(str(tmp_path)).steps == [0, 1]
@@ -114,11 +114,11 @@ def test_epoch_mode_keeps_the_last_whole_epoch_beside_a_preempted_one(tmp_path):
     # before the whole epoch 1 commits. What is left resumes from epoch 0's end.
     window = tmp_path / "window"
     shutil.copytree(tmp_path / "0", window / "0")
-    info = restore_latest(_model(), str(window))
+    info = restore_latest(_two_dense_adam_regressor(), str(window))
     assert info.step == 0 and info.epoch_complete and info.total_batches == 4
 
     again = OrbaxCheckpoint(str(tmp_path), save_freq="epoch", resume=True, data_iterator=_Batches())
-    model2 = _model()
+    model2 = _two_dense_adam_regressor()
     model2.fit(again.batches(), steps_per_epoch=4, epochs=3, callbacks=[again], verbose=0)
     assert again.resumed.step == 1
     # Once whole epochs follow, max_to_keep=1 holds again.
@@ -134,20 +134,20 @@ def test_rerun_with_only_the_last_batch_left_ends_at_the_unbroken_runs_data_posi
     so a following fit starts on the same batch, and the arrays are bit-equal.
     """
     ref_data = _Batches()
-    ref = _model()
+    ref = _two_dense_adam_regressor()
     ref.fit((b for b in ref_data), steps_per_epoch=4, epochs=3, verbose=0)  # Keras alone, uninterrupted
     assert ref_data.get_state() == {"n": 12}
 
     ckpt = OrbaxCheckpoint(str(tmp_path), save_freq=11, data_iterator=_Batches())
     stopper = sigterm_at(11) if stop == "sigterm" else AtBatch(11, lambda m: setattr(m, "stop_training", True))
-    _model().fit(ckpt.batches(), steps_per_epoch=4, epochs=3, callbacks=[stopper, ckpt], verbose=0)
+    _two_dense_adam_regressor().fit(ckpt.batches(), steps_per_epoch=4, epochs=3, callbacks=[stopper, ckpt], verbose=0)
     assert ckpt.preempted_step == (11 if stop == "sigterm" else None)
     meta = inspect(str(tmp_path)).metadata
     assert (meta["total_batches"], meta["epoch"], meta["batch"], meta["epoch_complete"]) == (11, 2, 3, False)
 
     data = _Batches()
     again = OrbaxCheckpoint(str(tmp_path), save_freq=11, resume=True, data_iterator=data)
-    model = _model()
+    model = _two_dense_adam_regressor()
     model.fit(again.batches(), steps_per_epoch=4, epochs=3, callbacks=[again], verbose=0)
     assert again.resumed.step == 11 and model.history.epoch == [2]
     assert data.get_state() == ref_data.get_state()
@@ -162,7 +162,7 @@ def test_a_batches_generator_fed_to_a_second_fit_is_left_where_keras_left_it(tmp
     data = _Batches()
     ckpt = OrbaxCheckpoint(str(tmp_path), save_freq=100, data_iterator=data)
     batches = ckpt.batches()
-    model = _model()
+    model = _two_dense_adam_regressor()
     model.fit(batches, steps_per_epoch=3, epochs=1, callbacks=[ckpt], verbose=0)
     assert data.get_state() == {"n": 3}
     model.fit(batches, steps_per_epoch=3, epochs=1, callbacks=[ckpt], verbose=0)
@@ -178,7 +178,7 @@ def test_sigterm_handler_is_only_installed_during_fit(tmp_path):
     previous = signal.signal(signal.SIGTERM, mine)
     try:
         ckpt = OrbaxCheckpoint(str(tmp_path), save_freq="epoch")
-        model = _model()
+        model = _two_dense_adam_regressor()
         model.fit(np.ones((8, 6), "float32"), np.ones((8, 1), "float32"), epochs=1, callbacks=[ckpt], verbose=0)
         assert signal.getsignal(signal.SIGTERM) is mine
         os.kill(os.getpid(), signal.SIGTERM)

@@ -83,7 +83,7 @@ def test_signatures_match_the_design():
 
     p = _params(shardckpt.from_preset)
     assert list(p)[:1] == ["preset"]
-    for kw in ("mesh", "layout", "dtype", "cls"):
+    for kw in ("mesh", "layout", "dtype", "cls", "max_inflight_bytes"):
         assert p[kw].kind is pyinspect.Parameter.KEYWORD_ONLY and p[kw].default is None, kw
 
     p = _params(shardckpt.auto_layout)

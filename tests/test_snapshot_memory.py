@@ -14,7 +14,7 @@ from shardckpt.training import snapshot as snapshot_lib
 from tests.support import column_then_row_parallel
 
 
-def _model() -> keras.Model:
+def _mlp_256_512_256() -> keras.Model:
     keras.utils.set_random_seed(0)
     inputs = keras.Input((256,), name="x")
     h = keras.layers.Dense(512, activation="relu", name="d0")(inputs)
@@ -68,7 +68,7 @@ class _Sampler:
 
 def test_device_snapshot_holds_at_most_one_copy_of_the_state_during_a_save(tmp_path):
     keras.distribution.set_distribution(column_then_row_parallel("d0", "d1"))
-    model = _model()
+    model = _mlp_256_512_256()
     x = np.random.default_rng(1).standard_normal((64, 256)).astype("float32")
     model.fit(x[:16], x[:16], batch_size=16, verbose=0)  # state built, step compiled
     state = [v.value for v in model.variables] + [v.value for v in model.optimizer.variables]
@@ -88,7 +88,7 @@ def test_device_snapshot_holds_at_most_one_copy_of_the_state_during_a_save(tmp_p
 
 def test_to_host_dropping_moves_every_leaf_to_host_memory_and_deletes_the_device_copy():
     keras.distribution.set_distribution(column_then_row_parallel("d0", "d1"))
-    model = _model()
+    model = _mlp_256_512_256()
     x = np.ones((16, 256), "float32")
     model.fit(x, x, batch_size=16, verbose=0)
     tree, used = snapshot_lib.snapshot_state(model, mode="device")

@@ -22,7 +22,7 @@ from shardckpt.errors import CheckpointNotFoundError, IncompleteCheckpointError
 from shardckpt.formats.orbax import ondisk, removal
 
 
-def _model() -> keras.Model:
+def _dense_4_to_3() -> keras.Model:
     keras.backend.clear_session()
     inputs = keras.Input((4,), name="x")
     model = keras.Model(inputs, keras.layers.Dense(3, name="d")(inputs))
@@ -32,7 +32,7 @@ def _model() -> keras.Model:
 
 @pytest.fixture(scope="module")
 def model_file(tmp_path_factory) -> tuple[str, np.ndarray]:
-    model = _model()
+    model = _dense_4_to_3()
     kernel = np.arange(12, dtype="float32").reshape(4, 3)
     model.layers[1].kernel.assign(kernel)
     path = str(tmp_path_factory.mktemp("src") / "m.keras")
@@ -66,7 +66,8 @@ def _root(tmp_path, source, steps=(2, 4)) -> str:
 def _three_readers(root: str):
     """The error (type, or None) `load_sharded`, `restore_latest` and `inspect` give for `root`."""
     out = []
-    for call in (lambda: shardckpt.load_sharded(_model(), root), lambda: shardckpt.restore_latest(_model(), root),
+    for call in (lambda: shardckpt.load_sharded(_dense_4_to_3(), root),
+                 lambda: shardckpt.restore_latest(_dense_4_to_3(), root),
                  lambda: shardckpt.inspect(root)):
         try:
             call()
@@ -85,10 +86,10 @@ def test_readers_agree_on_a_root_left_with_only_leftovers(tmp_path, source, left
     os.rename(os.path.join(root, "2"), os.path.join(root, "2" + left))
     assert _three_readers(root) == [IncompleteCheckpointError] * 3
     with pytest.raises(IncompleteCheckpointError, match="save was interrupted" if "tmp" in left else "delete was"):
-        shardckpt.restore_latest(_model(), root)
+        shardckpt.restore_latest(_dense_4_to_3(), root)
     shutil.rmtree(os.path.join(root, os.listdir(root)[0]))
     with pytest.raises(CheckpointNotFoundError):  # nothing at all: not found
-        shardckpt.restore_latest(_model(), root)
+        shardckpt.restore_latest(_dense_4_to_3(), root)
 
 
 @pytest.mark.parametrize("remove", [ondisk.STEP_METADATA, "pytree", "pytree/_METADATA", "pytree/manifest.ocdbt"])
@@ -103,11 +104,11 @@ def test_a_half_deleted_step_is_not_committed(tmp_path, source, remove):
     assert ondisk.resolve_step(root) == os.path.join(root, "2")
     info = shardckpt.inspect(root)
     assert info.step == 2 and info.steps == [2] and info.incomplete == ["4"]
-    model = _model()
+    model = _dense_4_to_3()
     shardckpt.load_sharded(model, root)
     np.testing.assert_array_equal(np.asarray(model.layers[1].kernel.value), source[1])
     with pytest.raises(IncompleteCheckpointError, match="not a whole step"):
-        shardckpt.load_sharded(_model(), os.path.join(root, "4"))
+        shardckpt.load_sharded(_dense_4_to_3(), os.path.join(root, "4"))
 
 
 def test_a_recorded_item_missing_makes_the_step_incomplete(tmp_path, source):
@@ -179,7 +180,7 @@ def test_convert_removes_temporaries_of_killed_converts(tmp_path, source, caplog
 
 
 def test_export_removes_what_a_killed_export_left(tmp_path, caplog):
-    model = _model()
+    model = _dense_4_to_3()
     dst = str(tmp_path / "exported")
     for suffix in (".shardckpt-partial", ".shardckpt-old"):
         os.makedirs(dst + suffix)

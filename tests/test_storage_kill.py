@@ -26,14 +26,14 @@ print("finished")
 """
 
 
-def _model() -> keras.Model:
+def _wide_dense() -> keras.Model:
     keras.backend.clear_session()
     inputs = keras.Input((1024,))
     return keras.Model(inputs, keras.layers.Dense(4096, name="wide")(inputs))
 
 
 def test_sigkill_during_save_to_bucket_leaves_no_committed_step(tmp_path, bucket):
-    model = _model()
+    model = _wide_dense()
     model.layers[1].kernel.assign(np.random.default_rng(0).standard_normal((1024, 4096), dtype=np.float32))
     src = str(tmp_path / "wide.keras")  # 16 MiB, architecture included
     model.save(src)
@@ -62,12 +62,12 @@ def test_sigkill_during_save_to_bucket_leaves_no_committed_step(tmp_path, bucket
     with pytest.raises(errors.IncompleteCheckpointError, match="commit_success.txt"):
         shardckpt.inspect(root.url)
     with pytest.raises(errors.IncompleteCheckpointError, match="never committed"):
-        shardckpt.load_sharded(_model(), step.url)
+        shardckpt.load_sharded(_wide_dense(), step.url)
     with pytest.raises(errors.DestinationExistsError):
         shardckpt.convert(src, step.url)
 
     shardckpt.convert(src, step.url, force=True)
-    restored = _model()
+    restored = _wide_dense()
     shardckpt.load_sharded(restored, root.url)
     np.testing.assert_array_equal(np.asarray(restored.layers[1].kernel.value), np.asarray(model.layers[1].kernel.value))
     assert shardckpt.inspect(root.url).steps == [1]

@@ -67,8 +67,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--max-inflight-mb", type=_positive_int, default=None,
                    help="array data in memory at once (MiB; default: this host's, 64 per core within "
                    f"256 and min(4096, memory/32): {default_max_inflight_bytes() // 2**20}; with --to hf, "
-                   "keras-hub or safetensors it bounds the writing, and loading the model takes "
-                   "load_sharded's own default, at least 4096 per local accelerator within memory/32)")
+                   "keras-hub or safetensors it bounds loading the model, then the writing; without it the "
+                   "load takes load_sharded's default, at least 4096 per local accelerator within memory/32, "
+                   "and the report names the load's budget)")
     p.add_argument("--force", action="store_true", help="replace DST if it exists")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.add_argument("--json", action="store_true", help="print the report as JSON")

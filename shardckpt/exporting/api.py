@@ -30,7 +30,7 @@ import os
 import sys
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -48,6 +48,9 @@ from shardckpt.progress import ByteProgress
 from shardckpt.storage import commit
 from shardckpt.types import DType, Model
 
+if TYPE_CHECKING:
+    from shardckpt.restore import LoadReport
+
 _log = logging.getLogger("shardckpt")
 
 
@@ -64,6 +67,10 @@ class ExportReport:
         bytes_written: Bytes of tensor data this process wrote.
         seconds: Wall time of this call.
         process_index: This process's `jax.process_index()`.
+        load: The load of the model before it was exported, where
+            `shardckpt.convert` loaded it (`to="hf"`, "keras-hub",
+            "safetensors"): its `LoadReport`, the budget it ran with
+            included. None from `export` itself.
     """
 
     path: str
@@ -74,12 +81,19 @@ class ExportReport:
     bytes_written: int
     seconds: float
     process_index: int
+    load: LoadReport | None = None
 
     def __str__(self) -> str:
-        return (
+        text = (
             f"exported {self.arrays} arrays ({self.bytes_total / 1e6:.1f} MB, this process wrote "
             f"{self.bytes_written / 1e6:.1f} MB) as {self.format} to {self.path} in {self.seconds:.2f} s"
         )
+        if self.load is None:
+            return text
+        lines = [str(self.load)]
+        if self.load.transfer != "ring":  # the ring's line names the budget already
+            lines.append(f"Host-memory budget of the load: {self.load.budget}.")
+        return "\n".join([*lines, text])
 
 
 def _barrier(name: str) -> None:

@@ -10,6 +10,7 @@ stay in their own layers and this module, above them, only routes.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from typing import Any, Literal, overload
 
@@ -21,8 +22,8 @@ from shardckpt.exporting import ExportReport, export
 from shardckpt.formats import FORMATS, detect_format
 from shardckpt.formats.orbax.writer import DEFAULT_COMPRESSION
 from shardckpt.layout import auto_layout
-from shardckpt.presets import from_preset
-from shardckpt.restore import load_sharded
+from shardckpt.presets import load_preset
+from shardckpt.restore import LoadReport, load_sharded
 from shardckpt.types import DType, Layout, Mesh, Model
 
 TARGETS = ("orbax", "hf", "keras-hub", "safetensors")
@@ -135,12 +136,15 @@ def convert(
         compression: Orbax only: "none" or "zstd".
         max_shard_size: Other targets: files of at most this size (e.g. "5GB").
         max_inflight_bytes: Most bytes of array data in memory at once (None:
-            the host's default).
+            the host's default). Other targets: it bounds the model's load
+            (`load_sharded`'s budget; None: its default, larger with local
+            accelerators) and then the writing.
         force: Replace an existing `dst`.
         progress: Show a progress bar. None: when stderr is a terminal.
 
     Returns:
-        A `ConvertReport` (orbax) or an `ExportReport` (the other targets).
+        A `ConvertReport` (orbax) or an `ExportReport` (the other targets;
+        its `load` is the model's `LoadReport`).
 
     Raises:
         ValueError: `to` is not one of `TARGETS`, or an option of another target.
@@ -166,20 +170,23 @@ def convert(
             f"compression applies to to='orbax'; {to!r} files are not compressed. Fix: drop it. "
             f"Received: compression={compression!r}"
         )
-    loaded = _load(src, to=to, model=model, layout=layout, mesh=mesh)
-    return export(
+    loaded, load = _load(src, to=to, model=model, layout=layout, mesh=mesh, max_inflight_bytes=max_inflight_bytes)
+    report = export(
         loaded, dst, format=to, max_shard_size=max_shard_size, dtype=dtype,
         max_inflight_bytes=max_inflight_bytes, progress=progress, overwrite=force,
     )
+    return dataclasses.replace(report, load=load)
 
 
-def _load(src: str | os.PathLike, *, to: str, model: Any, layout: Any, mesh: Any) -> Any:
-    """The model of `src`, loaded sharded (and the Keras distribution set to its plan)."""
+def _load(
+    src: str | os.PathLike, *, to: str, model: Any, layout: Any, mesh: Any, max_inflight_bytes: int | None
+) -> tuple[Any, LoadReport]:
+    """The model of `src`, loaded sharded (and the Keras distribution set to its plan), and the load's report."""
     import keras
 
     source = storage.parse(src, what="src").url
     if model is None and _names_its_model(source):
-        return from_preset(source, mesh=mesh, layout=layout)
+        return load_preset(source, mesh=mesh, layout=layout, max_inflight_bytes=max_inflight_bytes)
     if model is None:
         if not source.endswith(".keras"):
             raise ModelRequiredError(
@@ -195,8 +202,7 @@ def _load(src: str | os.PathLike, *, to: str, model: Any, layout: Any, mesh: Any
     if isinstance(distribution, keras.distribution.LayoutMap):
         distribution = keras.distribution.ModelParallel(layout_map=distribution)
     keras.distribution.set_distribution(distribution)
-    load_sharded(model, source, layout=distribution)
-    return model
+    return model, load_sharded(model, source, layout=distribution, max_inflight_bytes=max_inflight_bytes)
 
 
 def _names_its_model(source: str) -> bool:

@@ -8,6 +8,6 @@ with `registered_name`, `model.weights.h5` or a sharded `model.weights.json`),
 
 # hf fills the formats' reader slot of Hugging Face folders (keras-hub is imported lazily).
 from shardckpt.presets import hf as hf
-from shardckpt.presets.load import from_preset, preset_kind
+from shardckpt.presets.load import from_preset, load_preset, preset_kind
 
-__all__ = ["from_preset", "preset_kind"]
+__all__ = ["from_preset", "load_preset", "preset_kind"]

@@ -28,7 +28,7 @@ from shardckpt.formats.preset import TASK_WEIGHTS, has_files
 from shardckpt.layout import auto_layout
 from shardckpt.layout.choose import announce
 from shardckpt.presets import hf, kerashub
-from shardckpt.restore import load_sharded
+from shardckpt.restore import LoadReport, load_sharded
 from shardckpt.types import DType, Layout, Mesh, Model
 
 _KINDS = {"preset": "keras-hub", "hf": "hf"}
@@ -65,6 +65,7 @@ def from_preset(
     cls: type[Model] | None = None,
     fsdp: bool = False,
     devices: int | Sequence[Any] | None = None,
+    max_inflight_bytes: int | None = None,
 ) -> Model:
     """Builds a pretrained model and loads every variable straight into its sharding.
 
@@ -113,6 +114,9 @@ def from_preset(
             `auto_layout`). Ignored when `layout` is given.
         devices: A device count or devices for `mesh` given by shape or
             "auto" (default: all). Ignored when `layout` is given.
+        max_inflight_bytes: Most bytes of host memory the load holds at once
+            beyond the final state, as `load_sharded`'s (None: its default,
+            this host's budget, larger with local accelerators).
 
     Returns:
         The model, every variable loaded in its sharding, with the
@@ -125,7 +129,31 @@ def from_preset(
         CheckpointMismatchError, CorruptCheckpointError, LayoutError, ...:
             see `load_sharded` and `auto_layout`.
     """
+    model, _ = load_preset(
+        preset, mesh=mesh, layout=layout, dtype=dtype, cls=cls, fsdp=fsdp, devices=devices,
+        max_inflight_bytes=max_inflight_bytes,
+    )
+    return model
 
+
+def load_preset(
+    preset: str | os.PathLike,
+    *,
+    mesh: Mesh | Literal["auto"] | None = None,
+    layout: Layout = None,
+    dtype: DType = None,
+    cls: type[Model] | None = None,
+    fsdp: bool = False,
+    devices: int | Sequence[Any] | None = None,
+    max_inflight_bytes: int | None = None,
+) -> tuple[Model, LoadReport]:
+    """`from_preset`, returning the load's report too (`shardckpt.convert` reports it).
+
+    Args and Raises: see `from_preset`.
+
+    Returns:
+        The model, and the `LoadReport` of its weights' load.
+    """
     source = os.fspath(preset)
     task = cls is not None and kerashub.is_task_class(cls)
     folder = _local_folder(source, task=task)
@@ -149,12 +177,12 @@ def from_preset(
     # A task whose preset carries no task weights (a backbone preset loaded as
     # a task) gets its own layers' initial values, as keras-hub gives them.
     strict = not (task and not _has_task_weights(folder))
-    report = _load(model, folder, distribution, strict=strict, kind=kind)
+    report = _load(model, folder, distribution, strict=strict, kind=kind, max_inflight_bytes=max_inflight_bytes)
     if not strict:
         _check_only_task_layers_missing(model, report)
     if task and kind == "keras-hub":
         model.compile()  # keras-hub's default compilation, deferred by `kerashub.build`
-    return model
+    return model, report
 
 
 # from_preset has no strict=: the advice for a keras-hub preset whose weights
@@ -165,11 +193,13 @@ _PRESET_FIX = (
 )
 
 
-def _load(model: Any, folder: str, distribution: Any, *, strict: bool, kind: str) -> Any:
+def _load(
+    model: Any, folder: str, distribution: Any, *, strict: bool, kind: str, max_inflight_bytes: int | None
+) -> LoadReport:
     from shardckpt.errors import CheckpointMismatchError
 
     try:
-        return load_sharded(model, folder, layout=distribution, strict=strict)
+        return load_sharded(model, folder, layout=distribution, strict=strict, max_inflight_bytes=max_inflight_bytes)
     except CheckpointMismatchError as e:
         if kind != "keras-hub":
             raise

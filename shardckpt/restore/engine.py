@@ -104,10 +104,14 @@ class LoadReport(ReadTally):
         ))
         if self.transfer == "ring":
             lines.append(
-                f"Transfers through a ring of {self.ring_bytes / 2**20:.0f} MiB of host buffers "
-                f"(budget {self.max_inflight_bytes / 2**20:.0f} MiB, {self.budget_rule})."
+                f"Transfers through a ring of {self.ring_bytes / 2**20:.0f} MiB of host buffers (budget {self.budget})."
             )
         return "\n".join(lines)
+
+    @property
+    def budget(self) -> str:
+        """The budget and how it was chosen, in words: "256 MiB, given"."""
+        return f"{self.max_inflight_bytes / 2**20:.0f} MiB, {self.budget_rule}"
 
 
 def load_sharded(

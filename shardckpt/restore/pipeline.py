@@ -26,7 +26,8 @@ Mapped files on accelerators skip the slots: a piece that is one contiguous
 run of a memory-mapped file (`mapped_run`) goes to its device straight from
 the mapping, whole, in one `device_put` (the runtime stages it through its
 own pinned buffers). Copying it into a slot first only added a pass over
-every byte, and cutting it into blocks a join on the device. Such a transfer
+every byte, and cutting it into blocks a join on the device. No slot holds
+its bytes, so its rows may be larger than a slot (`fits`). Such a transfer
 still takes a slot while it runs, unused, so the slots bound how many are in
 flight; its read is the runtime's, inside the transfer (recorded as a read of
 no duration).
@@ -241,9 +242,22 @@ def blocks(box: Box, row_bytes: int, slot_bytes: int, align: int = 1) -> list[Bo
     ]
 
 
-def fits(parts: Sequence[readplan.Piece], itemsize: int, slot_bytes: int) -> bool:
-    """Whether every piece can go through slots (each row of it fits one)."""
-    for part in parts:
+def fits(
+    parts: Sequence[readplan.Piece],
+    itemsize: int,
+    slot_bytes: int,
+    views: Sequence[np.ndarray | None] | None = None,
+) -> bool:
+    """Whether every piece can go through the ring.
+
+    A piece with a view in `views` (`mapped_runs`) goes to its devices whole,
+    straight from the mapping: no slot holds its bytes, so its rows may be of
+    any size. Any other piece is cut into row blocks within a slot, so each
+    of its rows must fit one.
+    """
+    for i, part in enumerate(parts):
+        if views is not None and views[i] is not None:
+            continue
         shape = part.shape
         row = int(np.prod(shape[1:], dtype=np.int64)) * itemsize if shape else itemsize
         if row > slot_bytes:
@@ -264,6 +278,11 @@ def mapped_run(reader: Reader, key: str, box: Box, dtype: np.dtype, devices: Seq
         return None
     view = reader.view(key, box)
     return view if sendable(view, dtype) else None
+
+
+def mapped_runs(reader: Reader, key: str, parts: Sequence[readplan.Piece], dtype: np.dtype) -> list[np.ndarray | None]:
+    """Each piece's view of a memory map where it goes straight from there (`mapped_run`), else None."""
+    return [mapped_run(reader, key, p.box, dtype, p.devices) if p.box else None for p in parts]
 
 
 def sendable(view: np.ndarray, dtype: np.dtype) -> bool:
@@ -289,10 +308,12 @@ def through_ring(
     dtype: np.dtype,
     advance: Callable[[int], None],
     align: int = 1,
+    views: Sequence[np.ndarray | None] | None = None,
 ) -> list[jax.Array]:
     """Every piece on each of its devices, read through the ring.
 
     `align`: rows of a stored chunk, which blocks keep whole (see `blocks`).
+    `views`: `mapped_runs` of `parts`, when the caller has them already.
 
     Returns:
         One array per (piece, device), in the order of `parts` and their
@@ -302,8 +323,9 @@ def through_ring(
     timeline = ring.timeline
     singles: list[jax.Array] = []
     sent = 0
-    for part in parts:
-        view = mapped_run(reader, key, part.box, dtype, part.devices) if part.box else None
+    if views is None:
+        views = mapped_runs(reader, key, parts, dtype)
+    for part, view in zip(parts, views, strict=True):
         if view is not None:
             slot = ring.take()  # unused: it bounds the transfers in flight
             try:

@@ -118,29 +118,35 @@ def load_variable(
         Bytes read, and host bytes of the value it replaced (now free).
     """
     load = Load.of(job, reader)
-    if ring is not None and _ringable(load, reader, ring):
-        return by_ring(load, reader, ring, advance)
+    if ring is not None and not load.cast:
+        views = pipeline.mapped_runs(reader, job.key, load.parts, load.stored.dtype)
+        if _ringable(load, reader, ring, views):
+            return by_ring(load, reader, ring, advance, views)
     return choose(load, reader, budget)(load, reader, budget, advance)
 
 
-def _ringable(load: Load, reader: Reader, ring: pipeline.Ring) -> bool:
+def _ringable(load: Load, reader: Reader, ring: pipeline.Ring, views: list[np.ndarray | None]) -> bool:
     """Whether `load` can go through the ring: no cast (slots hold stored bytes, and
-    the variable's dtype would need a second buffer), every row within a slot,
-    and a stored chunk (decoded whole) within a slot too."""
-    if load.cast or not pipeline.fits(load.parts, load.stored.dtype.itemsize, ring.slot_bytes):
+    the variable's dtype would need a second buffer), every row of a piece cut
+    into slots within a slot (a piece sent whole from its mapping, `views`,
+    takes no slot's bytes), and a stored chunk (decoded whole) within a slot too."""
+    if load.cast or not pipeline.fits(load.parts, load.stored.dtype.itemsize, ring.slot_bytes, views):
         return False
     return not isinstance(reader, ChunkedReader) or reader.chunk_bytes(load.job.key) <= ring.slot_bytes
 
 
-def by_ring(load: Load, reader: Reader, ring: pipeline.Ring, advance: Advance) -> tuple[int, int]:
+def by_ring(
+    load: Load, reader: Reader, ring: pipeline.Ring, advance: Advance, views: list[np.ndarray | None] | None = None
+) -> tuple[int, int]:
     """Reads every piece into the ring's slots and sends each slot to its devices as it fills.
 
-    Nothing waits for a transfer here: the ring does, when it hands the slot
-    out again (and the engine, for all of them, before the load returns).
-    The ring's bytes are held from the budget for the whole load.
+    Pieces with a view in `views` (`pipeline.mapped_runs`) go whole, straight
+    from their mapping. Nothing waits for a transfer here: the ring does, when
+    it hands the slot out again (and the engine, for all of them, before the
+    load returns). The ring's bytes are held from the budget for the whole load.
     """
     align = (reader.chunk_rows(load.job.key) or 1) if isinstance(reader, ChunkedReader) else 1
-    singles = pipeline.through_ring(ring, reader, load.job.key, load.parts, load.stored.dtype, advance, align)
+    singles = pipeline.through_ring(ring, reader, load.job.key, load.parts, load.stored.dtype, advance, align, views)
     value = jax.make_array_from_single_device_arrays(load.shape, load.job.target.sharding, singles)
     released = hostmem.host_bytes(assign(load.job.variable, value, load.job.target))
     return load.piece_bytes(load.stored.dtype.itemsize), released
