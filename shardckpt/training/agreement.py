@@ -159,7 +159,8 @@ class Agreement:
             # process's silence, anything else is raised as it is.
             if not str(e).startswith(_NO_ANSWER):
                 raise
-            said = f"no answer within {limit:.0f} s ({type(e).__name__}: {str(e).splitlines()[0][:200]})"
+            within = f" within {limit:.0f} s" if str(e).startswith("DEADLINE_EXCEEDED") else ""
+            said = f"no answer{within} ({type(e).__name__}: {str(e).splitlines()[0][:200]})"
             if self.index == 0:
                 return said  # reported to the others in the verdict
             raise ProcessSaveError(
