@@ -14,6 +14,9 @@ environment). Modes:
   second save (its pieces written, not yet reported).
 * "resume": `fit(resume=True)` into `URL/run`, then the same run unbroken into
   `URL/ref`; each process compares its shards of the two.
+* "two": `fit` with two callbacks, into `URL/run` every 2 batches and into
+  `URL/epochs` every epoch; `restore_latest` from each root, every shard of
+  this process checked against the trained values.
 
 Each process writes what it saw to `<mode><id>.json`.
 """
@@ -91,8 +94,9 @@ def train(url, scheme):
     out = {}
     model, _, _, data = fit(f"{url}/run")
     trained = values(model)
-    # Coordination keys left behind by the 3 saves and the root's opening.
-    out["agreement_keys"] = sorted(k for k, _ in distributed_client().key_value_dir_get("shardckpt/bucket_save/"))
+    # Coordination keys of this root left behind by the 3 saves and the root's opening.
+    out["agreement_keys"] = sorted(k for k, _ in distributed_client().key_value_dir_get(
+        f"{agreement.root_keys(f'{url}/run')}/"))
     if process_id == 0:
         np.savez(os.path.join(folder, f"expected_{scheme}.npz"), **trained)
     # Restore on the same 2 processes into a model with other values.
@@ -171,6 +175,24 @@ def kill(url, scheme):
     return {}
 
 
+def two(url, scheme):
+    """Two callbacks, each into its own root: every 2 batches into `URL/run`, every epoch into
+    `URL/epochs` (both save at once after the last batch); each root restores the trained state."""
+    epochs = OrbaxCheckpoint(f"{url}/epochs", save_freq="epoch", max_to_keep=2)
+    model, _, _, _ = fit(f"{url}/run", callbacks=[epochs])
+    epochs.wait_until_finished()
+    trained = values(model)
+    out = {}
+    for root in ("run", "epochs"):
+        model, distribution = fresh_model(99)
+        model.fit(np.zeros((8, 12), "float32"), np.zeros((8, 1), "float32"), batch_size=8, verbose=0)
+        info = restore_latest(model, f"{url}/{root}")
+        keys = distributed_client().key_value_dir_get(f"{agreement.root_keys(f'{url}/{root}')}/")
+        out[root] = {"step": info.step, "shards": check_shards(model, distribution, trained),
+                     "saves_left": sorted({k.split("/")[3] for k, _ in keys})}
+    return out
+
+
 def resume(url, scheme):
     model, _, ckpt, data = fit(f"{url}/run", resume=True)
     resumed = values(model)
@@ -182,7 +204,7 @@ def resume(url, scheme):
 result = {}
 for url in urls:
     scheme = url.split(":", 1)[0]
-    result[scheme] = {"train": train, "kill": kill, "resume": resume}[mode](url, scheme)
+    result[scheme] = {"train": train, "kill": kill, "resume": resume, "two": two}[mode](url, scheme)
 if mode == "train":
     result["preempt"] = preempt(urls[-1])
 with open(os.path.join(folder, f"{mode}{process_id}.json"), "w") as f:

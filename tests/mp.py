@@ -41,12 +41,12 @@ def start_pair(worker: str, *args: str, env: dict[str, str] | None = None) -> li
     ]
 
 
-def run_pair(worker: str, *args: str, timeout: float = 240) -> list[str]:
+def run_pair(worker: str, *args: str, timeout: float = 240, env: dict[str, str] | None = None) -> list[str]:
     """Runs `tests/<worker> <process id> <port> *args` as processes 0 and 1; both must exit 0.
 
-    Returns the two outputs (stdout and stderr together).
+    `env` adds to the environment. Returns the two outputs (stdout and stderr together).
     """
-    procs = start_pair(worker, *args)
+    procs = start_pair(worker, *args, env=env)
     outputs = []
     for p in procs:
         try:

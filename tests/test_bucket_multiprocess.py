@@ -3,8 +3,9 @@
 One launch of the pair (`_mp_bucket_worker.py` "train") does, for each bucket:
 fit and restore on both processes, a bucket refusing process 1 alone, and a
 SIGTERM to process 0 alone; the steps are then read here in 1 process
-(resharded, Keras' `load_model`, `inspect`, `verify`). Two more launches: a
-SIGKILL of process 1 in the middle of a save, then the resume.
+(resharded, Keras' `load_model`, `inspect`, `verify`). One launch ("two"):
+two callbacks into two roots, each restored. Two more launches: a SIGKILL of
+process 1 in the middle of a save, then the resume.
 """
 
 from __future__ import annotations
@@ -45,9 +46,9 @@ def test_two_processes_save_into_buckets_and_restore_on_two_and_on_one(tmp_path,
             assert r["restored"]["step"] == 6 and r["restored"]["shards"] > 0, r
             assert r["restored"]["iterator"][0] == r["restored"]["iterator"][1], (i, r)
             assert r["keras"]["shards"] > 0, r
-        # Process 0 deleted the coordination keys of every earlier save: the last one's are left.
+        # Process 0 deleted the coordination keys of every earlier save into the root: the last one's are left.
         for r in got:
-            saves = {k.split("/")[2] for k in r["agreement_keys"]}
+            saves = {k.split("/")[3] for k in r["agreement_keys"]}
             assert len(saves) == 1 and any(k.endswith("/commit/verdict") for k in r["agreement_keys"]), r
         # One step layout: each process's own OCDBT store, merged into pytree/'s.
         keys = storage.list_keys(storage.parse(f"{run}/6/pytree"))
@@ -100,6 +101,21 @@ def test_two_processes_save_into_buckets_and_restore_on_two_and_on_one(tmp_path,
     assert preempt.step == pre[0]["step"] and preempt.incomplete == []
     # A later fit in the same processes runs to its end: the old notice stops nothing.
     assert [p["after"] for p in pre] == [{"step": None, "epochs": [0, 1, 2, 3]}] * 2, pre
+
+
+def test_two_callbacks_into_two_roots_each_restore_the_trained_state_on_two_processes(tmp_path, gcs_server):
+    # Their saves run on two worker threads per process, both at once after batch 6:
+    # the agreements of each root pair up across processes however they interleave.
+    url = gcs_server.new_bucket()
+    run_pair("_mp_bucket_worker.py", str(tmp_path), "two", json.dumps([url]), timeout=600,
+             env={"SHARDCKPT_PROCESS_WAIT_S": "60"})
+    for r in _results(tmp_path, "two"):
+        got = r["gs"]
+        assert got["run"]["step"] == 6 and got["run"]["shards"] > 0, got
+        assert got["epochs"]["step"] == 1 and got["epochs"]["shards"] == got["run"]["shards"], got  # (epoch 1)
+        # One save's keys left per root: the last one (the root's opening is number 0).
+        assert got["run"]["saves_left"] == ["3"] and got["epochs"]["saves_left"] == ["2"], got
+    assert ondisk.committed_steps(f"{url}/run") == [4, 6] and ondisk.committed_steps(f"{url}/epochs") == [0, 1]
 
 
 def test_sigkill_of_one_process_mid_save_into_a_bucket_resumes_bit_exact(tmp_path, gcs_server):

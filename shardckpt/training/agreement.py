@@ -10,20 +10,30 @@ and the others read the verdict. Nothing is polled in the bucket.
 Each wait has a limit (`WAIT_S`, or the environment's `SHARDCKPT_PROCESS_WAIT_S`):
 a process killed in the middle of a save never answers, and the others fail
 the save with `ProcessSaveError` rather than wait forever. A failure on one
-process fails the save on all of them at once, with its message.
+process fails the save on all of them at once, with its message. Only the
+coordination client's own "no answer" errors (its deadline passed, or the
+service is unreachable) count as a process that did not answer; any other
+error is raised as it is.
 
-Keys are unique per save: every process makes the same saves in the same
-order, so the n-th save has the same number everywhere. Process 0 deletes the
-keys of earlier saves once every process has answered a phase of a later one
-(each has then read all it needed of them), so a long run leaves the keys of
-one save behind, not of every save.
+Keys are unique per save, and kept apart per checkpoint root
+(`root_keys(url)`: a hash of the root's URL): every process makes the same
+saves into one root in the same order (one after another, on that root's
+worker), so the n-th save into a root has the same number everywhere, however
+the saves of several roots (two `OrbaxCheckpoint`s, each with its own worker
+thread) interleave on each process. Process 0 deletes the keys of a root's
+earlier saves once every process has answered a phase of a later save into
+that root (each has then read all it needed of them), so a long run leaves
+the keys of one save per root behind, not of every save.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
 import itertools
 import json
 import os
+import threading
 from typing import Any
 
 import jax
@@ -35,9 +45,27 @@ WAIT_S = 3600.0
 """Longest wait for another process's outcome of one phase (a phase writes
 that process's share of the state)."""
 
-_sequence = itertools.count()
-_ended: list[str] = []  # key prefixes of this process's earlier agreements (process 0 deletes them)
-_latest: list[str] = []  # the newest agreement's prefix
+KEYS = "shardckpt/bucket_save"
+"""The coordination service's key directory of every agreement."""
+
+_NO_ANSWER = ("DEADLINE_EXCEEDED", "UNAVAILABLE")
+"""Status codes of the coordination client's errors that mean "no answer":
+its wait ran out, or the service (or the path to it) is gone."""
+
+
+@dataclasses.dataclass
+class _Root:
+    """This process's agreements about one checkpoint root."""
+
+    keys: str  # the root's key directory
+    numbers: itertools.count = dataclasses.field(default_factory=itertools.count)
+    ended: list[str] = dataclasses.field(default_factory=list)  # earlier saves' keys (process 0 deletes them)
+    latest: str | None = None  # the newest save's keys
+
+
+# Saves into different roots run on different threads.
+_lock = threading.Lock()
+_roots: dict[str, _Root] = {}
 
 
 def wait_s() -> float:
@@ -45,21 +73,31 @@ def wait_s() -> float:
     return float(os.environ.get("SHARDCKPT_PROCESS_WAIT_S", WAIT_S))
 
 
+def root_keys(url: str) -> str:
+    """The key directory of the agreements about checkpoint root `url`, the same on every process."""
+    return f"{KEYS}/{hashlib.sha256(url.encode()).hexdigest()[:16]}"
+
+
 class Agreement:
     """The outcomes of the phases of one save, shared by every process.
 
     Args:
+        root: The checkpoint root's URL (the saves into one root are numbered
+            apart from other roots').
         step: The step being saved (named in errors).
         what: What is being done, for messages ("saving step 4 to gs://b/ck").
     """
 
-    def __init__(self, step: int, what: str) -> None:
+    def __init__(self, root: str, step: int, what: str) -> None:
         self.step, self.what = step, what
         self.index, self.count = jax.process_index(), jax.process_count()
-        self.prefix = f"shardckpt/bucket_save/{next(_sequence)}"
         self.client: Any = _jax.distributed_client() if self.count > 1 else None
-        _ended.extend(_latest)  # saves run one after another: the previous one has ended here
-        _latest[:] = [self.prefix]
+        with _lock:
+            self._root = _roots.setdefault(root, _Root(root_keys(root)))
+            self.prefix = f"{self._root.keys}/{next(self._root.numbers)}"
+            if self._root.latest is not None:  # a root's saves run one after another: that one has ended here
+                self._root.ended.append(self._root.latest)
+            self._root.latest = self.prefix
 
     def settle(self, phase: str, error: Exception | None, *, everyone: bool) -> None:
         """Shares this process's outcome of `phase`; raises on every process if any failed.
@@ -73,6 +111,8 @@ class Agreement:
         Raises:
             Exception: `error` itself, on the process that raised it.
             ProcessSaveError: another process failed or did not answer.
+            jax.errors.JaxRuntimeError: the coordination service failed
+                otherwise than by not answering.
         """
         if self.client is None:
             if error is not None:
@@ -88,9 +128,11 @@ class Agreement:
                     failures[i] = said
             if everyone and not failures:
                 # Every process answered a phase of this save, so each has
-                # finished the earlier ones and read their keys for good.
-                while _ended:
-                    self.client.key_value_delete(_ended.pop())
+                # finished this root's earlier saves and read their keys for good.
+                with _lock:
+                    ended, self._root.ended = self._root.ended, []
+                for prefix in ended:
+                    self.client.key_value_delete(prefix)
             self.client.key_value_set(f"{base}/verdict", json.dumps(failures))
         else:
             if everyone:
@@ -110,9 +152,15 @@ class Agreement:
     def _get(self, key: str, process: int, phase: str) -> Any:
         limit = wait_s()
         try:
-            return json.loads(self.client.blocking_key_value_get(key, int(limit * 1000)))
-        except Exception as e:  # JAX raises its runtime error type (DEADLINE_EXCEEDED)
-            said = f"no answer within {limit:.0f} s ({type(e).__name__}: {str(e).splitlines()[0][:200]})"
+            value = self.client.blocking_key_value_get(key, int(limit * 1000))
+        except jax.errors.JaxRuntimeError as e:
+            # The client raises this one type for every failed call, its
+            # status code leading the message; only "no answer" is the other
+            # process's silence, anything else is raised as it is.
+            if not str(e).startswith(_NO_ANSWER):
+                raise
+            within = f" within {limit:.0f} s" if str(e).startswith("DEADLINE_EXCEEDED") else ""
+            said = f"no answer{within} ({type(e).__name__}: {str(e).splitlines()[0][:200]})"
             if self.index == 0:
                 return said  # reported to the others in the verdict
             raise ProcessSaveError(
@@ -121,3 +169,4 @@ class Agreement:
                 "SHARDCKPT_PROCESS_WAIT_S sets this limit.",
                 step=self.step, processes=[process],
             ) from e
+        return json.loads(value)

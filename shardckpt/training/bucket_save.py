@@ -83,7 +83,7 @@ class BucketCheckpointer:
         self.compression = compression
         self.primary = jax.process_index() == 0
         self._steps: list[_StepInfo] = []
-        agreement = Agreement(-1, f"Opening checkpoint root {root.url!r}")
+        agreement = Agreement(root.url, -1, f"Opening checkpoint root {root.url!r}")
         agreement.settle("open", self._attempt(self._open_root), everyone=False)
 
     # ---- the Checkpointer methods the callback calls -------------------------
@@ -107,7 +107,7 @@ class BucketCheckpointer:
         """
         del force
         step_loc = self.root.join(str(step))
-        agreement = Agreement(step, f"Saving checkpoint step {step} to {step_loc.url!r}")
+        agreement = Agreement(self.root.url, step, f"Saving checkpoint step {step} to {step_loc.url!r}")
         stages: list[commit.Stage] = []
         agreement.settle("clean", self._attempt(lambda: stages.extend(self._begin(step, step_loc))), everyone=False)
         multi = jax.process_count() > 1
