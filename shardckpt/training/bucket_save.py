@@ -29,8 +29,8 @@ half-deleted by a kill is no longer taken as committed.
 In a local folder (one process) the same files go into Orbax's temporary
 folder for the step (`<step>.orbax-checkpoint-tmp-<ns>`, which every reader
 and `removal.remove_leftovers` know as a save never committed), renamed to
-the step when complete (`storage.commit`): what Orbax's own `Checkpointer`
-writes there, except that the arrays' OCDBT store is encoded in memory and
+the step when complete (`storage.commit`; `commit_success.txt` written just
+before, as Orbax does): what Orbax's own `Checkpointer` writes there, except that the arrays' OCDBT store is encoded in memory and
 its files are written past the page cache (`OrbaxStepWriter(direct=...)`),
 each fsynced before the rename.
 
@@ -162,6 +162,8 @@ class BucketCheckpointer:
         """Process 0: removes the half-written steps of a killed run, lists the committed ones."""
         if not self.primary:
             return
+        if self.local:  # Orbax's Checkpointer creates a local root at once, saved into or not (Keras' callback too)
+            os.makedirs(self.root.path, exist_ok=True)
         # Never restored; Orbax removes its local tmp folders at start
         # (cleanup_tmp_directories), so do we.
         removal.remove_leftovers(self.root)
@@ -182,7 +184,8 @@ class BucketCheckpointer:
             )
         if self.local:
             # Orbax's name for a step being written: every reader and `remove_leftovers` know it.
-            return [commit.begin(step_loc, overwrite=True, who="OrbaxCheckpoint",
+            # Its commit marker goes in before the rename, as Orbax writes it there too.
+            return [commit.begin(step_loc, overwrite=True, marker=ondisk.COMMIT_MARKER, who="OrbaxCheckpoint",
                                  temporary=f"{step}{ondisk.TMP_MARK}-{time.time_ns()}")]
         return [commit.begin(step_loc, overwrite=True, marker=ondisk.COMMIT_MARKER, who="OrbaxCheckpoint")]
 
