@@ -80,7 +80,7 @@ the manifest and need no rule about names."""
 _READ_PIECE = 1024 * 1024
 """Bytes of a memory-encoded file read at a time on their way to disk. Each read is a fresh
 `bytes` object: small ones reuse the memory the previous one freed, large ones are fresh maps
-whose every page faults (reading a 256 MiB file whole took 13x as long as in 1 MiB pieces)."""
+whose every page faults (figures: CHANGELOG)."""
 
 
 class OrbaxStepWriter:
@@ -118,8 +118,8 @@ class OrbaxStepWriter:
             `direct` (`O_DIRECT`, each file fsynced): the value file of each
             transaction as soon as it is committed (`flush_values`; then
             dropped from memory), the nodes and the manifest at `finish`
-            (or `flush_store`).
-            TensorStore's own file writes go through the page cache.
+            (or `flush_store`). None: TensorStore writes the files itself,
+            through the page cache.
     """
 
     def __init__(
