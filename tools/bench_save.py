@@ -19,7 +19,10 @@ counted in the total fit time, not in the per-save figures.
 "plain write" writes the same bytes (the state, copied off the devices) to
 the same directory as one file, sequentially, fsynced, in the same process
 before and after the run (the mean of the two): their ratio says how close a
-background save comes to the disk's speed. A background save shares the
+background save comes to the disk's speed. "direct write" writes the same
+file past the page cache (`O_DIRECT` from an aligned buffer, fsynced: the
+disk's direct speed; buffered where the file system refuses `O_DIRECT`),
+right after each plain write: the other baseline, printed beside it. A background save shares the
 machine with training, the plain write does not: "plain beside training"
 writes the same file on a thread while the same model trains on (after the
 run, in the same process; `BESIDE_WRITES` writes, their mean), the
@@ -60,6 +63,7 @@ import jax  # noqa: E402
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
 
+from shardckpt.storage.direct import DirectWriter  # noqa: E402
 from shardckpt.training import OrbaxCheckpoint  # noqa: E402
 
 # Issue 27's figures for the default callback's blocking per save over Keras' synchronous save
@@ -190,6 +194,17 @@ def plain_write(arrays: list[np.ndarray], directory: str) -> float:
     return seconds
 
 
+def direct_write(arrays: list[np.ndarray], directory: str) -> float:
+    """Seconds to write `arrays`' bytes as one file in `directory` past the page cache (`O_DIRECT`), fsynced."""
+    os.makedirs(directory, exist_ok=True)
+    path = os.path.join(directory, "direct_write.bin")
+    start = time.perf_counter()
+    DirectWriter().write(path, (memoryview(np.ascontiguousarray(a)).cast("B") for a in arrays))
+    seconds = time.perf_counter() - start
+    os.remove(path)
+    return seconds
+
+
 BESIDE_WRITES = 2
 """Plain writes timed beside training, one after the other (`plain_writes_beside_training`)."""
 
@@ -250,6 +265,7 @@ def run(name: str, args) -> dict:
         callbacks.append(timed)
     host_state, d2h_s = device_to_host(_state_values(model))
     plain_s = [plain_write(host_state, directory)]
+    direct_s = [direct_write(host_state, directory)]
     del host_state
     before_device = _device_in_use()
     before_rss = rss_anon()
@@ -267,6 +283,7 @@ def run(name: str, args) -> dict:
     shutil.rmtree(directory, ignore_errors=True)
     host_state, _ = device_to_host(_state_values(model))
     plain_s.append(plain_write(host_state, directory))
+    direct_s.append(direct_write(host_state, directory))
     inner = timed.inner if timed else None
     beside_s = []
     if getattr(inner, "save_writes_s", None):  # only runs whose background writes are timed
@@ -286,6 +303,7 @@ def run(name: str, args) -> dict:
         "waits": list(getattr(inner, "save_waits_s", [])),
         "writes": list(getattr(inner, "save_writes_s", [])),
         "plain_s": plain_s,
+        "direct_s": direct_s,
         "plain_beside_s": beside_s,
         "d2h_gbs": state_bytes / d2h_s / 1e9,
         "modes": sorted(set(getattr(inner, "snapshot_modes", []))),
@@ -335,7 +353,7 @@ def report(results: list[dict], args) -> None:
     sync_mean = statistics.mean(sync["saves"]) if sync and sync["saves"] else float("nan")
     print(f"{'callback':<17} {'mode':<7} {'saves':>5} {'block/save':>11} {'max':>8} {'vs keras sync':>14} "
           f"{'peak above state':>17} {'end wait':>9} {'fit total':>10} {'vs keras async':>15} {'bg write':>9} "
-          f"{'plain write':>11} {'ratio':>6} {'D2H':>10} {'block/(state/D2H)':>17} {'plain beside training':>21} "
+          f"{'plain write':>11} {'direct write':>12} {'ratio':>6} {'D2H':>10} {'block/(state/D2H)':>17} {'plain beside training':>21} "
           f"{'ratio beside':>12}")
     for r in results:
         saves = r["saves"]
@@ -344,12 +362,13 @@ def report(results: list[dict], args) -> None:
         # Background write per save over the plain write of the same bytes; the host-mode floor.
         write = statistics.mean(r["writes"]) if r["writes"] else float("nan")
         plain = statistics.mean(r["plain_s"])
+        direct = statistics.mean(r["direct_s"])
         beside = statistics.mean(r["plain_beside_s"]) if r["plain_beside_s"] else float("nan")
         link = r["state_mb"] * 2**20 / (r["d2h_gbs"] * 1e9)
         print(f"{r['name']:<17} {','.join(r['modes']) or '-':<7} {len(saves):>5} {mean:>9.3f} s "
               f"{max(saves or [0]):>6.3f} s {mean / sync_mean:>13.1%} {r['peak_above_mb']:>13.1f} MiB "
               f"{r['train_end_s']:>7.2f} s {r['fit_s']:>8.2f} s {vs_async:>14.2f}x {write:>7.3f} s "
-              f"{plain:>9.3f} s {write / plain:>5.2f}x {r['d2h_gbs']:>5.1f} GB/s {mean / link:>16.1f}x "
+              f"{plain:>9.3f} s {direct:>10.3f} s {write / plain:>5.2f}x {r['d2h_gbs']:>5.1f} GB/s {mean / link:>16.1f}x "
               f"{beside:>19.3f} s {write / beside:>11.2f}x")
     auto = by_name.get("shardckpt_auto")
     if auto and auto["saves"] and sync:
@@ -362,6 +381,8 @@ def report(results: list[dict], args) -> None:
         if r["writes"]:
             print(f"  {r['name']}: background writes " + ", ".join(f"{w:.3f}" for w in r["writes"])
                   + " s; plain writes (before, after) " + ", ".join(f"{p:.3f}" for p in r["plain_s"])
+                  + " s; direct writes (before, after) " + ", ".join(f"{p:.3f}" for p in r["direct_s"])
+                  + f" s (background write over it {statistics.mean(r['writes']) / statistics.mean(r['direct_s']):.2f}x)"
                   + " s; beside training " + ", ".join(f"{p:.3f}" for p in r["plain_beside_s"]) + " s")
     for r in results:
         if r["saves"]:

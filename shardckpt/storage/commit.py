@@ -23,6 +23,7 @@ by the next `begin` for that destination, one WARNING line each.
 from __future__ import annotations
 
 import dataclasses
+import errno
 import logging
 import os
 import shutil
@@ -116,7 +117,7 @@ def renames(location: Location) -> bool:
 
 
 def begin(dst: str | Location, *, overwrite: bool, marker: str | None = None, shared: bool = False,
-          who: str, fix: str = "pass overwrite=True") -> Stage:
+          who: str, fix: str = "pass overwrite=True", temporary: str | None = None) -> Stage:
     """Starts writing a folder that `Stage.commit` will put at `dst`.
 
     Locally, first removes what killed writers left beside `dst` (one
@@ -132,9 +133,14 @@ def begin(dst: str | Location, *, overwrite: bool, marker: str | None = None, sh
             else a name private to this process.
         who: The writer, for log lines ("convert", "export").
         fix: What to pass to replace `dst`, for the error message.
+        temporary: Locally, the temporary folder's name beside `dst` (not
+            `shared`), for writers whose readers already know their
+            leftovers by name (Orbax's `<step>.orbax-checkpoint-tmp-*`);
+            None: a name private to this process.
 
     Raises:
         DestinationExistsError: `dst` exists and `overwrite` is False.
+        NotADirectoryError: locally, the parent of `dst` is a file.
     """
     dst = storage.parse(dst, what="dst")
     present = storage.exists(dst)
@@ -146,10 +152,15 @@ def begin(dst: str | Location, *, overwrite: bool, marker: str | None = None, sh
         if present:
             withdraw(dst, marker=marker)
         return Stage(dst, dst, marker, overwrite, fix)
-    os.makedirs(os.path.dirname(dst.path), exist_ok=True)
+    parent = os.path.dirname(dst.path)
+    if os.path.lexists(parent) and not os.path.isdir(parent):  # (makedirs would say "File exists")
+        raise NotADirectoryError(errno.ENOTDIR, f"{os.strerror(errno.ENOTDIR)} (the parent of {dst.url!r})", parent)
+    os.makedirs(parent, exist_ok=True)
     remove_leftovers(dst.path, who=who)
     if shared:
         path = shared_location(dst).path
+    elif temporary is not None:
+        path = os.path.join(os.path.dirname(dst.path), temporary)
     else:
         path = os.path.join(os.path.dirname(dst.path), f".{os.path.basename(dst.path)}{PRIVATE_MARK}"
                             f"{os.getpid()}-{uuid.uuid4().hex[:8]}")

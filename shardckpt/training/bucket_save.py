@@ -1,4 +1,4 @@
-"""`OrbaxCheckpoint` saving into a bucket (`gs://`, `s3://`).
+"""`OrbaxCheckpoint` saving into a bucket (`gs://`, `s3://`), or a local folder from one process.
 
 Orbax v1's `ocp.training.Checkpointer` reaches `gs://` only through etils'
 epath with gcsfs, and has no S3 support for arrays. In a bucket the callback
@@ -26,6 +26,14 @@ Retention uses the same Orbax preservation policy as local saves; old steps
 are deleted only after the new step is committed, marker first, so a step
 half-deleted by a kill is no longer taken as committed.
 
+In a local folder (one process) the same files go into Orbax's temporary
+folder for the step (`<step>.orbax-checkpoint-tmp-<ns>`, which every reader
+and `removal.remove_leftovers` know as a save never committed), renamed to
+the step when complete (`storage.commit`; `commit_success.txt` written just
+before, as Orbax does): what Orbax's own `Checkpointer` writes there, except that the arrays' OCDBT store is encoded in memory and
+its files are written past the page cache (`OrbaxStepWriter(direct=...)`),
+each fsynced before the rename.
+
 Several JAX processes (`jax.distributed`) save a step together, with the
 layout of Orbax's multi-process OCDBT saves: process 0 begins the step's
 stage (an earlier, never committed attempt at it removed); each process then writes only the pieces of its own devices
@@ -42,6 +50,8 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import os
+import time
 from typing import Any
 
 import jax
@@ -52,6 +62,7 @@ from shardckpt.errors import StepExistsError
 from shardckpt.formats.orbax import ondisk, removal
 from shardckpt.formats.orbax.writer import CHUNK_BYTES, OrbaxStepWriter, merge_process_stores
 from shardckpt.storage import commit
+from shardckpt.storage.direct import DirectWriter
 from shardckpt.training.agreement import Agreement
 
 
@@ -65,10 +76,11 @@ class _StepInfo:
 
 
 class BucketCheckpointer:
-    """Writes, lists and deletes the callback's steps under a bucket prefix.
+    """Writes, lists and deletes the callback's steps under a bucket prefix (or a local folder).
 
     Args:
-        root: The checkpoint root (a bucket location).
+        root: The checkpoint root (a bucket location, or a local folder
+            written by one process).
         policy: An Orbax preservation policy (`retention.preservation_policy`),
             or None to keep every step.
         compression: zstd-compress array chunks (Orbax's zstd level 3).
@@ -83,6 +95,12 @@ class BucketCheckpointer:
         self.compression = compression
         self.primary = jax.process_index() == 0
         self._steps: list[_StepInfo] = []
+        self.local = commit.renames(root)
+        if self.local and jax.process_count() > 1:
+            raise ValueError(f"BucketCheckpointer writes local folders from one process; {jax.process_count()} "
+                             f"processes run. Received: root={root.url!r}")
+        # Reused by every save: the aligned buffer the arrays' files go through.
+        self._direct = DirectWriter() if self.local else None
         agreement = Agreement(root.url, -1, f"Opening checkpoint root {root.url!r}")
         agreement.settle("open", self._attempt(self._open_root), everyone=False)
 
@@ -110,18 +128,26 @@ class BucketCheckpointer:
         agreement = Agreement(self.root.url, step, f"Saving checkpoint step {step} to {step_loc.url!r}")
         stages: list[commit.Stage] = []
         agreement.settle("clean", self._attempt(lambda: stages.extend(self._begin(step, step_loc))), everyone=False)
-        multi = jax.process_count() > 1
-        compression = "zstd" if self.compression else "none"
-        # The chunks a local save gets (the callback's Orbax context), so a
-        # step restores alike from either place.
-        writer = OrbaxStepWriter(step_loc.url, compression=compression, chunk_byte_size=CHUNK_BYTES[compression],
-                                 process_index=jax.process_index() if multi else None)
-        # Arrays first: any object of a save killed early is under pytree/,
-        # which readers report as a step never committed.
-        agreement.settle("write", self._attempt(lambda: _write_arrays(writer, payload[ondisk.ARRAYS_ITEM])),
-                         everyone=True)
-        agreement.settle("commit", self._attempt(lambda: self._commit(stages, step, writer, payload, metrics)),
-                         everyone=False)
+        try:
+            multi = jax.process_count() > 1
+            compression = "zstd" if self.compression else "none"
+            # Where the files go: the step itself in a bucket, its temporary folder locally.
+            where = stages[0].location if stages else step_loc
+            # The chunks Orbax's local saves got (the callback's Orbax
+            # context), so a step restores alike from either place.
+            writer = OrbaxStepWriter(where.url, compression=compression, chunk_byte_size=CHUNK_BYTES[compression],
+                                     process_index=jax.process_index() if multi else None, direct=self._direct)
+            # Arrays first: any object of a save killed early is under pytree/,
+            # which readers report as a step never committed.
+            agreement.settle("write", self._attempt(lambda: _write_arrays(writer, payload[ondisk.ARRAYS_ITEM])),
+                             everyone=True)
+            agreement.settle("commit", self._attempt(lambda: self._commit(stages, step, writer, payload, metrics)),
+                             everyone=False)
+        except BaseException:
+            if self.local:  # a local temporary folder is never a step: removed at once (a bucket's objects stay
+                for stage in stages:  # markerless until the next start removes them)
+                    stage.discard()
+            raise
 
     @staticmethod
     def _attempt(action: Any) -> Exception | None:
@@ -136,6 +162,8 @@ class BucketCheckpointer:
         """Process 0: removes the half-written steps of a killed run, lists the committed ones."""
         if not self.primary:
             return
+        if self.local:  # Orbax's Checkpointer creates a local root at once, saved into or not (Keras' callback too)
+            os.makedirs(self.root.path, exist_ok=True)
         # Never restored; Orbax removes its local tmp folders at start
         # (cleanup_tmp_directories), so do we.
         removal.remove_leftovers(self.root)
@@ -154,6 +182,11 @@ class BucketCheckpointer:
                 f"Step {step} already exists in {self.root.url!r} (committed). Fix: save under a new step "
                 f"number, delete step {step} first, or use a new checkpoint directory. Received: step={step}"
             )
+        if self.local:
+            # Orbax's name for a step being written: every reader and `remove_leftovers` know it.
+            # Its commit marker goes in before the rename, as Orbax writes it there too.
+            return [commit.begin(step_loc, overwrite=True, marker=ondisk.COMMIT_MARKER, who="OrbaxCheckpoint",
+                                 temporary=f"{step}{ondisk.TMP_MARK}-{time.time_ns()}")]
         return [commit.begin(step_loc, overwrite=True, marker=ondisk.COMMIT_MARKER, who="OrbaxCheckpoint")]
 
     def _commit(self, stages: list[commit.Stage], step: int, writer: OrbaxStepWriter, payload: dict[str, Any],
@@ -162,7 +195,7 @@ class BucketCheckpointer:
         if not self.primary:
             return
         [stage] = stages
-        step_loc = storage.parse(writer.step_dir)
+        step_loc = storage.parse(writer.step_dir)  # the temporary folder, locally
         if writer.process_index is not None:
             merge_process_stores(writer.tree_dir, jax.process_count())
         handlers: dict[str, str] = {}
@@ -175,17 +208,19 @@ class BucketCheckpointer:
                 handlers[name] = ondisk.PYTREE_HANDLER
             elif name == "assets":
                 assets = OrbaxStepWriter(step_loc.url, compression=compression, chunk_byte_size=CHUNK_BYTES[compression],
-                                         item=name)
+                                         item=name, direct=self._direct)
                 _write_arrays(assets, value)
+                assets.flush_store()
                 assets.write_tree_metadata()
                 handlers[name] = ondisk.PYTREE_HANDLER
             else:
-                ondisk.write_json(ondisk.join(step_loc.url, name, ondisk.JSON_ITEM_FILES[0]), value)
+                ondisk.write_json(_item_file(step_loc, name, ondisk.JSON_ITEM_FILES[0]), value)
                 handlers[name] = ondisk.JSON_HANDLER
         if metrics is not None:
-            ondisk.write_json(ondisk.join(step_loc.url, ondisk.METRICS_ITEM, ondisk.METRICS_ITEM), metrics)
+            ondisk.write_json(_item_file(step_loc, ondisk.METRICS_ITEM, ondisk.METRICS_ITEM), metrics)
             handlers[ondisk.METRICS_ITEM] = ondisk.METRICS_HANDLER
-        stage.commit(writer.finish(custom_metadata={}, item_handlers=handlers))  # commit marker last
+        # Commit marker last (a bucket), or the rename (locally).
+        stage.commit(writer.finish(custom_metadata={}, item_handlers=handlers, final_dir=stage.dst.url))
         self._steps.append(_StepInfo(step, metrics, datetime.datetime.now(datetime.UTC)))
         self._apply_retention()
 
@@ -221,6 +256,13 @@ class BucketCheckpointer:
         )
 
 
+def _item_file(step: storage.Location, item: str, name: str) -> str:
+    """The URL of file `name` of a step's item; a local item's folder is created (a bucket has none)."""
+    if step.local_path is not None:
+        os.makedirs(os.path.join(step.local_path, item), exist_ok=True)
+    return step.join(item, name).url
+
+
 def _leaves(tree: dict[str, Any], prefix: tuple[str, ...] = ()) -> list[tuple[tuple[str, ...], Any]]:
     out = []
     for key in sorted(tree):
@@ -232,15 +274,17 @@ def _leaves(tree: dict[str, Any], prefix: tuple[str, ...] = ()) -> list[tuple[tu
     return out
 
 
-def _write_arrays(writer: OrbaxStepWriter, tree: dict[str, Any]) -> None:
+def _write_arrays(writer: OrbaxStepWriter, tree: dict[str, Any], *, limit: int | None = None) -> None:
     """Writes this process's pieces of every leaf of `tree`; bucket failures typed.
+
+    `limit`: the bytes of one transaction (None: the host's in-flight budget).
 
     Raises:
         StorageAccessDeniedError, BucketNotFoundError, StorageTimeoutError, ...:
             a request failed (the error names the OCDBT store written).
     """
     try:
-        _write_pieces(writer, tree)
+        _write_pieces(writer, tree, limit=limit)
     except ValueError as e:
         typed = storage.translate(e, storage.parse(writer.store_dir), action="writing")
         if typed is e:
@@ -248,7 +292,7 @@ def _write_arrays(writer: OrbaxStepWriter, tree: dict[str, Any]) -> None:
         raise typed from e
 
 
-def _write_pieces(writer: OrbaxStepWriter, tree: dict[str, Any]) -> None:
+def _write_pieces(writer: OrbaxStepWriter, tree: dict[str, Any], *, limit: int | None = None) -> None:
     """Writes every leaf of `tree`, one stored block per distinct shard.
 
     Each array's write blocks are its shards, as Orbax writes a `jax.Array`
@@ -273,7 +317,7 @@ def _write_pieces(writer: OrbaxStepWriter, tree: dict[str, Any]) -> None:
     for (key, _, _, write_shape), (_, value) in zip(specs, leaves):
         if isinstance(value, jax.Array):
             writer.record_sharding(key, value.sharding, write_shape)
-    limit = budget.default_max_inflight_bytes()
+    limit = budget.default_max_inflight_bytes() if limit is None else limit
     txn = writer.transaction()
     copies: list[Any] = []  # futures: TensorStore has copied the staged data
     staged = 0
@@ -282,6 +326,7 @@ def _write_pieces(writer: OrbaxStepWriter, tree: dict[str, Any]) -> None:
         for copy in copies:
             copy.result()
         txn.commit_async().result()
+        writer.flush_values()  # a memory-encoded store: its committed value file to disk, out of memory
 
     for (_, value), store in zip(leaves, stores, strict=True):
         if isinstance(value, jax.Array):
@@ -293,6 +338,8 @@ def _write_pieces(writer: OrbaxStepWriter, tree: dict[str, Any]) -> None:
             if copies and staged + nbytes > limit:
                 commit(txn, copies)
                 txn, copies, staged = writer.transaction(), [], 0
-            copies.append(writer.write(store, txn, box, np.asarray(data)).copy)
+            # A memory-encoded store is committed and written out before this save returns, and
+            # the snapshot is not changed meanwhile: TensorStore encodes from it with no copy.
+            copies.append(writer.write(store, txn, box, np.asarray(data), reference=writer.encodes_in_memory).copy)
             staged += nbytes
     commit(txn, copies)

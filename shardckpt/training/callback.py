@@ -134,7 +134,10 @@ class OrbaxCheckpoint(BestTracking):
         save_blocking_s: Seconds each save held training up;
             `save_waits_s`: each wait for the save in flight; `save_writes_s`:
             each write, snapshot handed over to step committed.
-        checkpointer: The Orbax `Checkpointer` of the current (or last) fit.
+        checkpointer: The checkpointer of the current (or last) fit: shardckpt's
+            own (`bucket_save.BucketCheckpointer`; buckets, and local folders
+            of one process) or Orbax's `Checkpointer` (local folders of
+            several processes). Both save, delete, wait and close alike.
 
     Raises:
         ValueError: an argument is out of range.
@@ -211,7 +214,7 @@ class OrbaxCheckpoint(BestTracking):
 
     @property
     def checkpointer(self) -> Any:
-        """The Orbax `Checkpointer` of the current (or last) fit, or None before one."""
+        """The checkpointer of the current (or last) fit (see the class docstring), or None before one."""
         return None if self._writer is None else self._writer.checkpointer
 
     # ---- public API ---------------------------------------------------------

@@ -1,9 +1,11 @@
-"""Writing steps: one Orbax step writer behind local folders and buckets, in the
+"""Writing steps: one step writer behind local folders and buckets, in the
 background, with one save queued behind the one being written.
 
-`StepWriter` owns the Orbax `Checkpointer` (or, for `gs://` / `s3://`,
-`bucket_save.BucketCheckpointer`, which takes the same calls), the worker
-threads and the saves in flight. A save hands the snapshot to the workers and
+`StepWriter` owns the checkpointer: `bucket_save.BucketCheckpointer` for
+`gs://` / `s3://` and for a local folder written by one process (there it
+writes the arrays' files past the page cache, `O_DIRECT`), Orbax's own
+`Checkpointer` for a local folder of several processes; both take the same
+calls. It also owns the worker threads and the saves in flight. A save hands the snapshot to the workers and
 returns: one thread moves each snapshot off the devices as soon as it is
 handed over (`before_write`), another writes the steps one after the other,
 in order. A save finding the writer busy queues behind it (`QUEUED_SAVES`):
@@ -19,7 +21,8 @@ every process. Bucket saves use the worker everywhere: their processes agree
 through JAX's coordination service (`agreement`), which runs no collective.
 
 Several `OrbaxCheckpoint`s in one process (a frequent local one beside a
-per-epoch one) write one Orbax save at a time: see `ORBAX_CALLS`.
+per-epoch one) write one Orbax save at a time where Orbax writes (local
+folders, several processes): see `ORBAX_CALLS`.
 
 A wait for the save in flight is recorded (`waits_s`) and warned about once
 per `fit`, only when it is a real share of the training time it held up
@@ -65,7 +68,7 @@ since that save started (the training it delayed)."""
 
 ORBAX_CALLS = threading.RLock()
 """Held by every call into Orbax's local-folder saving (save, delete, wait,
-close), by every `StepWriter` in the process; a save holds it until committed.
+close; several processes), by every `StepWriter` in the process; a save holds it until committed.
 
 Orbax numbers its operations with one process-wide counter
 (`OperationIdGenerator`) that a save's background threads read again later
@@ -74,7 +77,8 @@ saves in flight at once, from two callbacks, take each other's number: one
 waits for the other's signals ("Timeout waiting for key ...") or creates the
 other's temporary folder (`FileExistsError`). One Orbax save at a time per
 process keeps the numbers apart. Bucket saves (`bucket_save`) do not go
-through Orbax's saving and do not take it."""
+through Orbax's saving and do not take it, nor do one-process local saves (the
+same writer)."""
 
 _async_in_flight: tuple[Any, int, str, Any] | None = None
 """(writer, step, directory, Orbax AsyncResponse) of the last async save
@@ -118,7 +122,10 @@ class StepWriter:
         self.context = context
         self.waits_s = waits_s
         self.writes_s = [] if writes_s is None else writes_s
-        if location.is_remote:  # (it removes the leftovers of killed runs itself)
+        # Our own step writer for buckets and for a local folder of one process (it removes the
+        # leftovers of killed runs itself); Orbax's Checkpointer for local folders of several processes.
+        self.orbax = not location.is_remote and jax.process_count() > 1
+        if not self.orbax:
             self.checkpointer: Any = bucket_save.BucketCheckpointer(location, policy=policy, compression=compression)
         else:
             if jax.process_index() == 0:  # before Orbax lists the steps: no leftover is taken for one
@@ -205,8 +212,8 @@ class StepWriter:
 
     @contextlib.contextmanager
     def _one_orbax_call(self) -> Iterator[None]:
-        """Holds `ORBAX_CALLS` (local folders), after another writer's async save in flight is committed."""
-        if self.location.is_remote:
+        """Holds `ORBAX_CALLS` (Orbax's Checkpointer), after another writer's async save in flight is committed."""
+        if not self.orbax:
             yield
             return
         with ORBAX_CALLS:

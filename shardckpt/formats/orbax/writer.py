@@ -33,6 +33,7 @@ import base64
 import json
 import os
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -42,6 +43,7 @@ from orbax.checkpoint import type_handlers
 from shardckpt import _orbax, storage
 from shardckpt.formats.base import Box
 from shardckpt.formats.orbax import ondisk
+from shardckpt.storage.direct import DirectWriter
 
 """Orbax's file of the saved shardings of a tree's `jax.Array` leaves (keys: base64 parameter names)."""
 COMPRESSIONS = ("none", "zstd")
@@ -69,6 +71,16 @@ shard). Chosen with `tools/bench_chunks.py` (figures: CHANGELOG).
 
 _OCDBT_DATA_DIR = "d"
 """Where an OCDBT store keeps its data files (immutable once committed)."""
+_NODE_FILE_PREFIX = _OCDBT_DATA_DIR + "/n"
+"""The names of the data files holding a store's B+tree and version nodes when it is encoded in
+memory (`OrbaxStepWriter(direct=...)`): in the same folder as the value files, told apart by the
+name (value files are named by hex digits alone), so each commit's value file can be written out
+and dropped while the nodes, which the next commit reads, stay. Readers find every file through
+the manifest and need no rule about names."""
+_READ_PIECE = 1024 * 1024
+"""Bytes of a memory-encoded file read at a time on their way to disk. Each read is a fresh
+`bytes` object: small ones reuse the memory the previous one freed, large ones are fresh maps
+whose every page faults (figures: CHANGELOG)."""
 
 
 class OrbaxStepWriter:
@@ -100,15 +112,26 @@ class OrbaxStepWriter:
             (`ocdbt.process_N` in the item), as each process of an Orbax
             multi-process save does; `merge_process_stores` then joins them
             into the item's store. None: straight into the item's store.
+        direct: Local folders, one process: TensorStore encodes the OCDBT
+            store into memory (its `memory` kvstore, the same specs, so the
+            same files) and this writer writes the files out itself through
+            `direct` (`O_DIRECT`, each file fsynced): the value file of each
+            transaction as soon as it is committed (`flush_values`; then
+            dropped from memory), the nodes and the manifest at `finish`
+            (or `flush_store`). None: TensorStore writes the files itself,
+            through the page cache.
     """
 
     def __init__(
         self, step_dir: str, *, compression: str, chunk_byte_size: int | None, item: str = ondisk.ARRAYS_ITEM,
-        process_index: int | None = None,
+        process_index: int | None = None, direct: DirectWriter | None = None,
     ) -> None:
         if compression not in COMPRESSIONS:
             raise ValueError(f"compression must be one of {COMPRESSIONS}. Received: compression={compression!r}")
         location = storage.parse(step_dir)
+        if direct is not None and (location.local_path is None or process_index is not None):
+            raise ValueError(f"Encoding in memory writes local folders of one process. Received: step_dir="
+                             f"{step_dir!r}, process_index={process_index!r}")
         self.step_dir = location.url
         self.item = item
         self.tree_dir = ondisk.join(self.step_dir, item)
@@ -123,6 +146,8 @@ class OrbaxStepWriter:
         self._shardings: dict[tuple[str, ...], tuple[Any, tuple[int, ...]]] = {}
         self._init_ns = time.time_ns()
         self._released: set[str] = set()  # data files dropped from the page cache
+        self._direct = direct
+        self._memory: ts.KvStore | None = None  # the memory kvstore the store is encoded into (direct)
 
     def open_arrays(
         self, arrays: list[tuple[str, tuple[int, ...], np.dtype, tuple[int, ...]]]
@@ -160,6 +185,8 @@ class OrbaxStepWriter:
             process_index=self.process_index,
         )
         spec = ondisk.tspec_for(_orbax.add_chunk_checksums(spec), self.store_dir)
+        if self._direct is not None:
+            spec = dict(spec, kvstore=_in_memory(spec["kvstore"], self.store_dir))
         return ts.open(spec, create=True, open=True, context=self._context)
 
     def record_sharding(self, key: str, sharding: Any, write_shape: tuple[int, ...]) -> None:
@@ -172,9 +199,55 @@ class OrbaxStepWriter:
         """
         self._shardings[tuple(key.split("/"))] = (sharding, tuple(write_shape))
 
+    @property
+    def encodes_in_memory(self) -> bool:
+        """Whether the store is encoded in memory and written out by this writer (`direct`)."""
+        return self._direct is not None
+
     def transaction(self) -> ts.Transaction:
-        """A TensorStore transaction: its writes become one OCDBT commit."""
-        return ts.Transaction()
+        """A TensorStore transaction: its writes become one OCDBT commit (memory-encoded: one value file)."""
+        return ts.Transaction(atomic=self._direct is not None)
+
+    def flush_values(self) -> None:
+        """Memory-encoded stores: writes the committed value files out (`direct`), then drops them from memory.
+
+        Call it between commits (OCDBT never changes a data file once its
+        commit is done). No-op for stores TensorStore writes itself.
+        """
+        if self._direct is None:
+            return
+        memory = self._memory_store()
+        for key in memory.list().result():
+            name = key.decode()
+            if name.startswith(_OCDBT_DATA_DIR + "/") and not name.startswith(_NODE_FILE_PREFIX):
+                self._write_out(memory, name)
+                del memory[key]
+
+    def flush_store(self) -> None:
+        """Memory-encoded stores: writes every file left in memory out (nodes, the manifest last).
+
+        Call it once the last transaction is committed (`finish` does).
+        No-op for stores TensorStore writes itself.
+        """
+        if self._direct is None:
+            return
+        memory = self._memory_store()
+        names = sorted(key.decode() for key in memory.list().result())
+        for name in sorted(names, key=lambda n: n == ondisk.OCDBT_MANIFEST):
+            self._write_out(memory, name)
+        memory.delete_range(ts.KvStore.KeyRange()).result()
+
+    def _memory_store(self) -> ts.KvStore:
+        if self._memory is None:
+            self._memory = ts.KvStore.open({"driver": "memory", "path": self.store_dir + "/"},
+                                           context=self._context).result()
+        return self._memory
+
+    def _write_out(self, memory: ts.KvStore, name: str) -> None:
+        assert self._direct is not None
+        path = os.path.join(self.store_dir, name)
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        self._direct.write(path, _pieces(memory, name))
 
     @staticmethod
     def write(
@@ -273,6 +346,7 @@ class OrbaxStepWriter:
         Returns:
             The commit marker's contents (Orbax's text, naming the final folder).
         """
+        self.flush_store()
         self.write_tree_metadata()
         step_meta = {
             "item_handlers": dict(sorted({**(item_handlers or {}), self.item: ondisk.PYTREE_HANDLER}.items())),
@@ -286,6 +360,35 @@ class OrbaxStepWriter:
         step = storage.parse(self.step_dir)
         storage.write_bytes(step.join(ondisk.CHECKPOINT_INDICATOR), b"")
         return f"Checkpoint commit was successful to {final_dir or self.step_dir}".encode()
+
+
+def _in_memory(kvstore: dict[str, Any], store_dir: str) -> dict[str, Any]:
+    """An OCDBT kvstore spec Orbax built for a local folder, encoding into memory instead.
+
+    The store's files get the keys they would have as files under
+    `store_dir` (data files, nodes under `_NODE_FILE_PREFIX`, the manifest
+    beside `d/`); everything else (config, file size target, cache) is Orbax's.
+    """
+    spec = dict(kvstore)
+    spec["base"] = {"driver": "memory", "path": store_dir + "/"}
+    spec.pop("manifest", None)  # Orbax's local spec keeps the manifest in a file kvstore of its own
+    spec["btree_node_data_prefix"] = spec["version_tree_node_data_prefix"] = _NODE_FILE_PREFIX
+    return spec
+
+
+def _pieces(memory: ts.KvStore, name: str) -> Iterator[bytes]:
+    """The bytes of `name` in a memory kvstore, `_READ_PIECE` at a time (no copy of a whole data file)."""
+    start = 0
+    while True:
+        try:
+            piece = memory.read(name, byte_range=slice(start, start + _READ_PIECE)).result().value
+        except ValueError as e:  # OUT_OF_RANGE: fewer bytes are left than a piece
+            if "OUT_OF_RANGE" not in str(e):
+                raise
+            yield memory.read(name, byte_range=slice(start, None)).result().value
+            return
+        yield piece
+        start += len(piece)
 
 
 def process_store(tree_dir: str, process_index: int) -> str:
