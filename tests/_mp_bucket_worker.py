@@ -39,6 +39,7 @@ import numpy as np  # noqa: E402
 from jax.experimental import multihost_utils  # noqa: E402
 
 from shardckpt._jax import distributed_client  # noqa: E402
+from shardckpt.formats.orbax import ondisk  # noqa: E402
 from shardckpt.training import OrbaxCheckpoint, agreement, restore_latest  # noqa: E402
 from tests._train_worker import ShuffledIterator, fresh_model, groups  # noqa: E402
 from tests.buckets import download, start_denying  # noqa: E402
@@ -122,16 +123,26 @@ def train(url, scheme):
 
     # The bucket refuses process 1 alone from its second save (step 4) on.
     denying = []
+    root = f"{url}/denied"
 
     def deny():
         if process_id == 1:
+            # Step 2 is written in the background and may still be in flight at
+            # batch 3; its requests read the endpoint when made, so the refusal
+            # starts only once step 2 is committed (process 0 commits after every
+            # process's writes; training waits here, nothing else does).
+            deadline = time.monotonic() + 120
+            while 2 not in ondisk.committed_steps(root):
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"step 2 of {root} was not committed within 120 s")
+                time.sleep(0.05)
             url, stop = start_denying()
             denying.append((os.environ.get("TENSORSTORE_GCS_HTTP_URL"), os.environ.get("AWS_ENDPOINT_URL"), stop))
             os.environ["TENSORSTORE_GCS_HTTP_URL" if scheme == "gs" else "AWS_ENDPOINT_URL"] = url
 
     start = time.perf_counter()
     try:
-        fit(f"{url}/denied", callbacks=[At(3, deny)])
+        fit(root, callbacks=[At(3, deny)])
         out["denied"] = {"raised": None}
     except Exception as e:
         original = getattr(e, "original", None)

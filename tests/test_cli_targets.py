@@ -77,13 +77,7 @@ def test_convert_a_keras_hub_preset_folder_to_every_other_target(preset, tmp_pat
     assert code == 0, err
     keras.backend.clear_session()
     if target == "safetensors":  # keyed by variable path
-        stored = {}
-        for name in os.listdir(out):
-            if name.endswith(".safetensors"):
-                stored.update(load_file(os.path.join(out, name)))
-        assert sorted(stored) == sorted(values)
-        for path, want in values.items():
-            np.testing.assert_array_equal(stored[path], want, err_msg=path)
+        _assert_safetensors_hold(out, values)
         return
     model = shardckpt.from_preset(out, mesh=(2, 4))
     keras.distribution.set_distribution(None)
@@ -107,13 +101,7 @@ def test_max_inflight_mb_bounds_the_models_load_too(preset, tmp_path, source):
     assert lines[0].startswith(f"Loaded {len(values)} arrays"), stdout
     assert "Host-memory budget of the load: 3 MiB, given." in lines, stdout
     assert lines[-1].startswith(f"exported {len(values)} arrays"), stdout
-    stored = {}
-    for name in os.listdir(out):
-        if name.endswith(".safetensors"):
-            stored.update(load_file(os.path.join(out, name)))
-    assert sorted(stored) == sorted(values)
-    for path, want in values.items():
-        np.testing.assert_array_equal(stored[path], want, err_msg=path)
+    _assert_safetensors_hold(out, values)
     keras.distribution.set_distribution(None)
     code, stdout, err = _run(["convert", *src, str(tmp_path / "default"), "--to", "safetensors", "--mesh", "2x4",
                               "--quiet", "--json"])
@@ -182,3 +170,14 @@ def test_help_and_errors_speak_shell(capsys):
     with pytest.raises(SystemExit) as e:
         main(["convert", "a", "b", "--to", "hf", "--compression", "zstd"])
     assert e.value.code == 2 and "--compression applies to --to orbax" in capsys.readouterr().err
+
+
+def _assert_safetensors_hold(folder: str, values: dict) -> None:
+    """The `.safetensors` files of `folder` hold exactly `values` (variable path -> array), bit-equal."""
+    stored = {}
+    for name in os.listdir(folder):
+        if name.endswith(".safetensors"):
+            stored.update(load_file(os.path.join(folder, name)))
+    assert sorted(stored) == sorted(values)
+    for path, want in values.items():
+        np.testing.assert_array_equal(stored[path], want, err_msg=path)
