@@ -307,13 +307,13 @@ def through_ring(
     parts: Sequence[readplan.Piece],
     dtype: np.dtype,
     advance: Callable[[int], None],
+    views: Sequence[np.ndarray | None],
     align: int = 1,
-    views: Sequence[np.ndarray | None] | None = None,
 ) -> list[jax.Array]:
     """Every piece on each of its devices, read through the ring.
 
+    `views`: `mapped_runs` of `parts` (the pieces that go whole from their mapping).
     `align`: rows of a stored chunk, which blocks keep whole (see `blocks`).
-    `views`: `mapped_runs` of `parts`, when the caller has them already.
 
     Returns:
         One array per (piece, device), in the order of `parts` and their
@@ -323,8 +323,6 @@ def through_ring(
     timeline = ring.timeline
     singles: list[jax.Array] = []
     sent = 0
-    if views is None:
-        views = mapped_runs(reader, key, parts, dtype)
     for part, view in zip(parts, views, strict=True):
         if view is not None:
             slot = ring.take()  # unused: it bounds the transfers in flight

@@ -136,7 +136,7 @@ def _ringable(load: Load, reader: Reader, ring: pipeline.Ring, views: list[np.nd
 
 
 def by_ring(
-    load: Load, reader: Reader, ring: pipeline.Ring, advance: Advance, views: list[np.ndarray | None] | None = None
+    load: Load, reader: Reader, ring: pipeline.Ring, advance: Advance, views: list[np.ndarray | None]
 ) -> tuple[int, int]:
     """Reads every piece into the ring's slots and sends each slot to its devices as it fills.
 
@@ -146,7 +146,7 @@ def by_ring(
     load returns). The ring's bytes are held from the budget for the whole load.
     """
     align = (reader.chunk_rows(load.job.key) or 1) if isinstance(reader, ChunkedReader) else 1
-    singles = pipeline.through_ring(ring, reader, load.job.key, load.parts, load.stored.dtype, advance, align, views)
+    singles = pipeline.through_ring(ring, reader, load.job.key, load.parts, load.stored.dtype, advance, views, align)
     value = jax.make_array_from_single_device_arrays(load.shape, load.job.target.sharding, singles)
     released = hostmem.host_bytes(assign(load.job.variable, value, load.job.target))
     return load.piece_bytes(load.stored.dtype.itemsize), released
