@@ -232,8 +232,8 @@ class OrbaxStepWriter:
         if self._direct is None:
             return
         memory = self._memory_store()
-        names = sorted(key.decode() for key in memory.list().result())
-        for name in sorted(names, key=lambda n: n == ondisk.OCDBT_MANIFEST):
+        names = sorted((key.decode() for key in memory.list().result()), key=lambda n: (n == ondisk.OCDBT_MANIFEST, n))
+        for name in names:
             self._write_out(memory, name)
         memory.delete_range(ts.KvStore.KeyRange()).result()
 
