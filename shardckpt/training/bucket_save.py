@@ -302,7 +302,10 @@ def _write_pieces(writer: OrbaxStepWriter, tree: dict[str, Any], *, limit: int |
     has staged until it commits, so the writes go in transactions of at most
     the host's `max_inflight_bytes` each (one OCDBT commit apiece, as
     `convert` writes): host memory beyond the state stays within that budget
-    rather than a second copy of the state.
+    rather than a second copy of the state. A store encoded in memory has
+    its transactions' value files written out on threads while the next
+    transaction is encoded, so the budget is shared by the transactions in
+    memory at once (`OrbaxStepWriter.flush_values`).
     """
     leaves = _leaves(tree)
     specs = []
@@ -318,6 +321,21 @@ def _write_pieces(writer: OrbaxStepWriter, tree: dict[str, Any], *, limit: int |
         if isinstance(value, jax.Array):
             writer.record_sharding(key, value.sharding, write_shape)
     limit = budget.default_max_inflight_bytes() if limit is None else limit
+    if writer.direct is not None:
+        # Value files are written out while the next transaction is encoded (`flush_values`).
+        limit = max(1, limit // (writer.direct.streams + 1))
+    try:
+        _write_transactions(writer, leaves, stores, limit)
+    except BaseException as e:
+        failed = writer.abandon()
+        if failed is not None and failed is not e:
+            e.add_note(f"Writing the committed value files of {writer.store_dir!r} out failed too: {failed!r}")
+        raise
+
+
+def _write_transactions(writer: OrbaxStepWriter, leaves: list[tuple[tuple[str, ...], Any]], stores: list[Any],
+                        limit: int) -> None:
+    """Stages the pieces of `leaves` into `stores` in transactions of at most `limit` bytes; commits each."""
     txn = writer.transaction()
     copies: list[Any] = []  # futures: TensorStore has copied the staged data
     staged = 0
@@ -326,7 +344,7 @@ def _write_pieces(writer: OrbaxStepWriter, tree: dict[str, Any], *, limit: int |
         for copy in copies:
             copy.result()
         txn.commit_async().result()
-        writer.flush_values()  # a memory-encoded store: its committed value file to disk, out of memory
+        writer.flush_values()  # a memory-encoded store: its committed value file to disk, on a thread
 
     for (_, value), store in zip(leaves, stores, strict=True):
         if isinstance(value, jax.Array):
@@ -343,3 +361,4 @@ def _write_pieces(writer: OrbaxStepWriter, tree: dict[str, Any], *, limit: int |
             copies.append(writer.write(store, txn, box, np.asarray(data), reference=writer.encodes_in_memory).copy)
             staged += nbytes
     commit(txn, copies)
+    writer.wait_values()

@@ -30,7 +30,9 @@ same arrays.
 from __future__ import annotations
 
 import base64
+import concurrent.futures
 import json
+import threading
 import os
 import time
 from collections.abc import Iterator
@@ -116,8 +118,9 @@ class OrbaxStepWriter:
             store into memory (its `memory` kvstore, the same specs, so the
             same files) and this writer writes the files out itself through
             `direct` (`O_DIRECT`, each file fsynced): the value file of each
-            transaction as soon as it is committed (`flush_values`; then
-            dropped from memory), the nodes and the manifest at `finish`
+            transaction as soon as it is committed (`flush_values`, on
+            threads, while the caller encodes the next ones; then dropped
+            from memory), the nodes and the manifest at `finish`
             (or `flush_store`). None: TensorStore writes the files itself,
             through the page cache.
     """
@@ -148,6 +151,8 @@ class OrbaxStepWriter:
         self._released: set[str] = set()  # data files dropped from the page cache
         self._direct = direct
         self._memory: ts.KvStore | None = None  # the memory kvstore the store is encoded into (direct)
+        self._writing: list[concurrent.futures.Future] = []  # value files being written out, oldest first
+        self._handed: set[str] = set()  # value files handed to `_write_values`
 
     def open_arrays(
         self, arrays: list[tuple[str, tuple[int, ...], np.dtype, tuple[int, ...]]]
@@ -204,24 +209,60 @@ class OrbaxStepWriter:
         """Whether the store is encoded in memory and written out by this writer (`direct`)."""
         return self._direct is not None
 
+    @property
+    def direct(self) -> DirectWriter | None:
+        """The writer the files of a memory-encoded store go through, or None."""
+        return self._direct
+
     def transaction(self) -> ts.Transaction:
         """A TensorStore transaction: its writes become one OCDBT commit (memory-encoded: one value file)."""
         return ts.Transaction(atomic=self._direct is not None)
 
     def flush_values(self) -> None:
-        """Memory-encoded stores: writes the committed value files out (`direct`), then drops them from memory.
+        """Memory-encoded stores: starts writing the committed value files out (`direct`) on a thread of
+        their own, each dropped from memory once written.
 
-        Call it between commits (OCDBT never changes a data file once its
-        commit is done). No-op for stores TensorStore writes itself.
+        Call it after each commit (OCDBT never changes a data file once its
+        commit is done). The caller encodes the next transaction while the
+        committed ones' files go to disk, so the disk and the encoding
+        (checksums, copies) overlap. At most `direct.streams` calls' files
+        are written at once: a further call first waits for the oldest, so
+        at most `direct.streams + 1` transactions' value files are in memory
+        (the ones written and the one encoded). `wait_values` waits for them
+        all (`flush_store` and `finish` call it). No-op for stores
+        TensorStore writes itself.
+
+        Raises:
+            OSError: writing an earlier call's files failed.
         """
         if self._direct is None:
             return
         memory = self._memory_store()
-        for key in memory.list().result():
-            name = key.decode()
-            if name.startswith(_OCDBT_DATA_DIR + "/") and not name.startswith(_NODE_FILE_PREFIX):
-                self._write_out(memory, name)
-                del memory[key]
+        names = [name for name in (key.decode() for key in memory.list().result())
+                 if name.startswith(_OCDBT_DATA_DIR + "/") and not name.startswith(_NODE_FILE_PREFIX)
+                 and name not in self._handed]
+        while len(self._writing) >= self._direct.streams:
+            self._writing.pop(0).result()
+        if names:
+            self._handed.update(names)
+            self._writing.append(_in_thread(self._write_values, memory, names))
+
+    def wait_values(self) -> None:
+        """Waits for every value file `flush_values` is writing; raises what writing them raised."""
+        while self._writing:
+            self._writing.pop(0).result()
+
+    def abandon(self) -> BaseException | None:
+        """For a save that failed: waits for any value files still being written (never leaving a thread
+        writing into a folder about to be removed); returns the first error writing them raised, or None."""
+        writing, self._writing = self._writing, []
+        concurrent.futures.wait(writing)
+        return next((e for e in (future.exception() for future in writing) if e is not None), None)
+
+    def _write_values(self, memory: ts.KvStore, names: list[str]) -> None:
+        for name in names:
+            self._write_out(memory, name)
+            del memory[name.encode()]
 
     def flush_store(self) -> None:
         """Memory-encoded stores: writes every file left in memory out (nodes, the manifest last).
@@ -231,6 +272,7 @@ class OrbaxStepWriter:
         """
         if self._direct is None:
             return
+        self.wait_values()
         memory = self._memory_store()
         names = sorted((key.decode() for key in memory.list().result()), key=lambda n: (n == ondisk.OCDBT_MANIFEST, n))
         for name in names:
@@ -389,6 +431,20 @@ def _pieces(memory: ts.KvStore, name: str) -> Iterator[bytes]:
             return
         yield piece
         start += len(piece)
+
+
+def _in_thread(action: Any, *args: Any) -> concurrent.futures.Future:
+    """Runs `action(*args)` on a new thread; the future holds its result or what it raised."""
+    future: concurrent.futures.Future = concurrent.futures.Future()
+
+    def run() -> None:
+        try:
+            future.set_result(action(*args))
+        except BaseException as e:  # handed to whoever waits on `future`
+            future.set_exception(e)
+
+    threading.Thread(target=run, name="shardckpt-write-out", daemon=True).start()
+    return future
 
 
 def process_store(tree_dir: str, process_index: int) -> str:
