@@ -6,6 +6,8 @@ from __future__ import annotations
 import ctypes
 import mmap
 import os
+import threading
+import time
 
 import keras
 import numpy as np
@@ -155,3 +157,80 @@ def test_the_memory_encoded_store_is_orbaxs_and_bounded_per_transaction(tmp_path
             import shutil
 
             shutil.rmtree(step, ignore_errors=True)
+
+
+class _WatchedWriter(DirectWriter):
+    """A real `DirectWriter` that, while it writes the save's first value file, waits (up to 10 s) for
+    the next transaction's value file to be in memory, and counts the value files in memory at each file."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.step: OrbaxStepWriter | None = None
+        self.next_encoded_meanwhile: bool | None = None
+        self.in_memory: list[int] = []
+
+    def _values_in_memory(self) -> list[str]:
+        assert self.step is not None
+        names = [k.decode() for k in self.step._memory_store().list().result()]
+        return [n for n in names if n.startswith("d/") and not n.startswith("d/n")]
+
+    def write(self, path, pieces):
+        name = "d/" + os.path.basename(path)
+        if name in self._values_in_memory():
+            self.in_memory.append(len(self._values_in_memory()))
+            if self.next_encoded_meanwhile is None:
+                deadline = time.monotonic() + 10
+                while time.monotonic() < deadline and set(self._values_in_memory()) <= {name}:
+                    time.sleep(0.01)
+                self.next_encoded_meanwhile = bool(set(self._values_in_memory()) - {name})
+        return super().write(path, pieces)
+
+
+def test_the_next_transaction_is_encoded_while_a_value_file_is_written_out(tmp_path):
+    """The disk and the encoding overlap: while the first transaction's value file is being written,
+    the next transaction is committed into memory; at most `streams + 1` transactions' value files
+    are in memory at once (the budget is shared by them), and the step reads back bit-equal."""
+    rng = np.random.default_rng(1)
+    tree = {"a": {f"w{i}": rng.standard_normal((256, 512)).astype("float32") for i in range(8)}}
+    direct = _WatchedWriter()
+    step = str(tmp_path / "0")
+    writer = OrbaxStepWriter(step, compression="none", chunk_byte_size=CHUNK_BYTES["none"], direct=direct)
+    direct.step = writer
+    _write_arrays(writer, tree, limit=(direct.streams + 1) * 256 * 512 * 4)  # one array per transaction
+    writer.finish(custom_metadata={})
+    assert direct.next_encoded_meanwhile is True
+    assert len(direct.in_memory) == 8 and max(direct.in_memory) <= direct.streams + 1, direct.in_memory
+    back = ocp.load_pytree(step)
+    for key, value in tree["a"].items():
+        np.testing.assert_array_equal(back["a"][key], value)
+
+
+class _ClashingWriter(DirectWriter):
+    """A real `DirectWriter` whose first file's path is taken (a folder made there first), and whose
+    later files take a while: the first write-out fails while the next one is still writing."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.files = 0
+
+    def write(self, path, pieces):
+        self.files += 1
+        if self.files == 1:
+            os.makedirs(path)
+        else:
+            time.sleep(0.5)
+        return super().write(path, pieces)
+
+
+def test_a_failed_write_out_fails_the_save_and_leaves_no_writer_running(tmp_path):
+    """A value file that cannot be written fails the save with that error, and the save returns only
+    once no write-out is left running into the folder (which its caller then removes)."""
+    rng = np.random.default_rng(2)
+    tree = {"a": {f"w{i}": rng.standard_normal((64, 128)).astype("float32") for i in range(6)}}
+    direct = _ClashingWriter()
+    writer = OrbaxStepWriter(str(tmp_path / "0"), compression="none", chunk_byte_size=CHUNK_BYTES["none"],
+                             direct=direct)
+    with pytest.raises(FileExistsError):
+        _write_arrays(writer, tree, limit=(direct.streams + 1) * 64 * 128 * 4)  # one array per transaction
+    assert direct.files >= 2
+    assert not [t for t in threading.enumerate() if t.name == "shardckpt-write-out" and t.is_alive()]
