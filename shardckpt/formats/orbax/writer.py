@@ -32,8 +32,8 @@ from __future__ import annotations
 import base64
 import concurrent.futures
 import json
-import threading
 import os
+import threading
 import time
 from collections.abc import Iterator
 from typing import Any
