@@ -279,3 +279,10 @@ class ObjectChangedError(ShardckptError, RuntimeError):
     def __init__(self, message: str, *, url: str = "", expected: str = "", found: str = "") -> None:
         super().__init__(message)
         self.url, self.expected, self.found = url, expected, found
+
+
+class ConfigurationError(ShardckptError, ValueError):
+    """A setting read from the environment (a `SHARDCKPT_*` variable) has a value shardckpt cannot use.
+
+    The message names the variable, the value received and what it must be.
+    """

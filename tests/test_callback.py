@@ -127,6 +127,38 @@ def test_metadata_and_iterator_state_round_trip(tmp_path):
     assert_training_state_equal(fresh, record.state)
 
 
+def test_restore_latest_takes_a_host_memory_budget_smaller_than_one_variable(tmp_path):
+    """`restore_latest(max_inflight_bytes=...)` is the budget its load runs with (the report says
+    so, "given"), and a budget below the size of one variable still restores every variable,
+    optimizer slots included, bit-equal in its sharding, onto another mesh."""
+    width = 512  # hidden kernel (6, 512) float32: 12 KiB, as each of its two Adam slots
+    keras.distribution.set_distribution(column_then_row_parallel("hidden", "head"))
+    model = small_regressor(3, width=width)
+    it = CountingIterator()
+    _fit(model, OrbaxCheckpoint(str(tmp_path), data_iterator=it), it)
+    trained = training_state(model)
+
+    keras.backend.clear_session()
+    keras.distribution.set_distribution(column_then_row_parallel("hidden", "head", (1, 8)))
+    fresh = small_regressor(11, width=width)
+    fresh.optimizer.build(fresh.trainable_variables)
+    fresh.evaluate(it.x[:8], it.y[:8], verbose=0)  # builds the metrics variables
+    variables = [*fresh.variables, *fresh.optimizer.variables]
+    placed = {v.path: v.value.sharding for v in variables}
+    budget_bytes = 4096
+    assert budget_bytes < 6 * width * 4
+    with pytest.raises(ValueError, match="max_inflight_bytes must be a positive number of bytes"):
+        restore_latest(fresh, str(tmp_path), max_inflight_bytes=0)
+    info = restore_latest(fresh, str(tmp_path), max_inflight_bytes=budget_bytes)
+    assert info.report.max_inflight_bytes == budget_bytes and info.report.budget_rule == "given"
+    assert info.report.bytes_read >= 3 * 6 * width * 4  # the kernel and its slots, each over the budget
+    assert_training_state_equal(fresh, trained)
+    for v in variables:
+        assert v.value.sharding == placed[v.path], v.path
+    kernel = fresh.get_layer("hidden").kernel.value.sharding
+    assert kernel.spec == jax.sharding.PartitionSpec(None, "model") and kernel.mesh.devices.shape == (1, 8)
+
+
 def _read_ahead(batches, n: int):
     """Yields `batches`, always holding the next `n` already pulled."""
     import collections

@@ -5,6 +5,7 @@ help and errors."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import io
 import json
 import os
@@ -19,6 +20,7 @@ from safetensors.numpy import load_file
 import shardckpt
 from shardckpt import budget
 from shardckpt.cli import main
+from shardckpt.cli.reports import convert_json
 
 keras_hub = pytest.importorskip("keras_hub")
 LLAMA = dict(vocabulary_size=64, num_layers=1, num_query_heads=8, num_key_value_heads=8, hidden_dim=32,
@@ -110,6 +112,71 @@ def test_max_inflight_mb_bounds_the_models_load_too(preset, tmp_path, source):
     assert load["max_inflight_bytes"] == budget.resolve(None, accelerators=0)  # CPU devices: no accelerator
     assert load["budget_rule"] == budget.describe_default(0)
     assert load["arrays"] == len(values) and not load["missing"] and not load["unexpected"]
+
+
+def test_convert_json_summarises_the_loads_timeline_unless_timeline_is_asked(preset, tmp_path, capsys):
+    """`convert --json` of a target that loads the model prints the load's transfer timeline as
+    counts, bytes and seconds (`timeline_summary`), not one entry per read and transfer; `--timeline`
+    adds the entries. The Python report keeps every entry either way."""
+    folder, values = preset
+    args = ["convert", folder, str(tmp_path / "a"), "--to", "safetensors", "--mesh", "2x4", "--quiet", "--json"]
+    code, stdout, err = _run(args)
+    assert code == 0, err
+    load = json.loads(stdout)["load"]
+    assert "timeline" not in load
+    # CPU devices: pieces go to their devices directly, no pipeline, no events.
+    assert load["transfer"] == "direct" and load["arrays"] == len(values)
+    assert load["timeline_summary"] == {"events": 0, "reads": 0, "read_bytes": 0, "transfers": 0,
+                                        "transfer_bytes": 0, "seconds": 0.0}
+    keras.distribution.set_distribution(None)
+    args[2] = str(tmp_path / "b")
+    code, stdout, err = _run([*args, "--timeline"])
+    assert code == 0, err
+    load = json.loads(stdout)["load"]
+    assert load["timeline"] == [] and load["timeline_summary"]["events"] == 0
+    keras.distribution.set_distribution(None)
+    for bad, said in ((["--to", "hf", "--timeline"], "pass --json too"),
+                      (["--json", "--timeline"], "--timeline applies to --to hf, keras-hub and safetensors")):
+        with pytest.raises(SystemExit) as e:
+            main(["convert", folder, str(tmp_path / "c"), *bad])
+        assert e.value.code == 2 and said in capsys.readouterr().err
+    assert not (tmp_path / "c").exists()
+
+    # A load through the transfer pipeline (forced on CPU devices: every piece is copied through
+    # the ring), so the report has a timeline to summarise.
+    model = _lazy_llama()
+    plan = shardckpt.auto_layout(model, keras.distribution.DeviceMesh((2, 4), ["data", "model"]))
+    ring = shardckpt.load_sharded(model, folder, layout=plan, transfer="ring")
+    for v in model.weights:
+        np.testing.assert_array_equal(np.asarray(v.value), values[v.path], err_msg=v.path)
+    events = list(ring.timeline)
+    reads = [e for e in events if e.kind == "read"]
+    transfers = [e for e in events if e.kind == "transfer"]
+    assert ring.transfer == "ring" and reads and transfers and len(reads) + len(transfers) == len(events)
+    report = dataclasses.replace(shardckpt.export(model, tmp_path / "d", format="safetensors"), load=ring)
+    data = convert_json(report)
+    assert "timeline" not in data["load"]
+    assert data["load"]["timeline_summary"] == {
+        "events": len(events),
+        "reads": len(reads),
+        "read_bytes": sum(e.nbytes for e in reads),
+        "transfers": len(transfers),
+        "transfer_bytes": sum(e.nbytes for e in transfers),
+        "seconds": max(e.end for e in events) - min(e.start for e in events),
+    }
+    # Every byte read went through the ring, and each device got its shard of every variable.
+    assert data["load"]["timeline_summary"]["read_bytes"] == ring.bytes_read
+    shards = sum(s.data.nbytes for v in model.weights for s in v.value.addressable_shards)
+    assert data["load"]["timeline_summary"]["transfer_bytes"] == shards
+    assert {k: v for k, v in data["load"].items() if k != "timeline_summary"} == {
+        k: v for k, v in dataclasses.asdict(ring).items() if k != "timeline"}
+    assert {k: v for k, v in data.items() if k != "load"} == {
+        k: v for k, v in dataclasses.asdict(report).items() if k != "load"}
+    json.dumps(data)
+    full = convert_json(report, timeline=True)
+    assert full["load"]["timeline"] == [dataclasses.asdict(e) for e in events]
+    assert full["load"]["timeline_summary"] == data["load"]["timeline_summary"]
+    assert report.load.timeline == events  # the Python report keeps every entry
 
 
 def test_python_convert_takes_to_like_the_cli(preset, tmp_path):

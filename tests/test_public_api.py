@@ -107,7 +107,10 @@ def test_signatures_match_the_design():
                         ("progress", None), ("overwrite", False)):
         assert p[kw].kind is pyinspect.Parameter.KEYWORD_ONLY and p[kw].default == default, kw
 
-    assert list(_params(shardckpt.restore_latest))[:2] == ["model", "directory"]
+    p = _params(shardckpt.restore_latest)
+    assert list(p)[:2] == ["model", "directory"]
+    for kw, default in (("data_iterator", None), ("strict", True), ("max_inflight_bytes", None)):
+        assert p[kw].kind is pyinspect.Parameter.KEYWORD_ONLY and p[kw].default == default, kw
     assert list(_params(shardckpt.inspect))[:1] == ["path"]
     for name in ("explain", "layout_map", "distribution", "bytes_per_device", "validate", "to_json", "from_json"):
         assert callable(getattr(shardckpt.LayoutPlan, name)), name

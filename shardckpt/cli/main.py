@@ -72,7 +72,10 @@ def _parser() -> argparse.ArgumentParser:
                    "and the report names the load's budget)")
     p.add_argument("--force", action="store_true", help="replace DST if it exists")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
-    p.add_argument("--json", action="store_true", help="print the report as JSON")
+    p.add_argument("--json", action="store_true", help="print the report as JSON (with --to hf, keras-hub or "
+                   "safetensors, the load's transfer timeline as counts, bytes and seconds: timeline_summary)")
+    p.add_argument("--timeline", action="store_true", help="with --json: also every read and transfer of the "
+                   "load's transfer pipeline, one entry each (thousands for a large model on an accelerator)")
 
     p = sub.add_parser("inspect", help="show the arrays, steps and metadata of a checkpoint")
     p.add_argument("path")
@@ -155,11 +158,17 @@ def _one_line(error: BaseException) -> str:
 
 
 def _convert(args: argparse.Namespace) -> int:
+    from shardckpt.cli.reports import convert_json
     from shardckpt.pipeline import convert
 
     # Options of the other kind of target: a usage error (exit 2), never ignored.
     if args.to != "orbax" and args.compression is not None:
         _parser().error(f"--compression applies to --to orbax; --to {args.to} writes uncompressed files")
+    if args.timeline and not args.json:
+        _parser().error("--timeline adds the load's events to the --json report; pass --json too")
+    if args.timeline and args.to == "orbax":
+        _parser().error("--timeline applies to --to hf, keras-hub and safetensors (they load the model); "
+                        "--to orbax streams the arrays without a load")
     if args.to == "orbax" and args.max_shard_size is not None:
         _parser().error("--max-shard-size applies to --to hf, keras-hub and safetensors; an Orbax checkpoint "
                         "is chunked, not split into files")
@@ -177,7 +186,7 @@ def _convert(args: argparse.Namespace) -> int:
         progress=False if args.quiet else None,
     )
     if args.json:
-        print(json.dumps(dataclasses.asdict(report), indent=2, default=str))
+        print(json.dumps(convert_json(report, timeline=args.timeline), indent=2, default=str))
     else:
         print(report)
     return 0

@@ -32,6 +32,7 @@ import dataclasses
 import hashlib
 import itertools
 import json
+import math
 import os
 import threading
 from typing import Any
@@ -39,11 +40,18 @@ from typing import Any
 import jax
 
 from shardckpt import _jax
-from shardckpt.errors import ProcessSaveError
+from shardckpt.errors import ConfigurationError, ProcessSaveError
 
 WAIT_S = 3600.0
 """Longest wait for another process's outcome of one phase (a phase writes
 that process's share of the state)."""
+
+WAIT_ENV = "SHARDCKPT_PROCESS_WAIT_S"
+"""The environment variable that overrides `WAIT_S` (seconds)."""
+
+_MAX_WAIT_S = 1e15
+"""Cap of the wait handed to the coordination client, whose milliseconds are
+a 64-bit integer: a larger limit is, for any run, the same as this one."""
 
 KEYS = "shardckpt/bucket_save"
 """The coordination service's key directory of every agreement."""
@@ -69,8 +77,27 @@ _roots: dict[str, _Root] = {}
 
 
 def wait_s() -> float:
-    """The wait limit: `SHARDCKPT_PROCESS_WAIT_S` when set, else `WAIT_S`."""
-    return float(os.environ.get("SHARDCKPT_PROCESS_WAIT_S", WAIT_S))
+    """The wait limit: `SHARDCKPT_PROCESS_WAIT_S` when set (not empty), else `WAIT_S`.
+
+    Raises:
+        ConfigurationError: the variable is set to anything but a positive,
+            finite number of seconds ("abc", "0", "-5", "nan", "inf").
+    """
+    text = os.environ.get(WAIT_ENV)
+    if not text:  # as the storage deadlines' variables: set empty is unset
+        return WAIT_S
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    # "inf" is refused too: a process killed mid-save would then hang every other one for good.
+    if not (math.isfinite(value) and value > 0):
+        raise ConfigurationError(
+            f"{WAIT_ENV} must be a positive number of seconds: how long a process of a multi-process "
+            f"save waits for the others' outcome of one phase (default {WAIT_S:.0f}). Fix: set it to "
+            f"a positive number of seconds, e.g. {WAIT_ENV}=600, or unset it. Received: {WAIT_ENV}={text!r}"
+        )
+    return value
 
 
 def root_keys(url: str) -> str:
@@ -92,6 +119,8 @@ class Agreement:
         self.step, self.what = step, what
         self.index, self.count = jax.process_index(), jax.process_count()
         self.client: Any = _jax.distributed_client() if self.count > 1 else None
+        # Read before any phase: a bad value fails the save before anything is written.
+        self.limit = wait_s() if self.client is not None else WAIT_S
         with _lock:
             self._root = _roots.setdefault(root, _Root(root_keys(root)))
             self.prefix = f"{self._root.keys}/{next(self._root.numbers)}"
@@ -150,9 +179,9 @@ class Agreement:
             )
 
     def _get(self, key: str, process: int, phase: str) -> Any:
-        limit = wait_s()
+        limit = self.limit
         try:
-            value = self.client.blocking_key_value_get(key, int(limit * 1000))
+            value = self.client.blocking_key_value_get(key, max(1, round(min(limit, _MAX_WAIT_S) * 1000)))
         except jax.errors.JaxRuntimeError as e:
             # The client raises this one type for every failed call, its
             # status code leading the message; only "no answer" is the other

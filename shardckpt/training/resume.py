@@ -12,7 +12,7 @@ import logging
 import os
 from typing import Any
 
-from shardckpt import storage
+from shardckpt import budget, storage
 from shardckpt.errors import CheckpointNotFoundError, IteratorCountError
 from shardckpt.formats.orbax.ondisk import (  # noqa: F401  (the callback's names for them)
     ARRAYS_ITEM,
@@ -123,12 +123,20 @@ def build_optimizer(model: Any) -> None:
 
 
 def restore_step(
-    model: Any, step_dir: str, *, data_iterator: Any = None, strict: bool = True, on_process_count_change: str = "error"
+    model: Any,
+    step_dir: str,
+    *,
+    data_iterator: Any = None,
+    strict: bool = True,
+    on_process_count_change: str = "error",
+    max_inflight_bytes: int | None = None,
 ) -> ResumeInfo:
     """Restores one step into `model` (and `data_iterator`); see `restore_latest`."""
     import jax
 
     check_on_count_change(on_process_count_change)
+    if max_inflight_bytes is not None:
+        budget.resolve(max_inflight_bytes)  # refused before the optimizer is built
     build_optimizer(model)
     metadata = read_json_item(step_dir, METADATA_ITEM) or {}
     iterator_state = None
@@ -140,7 +148,7 @@ def restore_step(
     # values (such a step cannot resume bit-exactly; documented on the callback).
     strict = strict and not metadata.get("save_weights_only", False)
     # The one call that moves values (switch point for another restore engine).
-    report = load_sharded(model, step_dir, strict=strict, progress=False)
+    report = load_sharded(model, step_dir, strict=strict, max_inflight_bytes=max_inflight_bytes, progress=False)
     if data_iterator is not None and iterator_state is not None:
         data_iterator.set_state(iterator_state)
     return ResumeInfo(
@@ -163,6 +171,7 @@ def restore_latest(
     data_iterator: StatefulIterator | None = None,
     strict: bool = True,
     on_process_count_change: str = "error",
+    max_inflight_bytes: int | None = None,
 ) -> ResumeInfo:
     """Restores the latest committed checkpoint of `directory` outside `fit`.
 
@@ -193,6 +202,10 @@ def restore_latest(
             `IteratorCountError` before anything is restored) or
             "restart_iterators" (restore the rest; the iterator keeps its
             current position; a warning says so).
+        max_inflight_bytes: Most bytes of host memory the restore holds at
+            once beyond the final state, as `load_sharded`'s (None: its
+            default, this host's budget, larger with local accelerators).
+            The budget used is in the result's `report.max_inflight_bytes`.
 
     Returns:
         A `ResumeInfo`.
@@ -202,6 +215,7 @@ def restore_latest(
         IncompleteCheckpointError: it holds only what interrupted saves or
             deletes left (as `load_sharded` and `inspect` raise).
         IteratorCountError: see `on_process_count_change`.
+        ValueError: `max_inflight_bytes` is not a positive number of bytes.
         CheckpointMismatchError, DtypeMismatchError, ...: see `load_sharded`.
     """
     # Classified first: an unsupported scheme:// is refused, never a local folder.
@@ -212,4 +226,4 @@ def restore_latest(
         raise CheckpointNotFoundError(
             f"{e} Fix: check the directory, or train with OrbaxCheckpoint first.") from None
     return restore_step(model, step_dir, data_iterator=data_iterator, strict=strict,
-                        on_process_count_change=on_process_count_change)
+                        on_process_count_change=on_process_count_change, max_inflight_bytes=max_inflight_bytes)
