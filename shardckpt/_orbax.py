@@ -7,7 +7,7 @@ why it is needed and who uses it:
 - `sharding` metadata (formats.orbax.writer): the `_sharding` file Orbax
   writes beside an array tree, in Orbax's own serialized form, so that
   Orbax and Keras restore our steps with the shardings they were saved with.
-- `preservation_policy.PreservationContext` (training.bucket_save): the
+- `preservation_policy.PreservationContext` (training.step_save): the
   argument of a `PreservationPolicy.should_preserve` call; the bucket
   checkpointer applies Keras' / Orbax's retention policies itself, as
   Orbax's `Checkpointer` does for local folders.

@@ -44,7 +44,7 @@ def outcome(action):
 
 
 def save(root, step, error=None):
-    """One save's agreement, as `BucketCheckpointer.save_checkpointables` makes it."""
+    """One save's agreement, as `StepCheckpointer.save_checkpointables` makes it."""
     agreement = Agreement(root, step, f"Saving checkpoint step {step} to {root!r}")
     agreement.settle("clean", None, everyone=False)
     agreement.settle("write", error, everyone=True)

@@ -115,10 +115,10 @@ def test_a_missing_local_root_lists_no_step(tmp_path):
 
 
 def test_a_bucket_save_of_a_committed_step_is_a_typed_error(gcs_server):
-    from shardckpt.training.bucket_save import BucketCheckpointer
+    from shardckpt.training.step_save import StepCheckpointer
 
     root = storage.parse(gcs_server.new_bucket() + "/ckpt")
-    saver = BucketCheckpointer(root, policy=None, compression=False)
+    saver = StepCheckpointer(root, policy=None, compression=False)
     payload = {ondisk.ARRAYS_ITEM: {"w": np.arange(4, dtype="float32")}}
     saver.save_checkpointables(1, payload)
     assert ondisk.committed_steps(root) == [1]

@@ -18,7 +18,7 @@ from shardckpt import load_sharded
 from shardckpt.formats.orbax.writer import CHUNK_BYTES, OrbaxStepWriter
 from shardckpt.storage.direct import ALIGN, DirectWriter
 from shardckpt.training import OrbaxCheckpoint
-from shardckpt.training.bucket_save import BucketCheckpointer, _write_arrays
+from shardckpt.training.step_save import StepCheckpointer, _write_arrays
 from tests.support import assert_training_state_equal, column_then_row_parallel, training_state
 from tests.zoo import small_regressor
 
@@ -87,7 +87,7 @@ def test_a_local_save_is_written_past_the_page_cache_and_reads_back_bit_equal(tm
     root = str(tmp_path / "ckpt")
     model, ckpt = _fit(root)
     checkpointer = ckpt.checkpointer
-    assert isinstance(checkpointer, BucketCheckpointer) and checkpointer.local
+    assert isinstance(checkpointer, StepCheckpointer) and checkpointer.local
     assert sorted(os.listdir(root)) == ["6", "8"]  # 8 batches, a save every 2, max_to_keep=2
     direct = checkpointer._direct
     assert direct is not None and direct.buffered_files == 0

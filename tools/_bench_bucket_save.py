@@ -4,7 +4,7 @@ Each cell starts 1 process with 8 simulated CPU devices, or 2 `jax.distributed`
 processes on 127.0.0.1 with 4 each, holding bench_restore's model on the same
 (1, 8) `ModelParallel` mesh. Per process it measures:
 
-- a bucket save of the state (the callback's writer, `BucketCheckpointer`):
+- a bucket save of the state (the callback's writer, `StepCheckpointer`):
   seconds, CPU seconds, peak anonymous memory over the state during the save
   (RssAnon sampled; the state is resident before it starts) against the host's
   in-flight budget, and the bytes this process wrote (its own OCDBT store);
@@ -41,7 +41,7 @@ def child(args, process: str, port: str, urls: str) -> dict:
     import shardckpt
     from shardckpt import budget, storage
     from shardckpt.restore import hostmem
-    from shardckpt.training import bucket_save
+    from shardckpt.training import step_save
 
     distribution = bench_restore.distribution()
     distribution.auto_shard_dataset = False
@@ -60,7 +60,7 @@ def child(args, process: str, port: str, urls: str) -> dict:
     for url in json.loads(urls):  # every server in one process: one start per cell
         hostmem.trim()
         root = storage.parse(f"{url}/save")
-        writer = bucket_save.BucketCheckpointer(root, policy=None, compression=False)
+        writer = step_save.StepCheckpointer(root, policy=None, compression=False)
         before = rss_anon()
         with PeakSampler() as sampler:
             start, cpu = time.perf_counter(), cpu_seconds()

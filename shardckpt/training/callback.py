@@ -88,7 +88,7 @@ class OrbaxCheckpoint(BestTracking):
 
     Args:
         directory: Root folder of the checkpoints, or a `gs://bucket/...` /
-            `s3://bucket/...` URL (see `bucket_save`).
+            `s3://bucket/...` URL (see `step_save`).
         monitor: Metric for `save_best_only` and `keep_best`.
         verbose: 1 prints a line per save, per wait and at resume.
         save_best_only: Save only when `monitor` improves.
@@ -135,7 +135,7 @@ class OrbaxCheckpoint(BestTracking):
             `save_waits_s`: each wait for the save in flight; `save_writes_s`:
             each write, snapshot handed over to step committed.
         checkpointer: The checkpointer of the current (or last) fit: shardckpt's
-            own (`bucket_save.BucketCheckpointer`; buckets, and local folders
+            own (`step_save.StepCheckpointer`; buckets, and local folders
             of one process) or Orbax's `Checkpointer` (local folders of
             several processes). Both save, delete, wait and close alike.
 
@@ -196,7 +196,7 @@ class OrbaxCheckpoint(BestTracking):
         options.validate(save_freq=save_freq, snapshot=snapshot, snapshot_budget_bytes=snapshot_budget_bytes,
                          metadata=metadata, max_to_keep=max_to_keep, keep_best=keep_best, keep_period=keep_period,
                          monitor=monitor)
-        # A gs:// or s3:// URL saves through bucket_save.
+        # A gs:// or s3:// URL saves through step_save.
         self._location = storage.parse(directory, what="directory")
         self.directory = self._location.url
         self.verbose, self.save_best_only = verbose, save_best_only

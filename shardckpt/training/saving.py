@@ -1,7 +1,7 @@
 """Writing steps: one step writer behind local folders and buckets, in the
 background, with one save queued behind the one being written.
 
-`StepWriter` owns the checkpointer: `bucket_save.BucketCheckpointer` for
+`StepWriter` owns the checkpointer: `step_save.StepCheckpointer` for
 `gs://` / `s3://` and for a local folder written by one process (there it
 writes the arrays' files past the page cache, `O_DIRECT`), Orbax's own
 `Checkpointer` for a local folder of several processes; both take the same
@@ -51,8 +51,8 @@ from shardckpt import _orbax, storage
 from shardckpt.errors import BackgroundSaveError
 from shardckpt.formats.orbax import removal
 from shardckpt.formats.orbax.writer import CHUNK_BYTES
-from shardckpt.training import bucket_save, resume
 from shardckpt.training import metadata as metadata_lib
+from shardckpt.training import resume, step_save
 
 _log = logging.getLogger("shardckpt")
 
@@ -76,7 +76,7 @@ to name their signals and barriers (`awaitable_signals_contract_<id>`). Two
 saves in flight at once, from two callbacks, take each other's number: one
 waits for the other's signals ("Timeout waiting for key ...") or creates the
 other's temporary folder (`FileExistsError`). One Orbax save at a time per
-process keeps the numbers apart. Bucket saves (`bucket_save`) do not go
+process keeps the numbers apart. Bucket saves (`step_save`) do not go
 through Orbax's saving and do not take it, nor do one-process local saves (the
 same writer)."""
 
@@ -126,7 +126,7 @@ class StepWriter:
         # leftovers of killed runs itself); Orbax's Checkpointer for local folders of several processes.
         self.orbax = not location.is_remote and jax.process_count() > 1
         if not self.orbax:
-            self.checkpointer: Any = bucket_save.BucketCheckpointer(location, policy=policy, compression=compression)
+            self.checkpointer: Any = step_save.StepCheckpointer(location, policy=policy, compression=compression)
         else:
             if jax.process_index() == 0:  # before Orbax lists the steps: no leftover is taken for one
                 removal.remove_leftovers(location)

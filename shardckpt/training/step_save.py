@@ -1,4 +1,4 @@
-"""`OrbaxCheckpoint` saving into a bucket (`gs://`, `s3://`), or a local folder from one process.
+"""`OrbaxCheckpoint` steps written by shardckpt: into a bucket (`gs://`, `s3://`), or a local folder from one process.
 
 Orbax v1's `ocp.training.Checkpointer` reaches `gs://` only through etils'
 epath with gcsfs, and has no S3 support for arrays. In a bucket the callback
@@ -19,7 +19,7 @@ loaders read):
   a bucket has no rename, so a step counts as committed only once that
   marker exists, and a killed save never does.
 
-`BucketCheckpointer` offers the part of `ocp.training.Checkpointer` the
+`StepCheckpointer` offers the part of `ocp.training.Checkpointer` the
 callback calls (`save_checkpointables`, `delete`, `wait`, `close`), so the
 callback's background thread, snapshot and resume code are the same for both.
 Retention uses the same Orbax preservation policy as local saves; old steps
@@ -75,7 +75,7 @@ class _StepInfo:
     time: datetime.datetime
 
 
-class BucketCheckpointer:
+class StepCheckpointer:
     """Writes, lists and deletes the callback's steps under a bucket prefix (or a local folder).
 
     Args:
@@ -97,7 +97,7 @@ class BucketCheckpointer:
         self._steps: list[_StepInfo] = []
         self.local = commit.renames(root)
         if self.local and jax.process_count() > 1:
-            raise ValueError(f"BucketCheckpointer writes local folders from one process; {jax.process_count()} "
+            raise ValueError(f"StepCheckpointer writes local folders from one process; {jax.process_count()} "
                              f"processes run. Received: root={root.url!r}")
         # Reused by every save: the aligned buffer the arrays' files go through.
         self._direct = DirectWriter() if self.local else None
