@@ -96,8 +96,18 @@ def test_bad_deadlines_are_refused(monkeypatch):
         storage.Deadline(timeout=0)
     with pytest.raises(ValueError, match="retries must be at least 1"):
         storage.Deadline(retries=0)
-    monkeypatch.setenv("SHARDCKPT_STORAGE_TIMEOUT", "soon")
-    with pytest.raises(ValueError, match="SHARDCKPT_STORAGE_TIMEOUT must be a number of seconds"):
+
+
+@pytest.mark.parametrize(("name", "text"), [
+    ("SHARDCKPT_STORAGE_TIMEOUT", "soon"), ("SHARDCKPT_STORAGE_TIMEOUT", "0"), ("SHARDCKPT_STORAGE_TIMEOUT", "inf"),
+    ("SHARDCKPT_STORAGE_CONNECT_TIMEOUT", "-3"), ("SHARDCKPT_STORAGE_CONNECT_TIMEOUT", "nan"),
+    ("SHARDCKPT_STORAGE_RETRIES", "2.5"), ("SHARDCKPT_STORAGE_RETRIES", "0"),
+])
+def test_bad_deadline_variables_are_a_configuration_error_naming_them(monkeypatch, name, text):
+    """A variable that is not a positive, finite number of seconds (retries: a whole number >= 1)
+    is refused with its name, its value and the fix; none is taken half-way (2.5 retries as 2)."""
+    monkeypatch.setenv(name, text)
+    with pytest.raises(errors.ConfigurationError, match=rf"{name} must be .* Fix: .* Received: {name}={text!r}"):
         storage.deadlines.current()
 
 

@@ -24,10 +24,13 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import math
 import os
 import threading
 from collections.abc import Iterator
 from typing import Any
+
+from shardckpt.errors import ConfigurationError
 
 TIMEOUT_S = 120.0
 """Seconds one request may take, its retries included."""
@@ -75,19 +78,33 @@ class Deadline:
 
 
 def _from_env() -> Deadline:
-    def number(name: str, default: float) -> float:
+    """The environment's deadline (defaults where a variable is unset or empty).
+
+    Raises:
+        ConfigurationError: a variable holds anything but a positive, finite
+            number of seconds, or retries that are not a whole number >= 1.
+    """
+
+    def number(name: str, default: float, *, what: str) -> float:
         text = os.environ.get(name)
         if not text:
             return default
         try:
-            return float(text)
+            value = float(text)
         except ValueError:
-            raise ValueError(f"{name} must be a number of seconds. Received: {name}={text!r}") from None
+            value = math.nan
+        # inf is refused too: the transport's whole-second settings cannot hold it, and a
+        # request that may hang for good is what these deadlines exist to prevent.
+        if not (math.isfinite(value) and value > 0) or (what == "retries" and value != int(value)):
+            must = "a whole number of attempts, at least 1" if what == "retries" else "a positive number of seconds"
+            raise ConfigurationError(f"{name} must be {must}. Fix: set it to {must}, or unset it for the default "
+                                     f"({default:g}). Received: {name}={text!r}")
+        return value
 
     return Deadline(
-        timeout=number(ENV_TIMEOUT, TIMEOUT_S),
-        connect_timeout=number(ENV_CONNECT_TIMEOUT, CONNECT_TIMEOUT_S),
-        retries=int(number(ENV_RETRIES, RETRIES)),
+        timeout=number(ENV_TIMEOUT, TIMEOUT_S, what="seconds"),
+        connect_timeout=number(ENV_CONNECT_TIMEOUT, CONNECT_TIMEOUT_S, what="seconds"),
+        retries=int(number(ENV_RETRIES, RETRIES, what="retries")),
     )
 
 
