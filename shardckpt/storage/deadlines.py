@@ -77,6 +77,38 @@ class Deadline:
         }
 
 
+def positive_from_env(name: str, default: float, *, unit: str = "seconds", whole: bool = False,
+                      meaning: str = "") -> float:
+    """A positive, finite number from environment variable `name`; `default` where it is unset or empty.
+
+    Args:
+        name: The variable.
+        default: Its value when unset or set empty.
+        unit: What the number counts, for the message ("seconds").
+        whole: Only whole numbers are taken (at least 1).
+        meaning: What the setting does, for the message (": how long ...").
+
+    Raises:
+        ConfigurationError: the variable holds anything else ("abc", "0",
+            "-5", "nan", "inf"; "2.5" where `whole`), naming it, its value
+            and the fix.
+    """
+    text = os.environ.get(name)
+    if not text:
+        return default
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    # inf is refused too: a wait or a request that may last for good is what these limits prevent,
+    # and the transport's whole seconds and the coordination client's milliseconds cannot hold it.
+    if not (math.isfinite(value) and value > 0) or (whole and value != int(value)):
+        must = f"a whole number of {unit}, at least 1" if whole else f"a positive number of {unit}"
+        raise ConfigurationError(f"{name} must be {must}{meaning}. Fix: set it to {must}, or unset it for the "
+                                 f"default ({default:g}). Received: {name}={text!r}")
+    return value
+
+
 def _from_env() -> Deadline:
     """The environment's deadline (defaults where a variable is unset or empty).
 
@@ -84,27 +116,10 @@ def _from_env() -> Deadline:
         ConfigurationError: a variable holds anything but a positive, finite
             number of seconds, or retries that are not a whole number >= 1.
     """
-
-    def number(name: str, default: float, *, what: str) -> float:
-        text = os.environ.get(name)
-        if not text:
-            return default
-        try:
-            value = float(text)
-        except ValueError:
-            value = math.nan
-        # inf is refused too: the transport's whole-second settings cannot hold it, and a
-        # request that may hang for good is what these deadlines exist to prevent.
-        if not (math.isfinite(value) and value > 0) or (what == "retries" and value != int(value)):
-            must = "a whole number of attempts, at least 1" if what == "retries" else "a positive number of seconds"
-            raise ConfigurationError(f"{name} must be {must}. Fix: set it to {must}, or unset it for the default "
-                                     f"({default:g}). Received: {name}={text!r}")
-        return value
-
     return Deadline(
-        timeout=number(ENV_TIMEOUT, TIMEOUT_S, what="seconds"),
-        connect_timeout=number(ENV_CONNECT_TIMEOUT, CONNECT_TIMEOUT_S, what="seconds"),
-        retries=int(number(ENV_RETRIES, RETRIES, what="retries")),
+        timeout=positive_from_env(ENV_TIMEOUT, TIMEOUT_S),
+        connect_timeout=positive_from_env(ENV_CONNECT_TIMEOUT, CONNECT_TIMEOUT_S),
+        retries=int(positive_from_env(ENV_RETRIES, RETRIES, unit="attempts", whole=True)),
     )
 
 

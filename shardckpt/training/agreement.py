@@ -32,15 +32,14 @@ import dataclasses
 import hashlib
 import itertools
 import json
-import math
-import os
 import threading
 from typing import Any
 
 import jax
 
 from shardckpt import _jax
-from shardckpt.errors import ConfigurationError, ProcessSaveError
+from shardckpt.errors import ProcessSaveError
+from shardckpt.storage.deadlines import positive_from_env
 
 WAIT_S = 3600.0
 """Longest wait for another process's outcome of one phase (a phase writes
@@ -83,21 +82,8 @@ def wait_s() -> float:
         ConfigurationError: the variable is set to anything but a positive,
             finite number of seconds ("abc", "0", "-5", "nan", "inf").
     """
-    text = os.environ.get(WAIT_ENV)
-    if not text:  # as the storage deadlines' variables: set empty is unset
-        return WAIT_S
-    try:
-        value = float(text)
-    except ValueError:
-        value = math.nan
-    # "inf" is refused too: a process killed mid-save would then hang every other one for good.
-    if not (math.isfinite(value) and value > 0):
-        raise ConfigurationError(
-            f"{WAIT_ENV} must be a positive number of seconds: how long a process of a multi-process "
-            f"save waits for the others' outcome of one phase (default {WAIT_S:.0f}). Fix: set it to "
-            f"a positive number of seconds, e.g. {WAIT_ENV}=600, or unset it. Received: {WAIT_ENV}={text!r}"
-        )
-    return value
+    return positive_from_env(WAIT_ENV, WAIT_S, meaning=": how long a process of a multi-process save waits "
+                                                        "for the others' outcome of one phase")
 
 
 def root_keys(url: str) -> str:
