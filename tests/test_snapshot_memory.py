@@ -38,8 +38,14 @@ def _device_bytes() -> int:
         try:
             for shard in array.addressable_shards:
                 buffers[(shard.device.id, shard.data.unsafe_buffer_pointer())] = shard.data.nbytes
-        except RuntimeError:  # deleted (or donated) since live_arrays() listed it
-            continue
+        except (RuntimeError, TypeError) as e:
+            # Deleted (or donated) by another thread since live_arrays() listed it: JaxRuntimeError
+            # "Buffer has been deleted or donated" (also from a shard's view of a deleted buffer,
+            # whose array still says not deleted), or TypeError once the array's own list of
+            # buffers is gone (`addressable_shards` iterates None).
+            if "deleted or donated" in str(e) or array.is_deleted():
+                continue
+            raise
     return sum(buffers.values())
 
 
@@ -49,13 +55,17 @@ class _Sampler:
     def __init__(self) -> None:
         self.peak = 0
         self.samples = 0
+        self.error: BaseException | None = None
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
 
     def _run(self) -> None:
-        while not self._stop.is_set():
-            self.peak = max(self.peak, _device_bytes())
-            self.samples += 1
+        try:
+            while not self._stop.is_set():
+                self.peak = max(self.peak, _device_bytes())
+                self.samples += 1
+        except BaseException as e:  # raised by __exit__: a dead sampler's peak says nothing
+            self.error = e
 
     def __enter__(self) -> _Sampler:
         self._thread.start()
@@ -64,6 +74,8 @@ class _Sampler:
     def __exit__(self, *exc) -> None:
         self._stop.set()
         self._thread.join()
+        if self.error is not None:
+            raise AssertionError("the device-memory sampler failed") from self.error
 
 
 def test_device_snapshot_holds_at_most_one_copy_of_the_state_during_a_save(tmp_path):
