@@ -39,13 +39,13 @@ The callback's log line of each save says which mode was used and why.
 from __future__ import annotations
 
 import concurrent.futures
-import threading
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 
+from shardckpt import threads
 from shardckpt.progress import format_bytes
 from shardckpt.state import collections
 
@@ -269,18 +269,10 @@ def prepare(
     values = [v.value for group in collections(model, weights_only=weights_only).values() for v in group]
     if not values or choose(values, mode, budget_bytes).mode != "device":
         return None
-    done: concurrent.futures.Future = concurrent.futures.Future()
-
     def compile_copy() -> None:
-        try:
-            _copy.lower(values).compile()
-        except BaseException as e:  # handed to whoever waits on `done`
-            done.set_exception(e)
-        else:
-            done.set_result(None)
+        _copy.lower(values).compile()
 
-    threading.Thread(target=compile_copy, name="shardckpt-copy-compile", daemon=True).start()
-    return done
+    return threads.start(compile_copy, name="shardckpt-copy-compile")
 
 
 def snapshot_state(

@@ -33,7 +33,6 @@ import base64
 import concurrent.futures
 import json
 import os
-import threading
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -42,7 +41,7 @@ import numpy as np
 import tensorstore as ts
 from orbax.checkpoint import type_handlers
 
-from shardckpt import _orbax, storage
+from shardckpt import _orbax, storage, threads
 from shardckpt.formats.base import Box
 from shardckpt.formats.orbax import ondisk
 from shardckpt.storage.direct import DirectWriter
@@ -245,7 +244,7 @@ class OrbaxStepWriter:
             self._writing.pop(0).result()
         if names:
             self._handed.update(names)
-            self._writing.append(_in_thread(self._write_values, memory, names))
+            self._writing.append(threads.start(self._write_values, memory, names, name="shardckpt-write-out"))
 
     def wait_values(self) -> None:
         """Waits for every value file `flush_values` is writing; raises what writing them raised."""
@@ -431,20 +430,6 @@ def _pieces(memory: ts.KvStore, name: str) -> Iterator[bytes]:
             return
         yield piece
         start += len(piece)
-
-
-def _in_thread(action: Any, *args: Any) -> concurrent.futures.Future:
-    """Runs `action(*args)` on a new thread; the future holds its result or what it raised."""
-    future: concurrent.futures.Future = concurrent.futures.Future()
-
-    def run() -> None:
-        try:
-            future.set_result(action(*args))
-        except BaseException as e:  # handed to whoever waits on `future`
-            future.set_exception(e)
-
-    threading.Thread(target=run, name="shardckpt-write-out", daemon=True).start()
-    return future
 
 
 def process_store(tree_dir: str, process_index: int) -> str:
