@@ -9,7 +9,7 @@ page cache taken and none left dirty behind.
 
 `O_DIRECT` wants the buffer's address, the file offset and the length
 aligned to the device's block: the bytes go through a page-aligned buffer
-(`DirectWriter`'s ring, reused by every file it writes), in whole blocks; the
+(a ring of `DirectWriter`'s, one per file being written, reused by later files), in whole blocks; the
 last partial block is written after `O_DIRECT` is cleared on the descriptor.
 A file system that refuses `O_DIRECT` (tmpfs, some network file systems)
 gets ordinary buffered writes of the same bytes instead: the file is the

@@ -99,7 +99,7 @@ class StepCheckpointer:
         if self.local and jax.process_count() > 1:
             raise ValueError(f"StepCheckpointer writes local folders from one process; {jax.process_count()} "
                              f"processes run. Received: root={root.url!r}")
-        # Reused by every save: the aligned buffer the arrays' files go through.
+        # Reused by every save: the aligned buffers the arrays' files go through (one per write-out at once).
         self._direct = DirectWriter() if self.local else None
         agreement = Agreement(root.url, -1, f"Opening checkpoint root {root.url!r}")
         agreement.settle("open", self._attempt(self._open_root), everyone=False)
