@@ -4,6 +4,7 @@ uninterrupted run."""
 
 from __future__ import annotations
 
+import logging
 import os
 import shutil
 import signal
@@ -154,6 +155,52 @@ def test_rerun_with_only_the_last_batch_left_ends_at_the_unbroken_runs_data_posi
     for want, got in zip(ref.trainable_variables + ref.optimizer.variables,
                          model.trainable_variables + model.optimizer.variables):
         np.testing.assert_array_equal(np.asarray(got.value), np.asarray(want.value), err_msg=got.path)
+
+
+def test_epoch_mode_stop_training_mid_epoch_saves_a_partial_epoch_and_the_resume_is_exact(tmp_path, caplog):
+    """save_freq="epoch": a callback that sets `stop_training` after batch 6 of 3x4 ends epoch 1
+    after 2 of its 4 batches, and Keras still calls `on_epoch_end`. Step 1 must say so (a partial
+    epoch, said once) rather than claim the epoch whole: a resume then trains the 6 batches left
+    and ends bit-equal to the unbroken run, not 2 batches short."""
+    caplog.set_level(logging.WARNING, logger="shardckpt")
+    ref_data = _Batches()
+    ref = _two_dense_adam_regressor()
+    ref.fit((b for b in ref_data), steps_per_epoch=4, epochs=3, verbose=0)  # Keras alone, uninterrupted
+
+    ckpt = OrbaxCheckpoint(str(tmp_path), save_freq="epoch", data_iterator=_Batches())
+    stopper = AtBatch(6, lambda m: setattr(m, "stop_training", True))
+    _two_dense_adam_regressor().fit(ckpt.batches(), steps_per_epoch=4, epochs=3, callbacks=[stopper, ckpt],
+                                    verbose=0)
+    info = inspect(str(tmp_path))
+    assert info.steps == [0, 1]  # the last whole epoch is kept beside the partial one
+    assert (info.metadata["total_batches"], info.metadata["epoch"], info.metadata["batch"],
+            info.metadata["epoch_complete"]) == (6, 1, 2, False)
+    said = [r.getMessage() for r in caplog.records if "saved as a partial epoch" in r.getMessage()]
+    assert len(said) == 1 and "epoch 1 ended after 2 of its 4 batches" in said[0], said
+
+    data = _Batches()
+    again = OrbaxCheckpoint(str(tmp_path), save_freq="epoch", resume=True, data_iterator=data)
+    model = _two_dense_adam_regressor()
+    model.fit(again.batches(), steps_per_epoch=4, epochs=3, callbacks=[again], verbose=0)
+    assert again.resumed.step == 1 and model.history.epoch == [1, 2]
+    assert int(model.optimizer.iterations) == 12 and data.get_state() == ref_data.get_state()
+    for want, got in zip(ref.trainable_variables + ref.optimizer.variables,
+                         model.trainable_variables + model.optimizer.variables):
+        np.testing.assert_array_equal(np.asarray(got.value), np.asarray(want.value), err_msg=got.path)
+    assert inspect(str(tmp_path)).metadata["epoch_complete"] is True
+
+
+def test_epoch_mode_stop_training_in_an_epoch_of_unknown_length_says_the_step_counts_it_whole(tmp_path, caplog):
+    """Without steps_per_epoch no count tells a stopped epoch from a whole one (Keras knows none
+    either): step 0 is saved as a whole epoch, as Keras would, and the callback says so once."""
+    caplog.set_level(logging.WARNING, logger="shardckpt")
+    ckpt = OrbaxCheckpoint(str(tmp_path), save_freq="epoch")
+    stopper = AtBatch(2, lambda m: setattr(m, "stop_training", True))
+    batches = (b for _, b in zip(range(4), _Batches()))  # 4 batches, length unknown to fit
+    _two_dense_adam_regressor().fit(batches, epochs=1, callbacks=[stopper, ckpt], verbose=0)
+    assert inspect(str(tmp_path)).metadata["epoch_complete"] is True
+    said = [r.getMessage() for r in caplog.records if "model.stop_training was set" in r.getMessage()]
+    assert len(said) == 1 and "steps_per_epoch=None" in said[0] and "Fix: pass steps_per_epoch" in said[0], said
 
 
 def test_a_batches_generator_fed_to_a_second_fit_is_left_where_keras_left_it(tmp_path):

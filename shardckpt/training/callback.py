@@ -320,7 +320,34 @@ class OrbaxCheckpoint(BestTracking):
             return
         if self.save_best_only and not self._improved(logs, f"epoch {epoch}"):
             return
-        self._save(epoch, logs, epoch_complete=True)
+        self._save(epoch, logs, epoch_complete=self._epoch_ended_whole(epoch))
+
+    def _epoch_ended_whole(self, epoch: int) -> bool:
+        """Whether `epoch` ran all its batches; says so when `stop_training` cut it short.
+
+        Keras ends an epoch that a callback stopped (`model.stop_training`)
+        with `on_epoch_end` as if it were whole. Saved as whole, its step
+        would resume at the next epoch and skip the batches never trained;
+        saved as a partial epoch, a resume trains them (the same step is
+        saved again once the epoch is whole, as after a preemption).
+        """
+        count = self._count
+        if count.steps_per_epoch:
+            if count.epoch_complete:
+                return True
+            self._say(logging.WARNING,
+                      f"epoch {epoch} ended after {count.in_epoch} of its {count.steps_per_epoch} batches "
+                      f"(model.stop_training was set): step {epoch} is saved as a partial epoch, so a resume "
+                      "does not skip the batches left (Keras counts the epoch whole).")
+            return False
+        if self._model.stop_training:
+            # No length to compare with: Keras knows none either (steps_per_epoch=None).
+            self._say(logging.WARNING,
+                      f"model.stop_training was set by the end of epoch {epoch}, whose number of batches is not "
+                      f"known (steps_per_epoch=None): step {epoch} is saved as a whole epoch, so if fit was "
+                      "stopped before the data ran out, a resume starts at the next epoch without the batches "
+                      "left. Fix: pass steps_per_epoch to fit.")
+        return True
 
     def on_train_end(self, logs: dict | None = None) -> None:
         self._preemption.stop()
