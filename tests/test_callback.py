@@ -4,6 +4,7 @@ iterator state, retention, background errors, `restore_latest`, bad input."""
 from __future__ import annotations
 
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -276,7 +277,7 @@ def test_background_save_error_reaches_the_user(tmp_path):
     assert results["fails_before_next_save"]["saves_started"] == 3
 
 
-def test_drop_in_positional_arguments_and_bad_input(tmp_path):
+def test_drop_in_positional_arguments_and_bad_input(tmp_path, caplog):
     """Keras' positional signature works; bad arguments get typed, named errors."""
     ckpt = OrbaxCheckpoint(str(tmp_path), "loss", 0, False, "min", 2, None, 1, False, True)
     assert (ckpt.monitor, ckpt.save_freq, ckpt.max_to_keep, ckpt.save_on_background, ckpt.save_weights_only) == (
@@ -291,7 +292,8 @@ def test_drop_in_positional_arguments_and_bad_input(tmp_path):
     assert {a.key.split("/")[0] for a in info.arrays} == {"trainable_variables"}
     assert len(info.arrays) == len(model.trainable_variables)
 
-    # Resuming from a weights-only step restores the weights (not exact, but no error).
+    # Resuming from a weights-only step restores the weights: not exact, and it says so once.
+    caplog.set_level(logging.WARNING, logger="shardckpt")
     saved = {v.path: np.asarray(v.value) for v in model.trainable_variables}
     keras.backend.clear_session()
     again = _small_regressor_16(seed=8)
@@ -301,6 +303,10 @@ def test_drop_in_positional_arguments_and_bad_input(tmp_path):
     assert resumed.resumed.step == 4 and again.history.epoch == []  # all epochs were done
     for v in again.trainable_variables:
         np.testing.assert_array_equal(np.asarray(v.value), saved[v.path], err_msg=v.path)
+    said = [r.getMessage() for r in caplog.records if "save_weights_only=True" in r.getMessage()]
+    kept = len(again.optimizer.variables) + len(again.metrics_variables)
+    assert len(said) == 1 and f"restored; {kept} optimizer and metric variables" in said[0], said
+    assert "iteration" in said[0] and "Fix: save with save_weights_only=False" in said[0]
 
     with pytest.raises(ValueError, match="save_freq"):
         OrbaxCheckpoint(str(tmp_path), save_freq="batch")

@@ -100,7 +100,9 @@ class OrbaxCheckpoint(BestTracking):
         initial_value_threshold: Initial "best" value for `save_best_only`.
         max_to_keep: Keep the latest N steps (None: every step); 1 as in Keras.
         save_on_background: Training waits only for a snapshot (False: for the write).
-        save_weights_only: Model variables only (such a step cannot resume exactly).
+        save_weights_only: Model variables only (such a step cannot resume exactly:
+            a resume from it restores the weights, and a warning says the
+            optimizer and metrics keep their values).
         keep_best: Also keep the N best steps by `monitor` (with `max_to_keep`).
         keep_period: Also keep every step that is a multiple of this.
         metadata: A JSON dict, or a callable `(epoch, logs) -> dict`, saved under

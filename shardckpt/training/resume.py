@@ -145,10 +145,19 @@ def restore_step(
             read_json_item(step_dir, ITERATOR_ITEM), jax.process_index(), jax.process_count(),
             step_dir=step_dir, on_count_change=on_process_count_change)
     # A weights-only step has no optimizer/metric arrays: those keep their
-    # values (such a step cannot resume bit-exactly; documented on the callback).
-    strict = strict and not metadata.get("save_weights_only", False)
+    # values, and a warning below says so (such a step cannot resume exactly).
+    weights_only = bool(metadata.get("save_weights_only", False))
     # The one call that moves values (switch point for another restore engine).
-    report = load_sharded(model, step_dir, strict=strict, max_inflight_bytes=max_inflight_bytes, progress=False)
+    report = load_sharded(model, step_dir, strict=strict and not weights_only, max_inflight_bytes=max_inflight_bytes,
+                          progress=False)
+    kept = _training_state(model) if weights_only else []
+    if kept and jax.process_index() == 0:
+        _log.warning(
+            "step %s was saved with save_weights_only=True: only the model's weights were restored; %d "
+            "optimizer and metric variables (%s) keep their current values (a new optimizer starts "
+            "over: iteration count, learning-rate schedule, slots), so training does not continue "
+            "exactly where it stopped. Fix: save with save_weights_only=False to resume training.",
+            os.path.basename(step_dir), len(kept), _some(kept))
     if data_iterator is not None and iterator_state is not None:
         data_iterator.set_state(iterator_state)
     return ResumeInfo(
@@ -162,6 +171,19 @@ def restore_step(
         iterator_state=iterator_state,
         report=report,
     )
+
+
+def _training_state(model: Any) -> list[str]:
+    """The paths of `model`'s optimizer and metric variables (what a weights-only step lacks)."""
+    optimizer = getattr(model, "optimizer", None)
+    variables = list(getattr(optimizer, "variables", None) or []) + list(getattr(model, "metrics_variables", []))
+    return [variable.path for variable in variables]
+
+
+def _some(names: list[str], shown: int = 3) -> str:
+    """The first `shown` names of `names`, and how many more."""
+    more = len(names) - shown
+    return ", ".join(names[:shown]) + (f", and {more} more" if more > 0 else "")
 
 
 def restore_latest(
