@@ -26,6 +26,8 @@ import jax
 import numpy as np
 
 from shardckpt import _keras, storage
+from shardckpt.errors import StepExistsError
+from shardckpt.formats.orbax import ondisk
 from shardckpt.training import hostrng, options, quiet, resume_point, saving
 from shardckpt.training import snapshot as snapshot_lib
 from shardckpt.training.contents import StepContents
@@ -280,6 +282,7 @@ class OrbaxCheckpoint(BestTracking):
         if self.resume:
             self._restore_at_start(tracked)
         self._resume.decided = True
+        self._refuse_saves_below_committed_steps()
         # After the resume: the arrays the saves will copy.
         self._snapshots.prepare(self._model, weights_only=self.save_weights_only)
         self._schedule.begin_auto()
@@ -425,6 +428,44 @@ class OrbaxCheckpoint(BestTracking):
                                        metrics=[np.asarray(v.value) for v in self.model.metrics_variables])
         self._say(*resume_point.describe(point, info, epochs=(self.params or {}).get("epochs"),
                                          directory=self.directory))
+
+    def _refuse_saves_below_committed_steps(self) -> None:
+        """Refuses a `fit` whose saves would be numbered at or below a step already committed.
+
+        Steps are ordered by number: retention keeps the highest, a resume
+        continues the highest, and a save under a committed number fails.
+        Another run's steps left in the directory (`resume=False`), or steps
+        named by another `save_freq` (batches against epochs), would make
+        this run's saves vanish as they are written, or fail one save in.
+        (Keras' callback loses them without a word.)
+
+        Raises:
+            StepExistsError: naming the newest step and the fix.
+        """
+        steps = ondisk.committed_steps(self._location)
+        if not steps:
+            return
+        newest = max(steps)
+        first = self._schedule.first_step(self._count, _keras.initial_epoch(self._model))
+        if not self._schedule.writes_below(newest, first):
+            return
+        assert self._writer is not None  # set in on_train_begin
+        self._writer.close(None)
+        saved = (ondisk.read_json_item(ondisk.join(self.directory, str(newest)), ondisk.METADATA_ITEM) or {})
+        named = "epochs" if self._schedule.per_epoch else "batches trained"
+        if not self.resume:
+            fix = f"pass resume=True to continue from step {newest}, or save into a new directory"
+        elif saved.get("save_freq") not in (None, self.save_freq):
+            fix = f"save with the save_freq step {newest} was saved with ({saved['save_freq']!r}), or into a new directory"
+        else:
+            fix = "save into a new directory"
+        raise StepExistsError(
+            f"{self.directory!r} holds committed step {newest}, and this fit's saves (named by {named}, "
+            f"save_freq={self.save_freq!r}) start at step {first}. Steps are ordered by number: "
+            f"retention (max_to_keep={self.max_to_keep}) keeps the highest and a resume continues the "
+            "highest, so this run's steps would be deleted as they are written or never resumed, and a "
+            f"save under a committed number fails. Fix: {fix}, or delete the old steps. "
+            f"Received: steps {steps}")
 
     def _restore_iterator_early(self) -> None:
         """Sets the iterator's saved position before fit pulls its first batch."""

@@ -72,6 +72,15 @@ class SaveSchedule:
             due = self.auto.due(add, writer_busy=writer_busy())
         return due
 
+    def first_step(self, count: BatchCount, initial_epoch: int | None) -> int:
+        """The lowest step number a save of this `fit` can have (`initial_epoch`: the epoch it starts at)."""
+        return (initial_epoch or 0) if self.per_epoch else count.total + 1
+
+    def writes_below(self, newest: int, first: int) -> bool:
+        """True when this `fit`'s saves (from step `first` on) would sort at or below the committed step
+        `newest`: a resumed partial epoch's step is the only one a save may replace."""
+        return newest > first or (newest == first and newest != self.replace)
+
     def step_now(self, count: BatchCount) -> int:
         """The step a save made now is named by."""
         return count.epoch if self.per_epoch else count.total
