@@ -459,13 +459,14 @@ class OrbaxCheckpoint(BestTracking):
             fix = f"save with the save_freq step {newest} was saved with ({saved['save_freq']!r}), or into a new directory"
         else:
             fix = "save into a new directory"
+        kept = ("" if self.max_to_keep is None else
+                f"retention (max_to_keep={self.max_to_keep}) keeps the highest, so this run's steps would be "
+                "deleted as they are written; ")
         raise StepExistsError(
             f"{self.directory!r} holds committed step {newest}, and this fit's saves (named by {named}, "
-            f"save_freq={self.save_freq!r}) start at step {first}. Steps are ordered by number: "
-            f"retention (max_to_keep={self.max_to_keep}) keeps the highest and a resume continues the "
-            "highest, so this run's steps would be deleted as they are written or never resumed, and a "
-            f"save under a committed number fails. Fix: {fix}, or delete the old steps. "
-            f"Received: steps {steps}")
+            f"save_freq={self.save_freq!r}) start at step {first}. Steps are ordered by number: {kept}a "
+            "resume continues the highest, not this run's; a save under a committed number fails. "
+            f"Fix: {fix}, or delete the old steps. Received: steps {steps}")
 
     def _restore_iterator_early(self) -> None:
         """Sets the iterator's saved position before fit pulls its first batch."""
