@@ -190,6 +190,53 @@ def test_epoch_mode_stop_training_mid_epoch_saves_a_partial_epoch_and_the_resume
     assert inspect(str(tmp_path)).metadata["epoch_complete"] is True
 
 
+class _StopAtEpochEnd(keras.callbacks.Callback):
+    """Stops fit at the end of `epoch`, as EarlyStopping and TerminateOnNaN do (in `on_epoch_end`)."""
+
+    def __init__(self, epoch: int) -> None:
+        super().__init__()
+        self.epoch = epoch
+
+    def on_epoch_end(self, epoch, logs=None):
+        if epoch == self.epoch:
+            self.model.stop_training = True
+
+
+def _stop_after(n: int) -> AtBatch:
+    return AtBatch(n, lambda m: setattr(m, "stop_training", True))
+
+
+@pytest.mark.parametrize("stopper, where", [
+    (lambda resumed: _StopAtEpochEnd(1), "before"),
+    (lambda resumed: _stop_after(2 if resumed else 8), "before"),
+    (lambda resumed: _stop_after(2 if resumed else 8), "after"),
+], ids=["epoch_end_stop", "last_batch_stop_listed_before", "last_batch_stop_listed_after"])
+def test_a_stop_at_the_end_of_a_resumed_epoch_is_kept(tmp_path, stopper, where):
+    """The callback ends a resumed epoch early through `stop_training` and clears the flag at the
+    epoch's end. Another callback's stop in that epoch (in `on_epoch_end`, or after its last batch,
+    listed before or after the checkpoint) must still stop fit after epoch 1, as it does in the
+    uninterrupted run: 8 batches, bit-equal."""
+    ref_data = _Batches()
+    ref = _two_dense_adam_regressor()
+    ref.fit((b for b in ref_data), steps_per_epoch=4, epochs=3, callbacks=[stopper(False)], verbose=0)
+    assert ref.history.epoch == [0, 1] and ref_data.get_state() == {"n": 8}
+
+    ckpt = OrbaxCheckpoint(str(tmp_path), save_freq=2, data_iterator=_Batches())
+    _two_dense_adam_regressor().fit(ckpt.batches(), steps_per_epoch=4, epochs=3, callbacks=[_stop_after(6), ckpt],
+                                    verbose=0)
+    assert inspect(str(tmp_path)).metadata["total_batches"] == 6
+
+    data = _Batches()
+    again = OrbaxCheckpoint(str(tmp_path), save_freq=2, resume=True, data_iterator=data)
+    callbacks = [stopper(True), again] if where == "before" else [again, stopper(True)]
+    model = _two_dense_adam_regressor()
+    model.fit(again.batches(), steps_per_epoch=4, epochs=3, callbacks=callbacks, verbose=0)
+    assert model.history.epoch == [1] and data.get_state() == ref_data.get_state()
+    for want, got in zip(ref.trainable_variables + ref.optimizer.variables,
+                         model.trainable_variables + model.optimizer.variables):
+        np.testing.assert_array_equal(np.asarray(got.value), np.asarray(want.value), err_msg=got.path)
+
+
 def test_epoch_mode_stop_training_in_an_epoch_of_unknown_length_says_the_step_counts_it_whole(tmp_path, caplog):
     """Without steps_per_epoch no count tells a stopped epoch from a whole one (Keras knows none
     either): step 0 is saved as a whole epoch, as Keras would, and the callback says so once."""

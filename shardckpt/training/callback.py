@@ -44,6 +44,25 @@ from shardckpt.training.snapshot_policy import SnapshotPolicy
 _log = logging.getLogger("shardckpt")
 
 
+class _EndsResumedEpoch:
+    """What `model.stop_training` is set to while the callback ends a resumed epoch early.
+
+    Keras' loop only tests the flag for truth. A callback that stops `fit`
+    (`EarlyStopping`, `TerminateOnNaN`) sets `True` over this marker, so at the
+    epoch's end the callback clears the flag only where it still holds the
+    marker, and never cancels another callback's stop.
+    """
+
+    def __bool__(self) -> bool:
+        return True
+
+    def __repr__(self) -> str:
+        return "True (shardckpt: the resumed epoch's remaining batches ran)"
+
+
+ENDS_RESUMED_EPOCH = _EndsResumedEpoch()
+
+
 class _Kept:
     """An attribute of the callback that one of its collaborators keeps.
 
@@ -300,8 +319,10 @@ class OrbaxCheckpoint(BestTracking):
         count = self._count
         add = count.end_batch(batch)
         if count.resumed_epoch_done():
+            count.stopped_early = True
             # `_model`, not `model`: the property would sync the JAX state every batch.
-            self._model.stop_training = count.stopped_early = True
+            if not self._model.stop_training:  # (a callback before this one may have stopped fit)
+                self._model.stop_training = ENDS_RESUMED_EPOCH
         writer = self._writer
         assert writer is not None  # set in on_train_begin
         due = self._schedule.due_after_batch(count, add, writer_busy=writer.busy)
@@ -319,7 +340,9 @@ class OrbaxCheckpoint(BestTracking):
             self._model.stop_training = True
             return
         if self._count.stopped_early:
-            self._model.stop_training = self._count.stopped_early = False
+            self._count.stopped_early = False
+            if self._model.stop_training is ENDS_RESUMED_EPOCH:  # no other callback stopped fit since
+                self._model.stop_training = False
         self._count.resume_epoch = None
         if not self._schedule.per_epoch:
             return

@@ -9,7 +9,8 @@ batches in the epoch, batches of this `fit`, batches since the run began
 A resume in the middle of an epoch makes `fit` start that epoch at its first
 batch index while the data continues where it stopped: the count starts at
 the saved offset, and the epoch is ended early once its remaining batches ran
-(the callback sets `stop_training` and clears it again at the epoch's end).
+(the callback sets `stop_training` to a marker, and clears it at the epoch's end only where
+it still holds the marker: another callback's stop in that epoch stands).
 """
 
 from __future__ import annotations
