@@ -282,7 +282,8 @@ class ObjectChangedError(ShardckptError, RuntimeError):
 
 
 class ConfigurationError(ShardckptError, ValueError):
-    """A setting read from the environment (a `SHARDCKPT_*` variable) has a value shardckpt cannot use.
+    """A setting shardckpt cannot use: a `SHARDCKPT_*` environment variable's value, or a combination
+    of arguments (two `OrbaxCheckpoint` callbacks of one `fit` with `resume=True`).
 
-    The message names the variable, the value received and what it must be.
+    The message names the setting, the value received and the fix.
     """

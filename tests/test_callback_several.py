@@ -14,13 +14,17 @@ import signal
 
 import keras
 import numpy as np
+import pytest
 
 from shardckpt import load_sharded
+from shardckpt.conversion.info import inspect
+from shardckpt.errors import ConfigurationError
 from shardckpt.formats.orbax import ondisk
 from shardckpt.training import OrbaxCheckpoint
 from tests._train_worker import sigterm_at
 from tests.support import assert_training_state_equal, column_then_row_parallel, training_state
 from tests.test_callback import _small_regressor_16
+from tests.test_preemption import _Batches, _two_dense_adam_regressor
 from tests.zoo import CountingIterator
 
 STEPS, EPOCHS, ROWS = 4, 3, 32
@@ -98,3 +102,54 @@ def test_a_sigterm_saves_in_every_callback_and_fit_leaves_the_handler_it_found(t
     assert (a.preempted_step, b.preempted_step) == (5, 1)
     assert _steps(a.directory) == [2, 4, 5] and _steps(b.directory) == [0, 1]
     assert signal.getsignal(signal.SIGTERM) is before
+
+
+@pytest.mark.parametrize("frequent_first", [True, False], ids=["frequent_listed_first", "per_epoch_listed_first"])
+def test_a_callback_beside_the_one_that_resumes_counts_on_from_its_step(tmp_path, frequent_first):
+    """After a SIGTERM both callbacks saved (frequent: step 6; per-epoch: step 0 and a partial
+    step 1). The rerun resumes the frequent folder only. The per-epoch callback, listed before or
+    after it, must count on from step 6 (epoch 1, 2 of 4 batches), not from what it saw before the
+    restore: its step 1 is replaced by the whole epoch 1 (8 batches), no false "stopped" warning,
+    and the model ends bit-equal to the unbroken run."""
+    ref_data = _Batches()
+    ref = _two_dense_adam_regressor()
+    ref.fit((b for b in ref_data), steps_per_epoch=4, epochs=3, verbose=0)
+    frequent, per_epoch = str(tmp_path / "frequent"), str(tmp_path / "per_epoch")
+
+    def callbacks(a: OrbaxCheckpoint, b: OrbaxCheckpoint) -> list[OrbaxCheckpoint]:
+        return [a, b] if frequent_first else [b, a]
+
+    a = OrbaxCheckpoint(frequent, save_freq=2, data_iterator=_Batches())
+    b = OrbaxCheckpoint(per_epoch, max_to_keep=None)
+    _two_dense_adam_regressor().fit(a.batches(), steps_per_epoch=4, epochs=3,
+                                    callbacks=[sigterm_at(6), *callbacks(a, b)], verbose=0)
+    assert (a.preempted_step, b.preempted_step) == (6, 1)
+    assert inspect(per_epoch).metadata["epoch_complete"] is False
+
+    data = _Batches()
+    a = OrbaxCheckpoint(frequent, save_freq=2, resume=True, data_iterator=data)
+    b = OrbaxCheckpoint(per_epoch, max_to_keep=None)
+    model = _two_dense_adam_regressor()
+    model.fit(a.batches(), steps_per_epoch=4, epochs=3, callbacks=callbacks(a, b), verbose=0)
+    assert a.resumed.step == 6 and b.resumed is None and data.get_state() == ref_data.get_state()
+    assert_training_state_equal(model, training_state(ref))
+    assert _steps(per_epoch) == [0, 1, 2]
+    for step in (0, 1, 2):
+        meta = inspect(f"{per_epoch}/{step}").metadata
+        assert (meta["epoch"], meta["epoch_complete"], meta["total_batches"]) == (step, True, 4 * (step + 1)), meta
+
+
+def test_two_callbacks_that_both_resume_are_refused_before_either_trains(tmp_path):
+    """Each would restore its own step into the same model, the later over the earlier."""
+    a = OrbaxCheckpoint(str(tmp_path / "a"), save_freq=2, data_iterator=_Batches())
+    b = OrbaxCheckpoint(str(tmp_path / "b"))
+    _two_dense_adam_regressor().fit(a.batches(), steps_per_epoch=4, epochs=2, callbacks=[a, b], verbose=0)
+    a = OrbaxCheckpoint(str(tmp_path / "a"), save_freq=2, resume=True, data_iterator=_Batches())
+    b = OrbaxCheckpoint(str(tmp_path / "b"), resume=True)
+    model = _two_dense_adam_regressor()
+    with pytest.raises(ConfigurationError, match=r"Two OrbaxCheckpoint callbacks of this fit have resume=True") as e:
+        model.fit(a.batches(), steps_per_epoch=4, epochs=3, callbacks=[a, b], verbose=0)
+    assert str(tmp_path / "a") in str(e.value) and str(tmp_path / "b") in str(e.value)
+    assert "Fix: resume=True on one of them only" in str(e.value)
+    assert int(model.optimizer.iterations) == 8  # a's restore, and not one batch trained after it
+    assert _steps(str(tmp_path / "a")) == [8] and _steps(str(tmp_path / "b")) == [1]

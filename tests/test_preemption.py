@@ -250,6 +250,52 @@ def test_epoch_mode_stop_training_in_an_epoch_of_unknown_length_says_the_step_co
     assert len(said) == 1 and "steps_per_epoch=None" in said[0] and "Fix: pass steps_per_epoch" in said[0], said
 
 
+def _regressor_two_batches_per_execution() -> keras.Model:
+    model = _two_dense_adam_regressor()
+    model.compile(optimizer=keras.optimizers.Adam(name="adam"), loss="mse", steps_per_execution=2)
+    return model
+
+
+@pytest.mark.parametrize("stop", ["sigterm", "stop_training"])
+def test_with_steps_per_execution_a_resumed_run_saves_on_the_unbroken_runs_steps(tmp_path, stop):
+    """steps_per_execution=2, save_freq=3: Keras sees batches in pairs and restarts its count at
+    each save, so the unbroken run saves at 4, 8, 12 (not at multiples of 3). A run stopped after 6
+    batches (a preemption save at 6, or none) and resumed must save at 8 and 12 again, bit-equal."""
+    ref_dir = str(tmp_path / "ref")
+    ref = _regressor_two_batches_per_execution()
+    ckpt = OrbaxCheckpoint(ref_dir, save_freq=3, max_to_keep=None, data_iterator=_Batches())
+    ref.fit(ckpt.batches(), steps_per_epoch=4, epochs=3, callbacks=[ckpt], verbose=0)
+    assert inspect(ref_dir).steps == [4, 8, 12]
+
+    stopper = sigterm_at(3) if stop == "sigterm" else AtBatch(3, lambda m: setattr(m, "stop_training", True))
+    ckpt = OrbaxCheckpoint(str(tmp_path / "run"), save_freq=3, max_to_keep=None, data_iterator=_Batches())
+    _regressor_two_batches_per_execution().fit(ckpt.batches(), steps_per_epoch=4, epochs=3,
+                                              callbacks=[stopper, ckpt], verbose=0)  # (3 executions: 6 batches)
+    first = [4, 6] if stop == "sigterm" else [4]
+    assert inspect(str(tmp_path / "run")).steps == first
+    again = OrbaxCheckpoint(str(tmp_path / "run"), save_freq=3, max_to_keep=None, resume=True,
+                            data_iterator=_Batches())
+    model = _regressor_two_batches_per_execution()
+    model.fit(again.batches(), steps_per_epoch=4, epochs=3, callbacks=[again], verbose=0)
+    assert inspect(str(tmp_path / "run")).steps == sorted({*first, 8, 12})
+    for want, got in zip(ref.trainable_variables + ref.optimizer.variables,
+                         model.trainable_variables + model.optimizer.variables):
+        np.testing.assert_array_equal(np.asarray(got.value), np.asarray(want.value), err_msg=got.path)
+
+
+def test_a_second_fit_with_gradient_accumulation_counts_on_from_the_batches_of_the_first(tmp_path):
+    """With gradient_accumulation_steps=3, optimizer.iterations is 1 after 4 batches: a second fit of
+    the same model must go on at batch 4 (steps 6, 8), not at 1 (refused: step 4 exists)."""
+    model = _two_dense_adam_regressor()
+    model.compile(optimizer=keras.optimizers.Adam(name="adam", gradient_accumulation_steps=3), loss="mse")
+    data = _Batches()
+    for _ in range(2):  # a new callback object each time: what it counts on from is the model's
+        ckpt = OrbaxCheckpoint(str(tmp_path), save_freq=2, max_to_keep=None)
+        model.fit((b for b in data), steps_per_epoch=4, epochs=1, callbacks=[ckpt], verbose=0)
+    assert int(model.optimizer.iterations) == 2 and inspect(str(tmp_path)).steps == [2, 4, 6, 8]
+    assert inspect(str(tmp_path)).metadata["total_batches"] == 8
+
+
 def test_a_batches_generator_fed_to_a_second_fit_is_left_where_keras_left_it(tmp_path):
     """The end-of-fit rewind counts batches from the generator's first fit only:
     fed again (not supported for saves), the iterator is not moved back."""

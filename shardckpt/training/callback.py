@@ -26,9 +26,9 @@ import jax
 import numpy as np
 
 from shardckpt import _keras, storage
-from shardckpt.errors import StepExistsError
+from shardckpt.errors import ConfigurationError, StepExistsError
 from shardckpt.formats.orbax import ondisk
-from shardckpt.training import hostrng, options, quiet, resume_point, saving
+from shardckpt.training import fitstate, hostrng, options, quiet, resume_point, saving
 from shardckpt.training import snapshot as snapshot_lib
 from shardckpt.training.contents import StepContents
 from shardckpt.training.counting import BatchCount
@@ -282,6 +282,9 @@ class OrbaxCheckpoint(BestTracking):
 
     def on_train_begin(self, logs: dict | None = None) -> None:
         self._count = BatchCount.start(self.params, self._model)
+        self._count.total = fitstate.batches_at_start(self._model, self._count.total)
+        self._started = False  # on_epoch_begin not yet called in this fit
+        self._adopted: fitstate.Resumed | None = None  # another callback's resume this one went on from
         self._schedule.begin()
         self._warned_monitor = False
         # Keras' trainer reads the initial epoch right after this hook (see _keras).
@@ -299,9 +302,9 @@ class OrbaxCheckpoint(BestTracking):
                                          waits_s=self._times.waits, writes_s=self._times.writes)
         self._contents.begin(self.model, weights_only=self.save_weights_only)
         if self.resume:
+            self._refuse_a_second_resume()
             self._restore_at_start(tracked)
         self._resume.decided = True
-        self._refuse_saves_below_committed_steps()
         # After the resume: the arrays the saves will copy.
         self._snapshots.prepare(self._model, weights_only=self.save_weights_only)
         self._schedule.begin_auto()
@@ -309,6 +312,15 @@ class OrbaxCheckpoint(BestTracking):
         self._preemption.start()
 
     def on_epoch_begin(self, epoch: int, logs: dict | None = None) -> None:
+        if not self._started:
+            # Every callback's on_train_begin ran: a resume by any of them is done.
+            self._started = True
+            try:
+                self._go_on_from_resume()
+                self._refuse_saves_below_committed_steps()
+            except Exception:
+                self._stop_before_training()
+                raise
         if self._count.begin_epoch(epoch) and self._count.resume_metrics is not None:
             # fit reset the metrics before this hook; give back the partial
             # epoch's accumulators so epoch-end logs match the unbroken run.
@@ -379,6 +391,9 @@ class OrbaxCheckpoint(BestTracking):
 
     def on_train_end(self, logs: dict | None = None) -> None:
         self._preemption.stop()
+        optimizer = getattr(self._model, "optimizer", None)
+        if optimizer is not None and optimizer.built:
+            fitstate.record_end(self._model, int(optimizer.iterations), self._count.total)
         # Keras may have pulled batches it did not train on; the next fit starts after the trained ones.
         self._data.rewind(self._count.fit_batches)
         _keras.set_initial_epoch(self._model, self._previous_initial_epoch)
@@ -435,6 +450,7 @@ class OrbaxCheckpoint(BestTracking):
 
     def _restore_at_start(self, tracked: bool) -> None:
         point = self._resume.choose(self.directory, mid_epoch=tracked)
+        fitstate.publish_resume(self._model, self.params, fitstate.Resumed(by=self, info=None))
         if point is None:
             return
         assert self._writer is not None  # set in on_train_begin
@@ -449,8 +465,53 @@ class OrbaxCheckpoint(BestTracking):
             hostrng.restore(info.metadata.get("host_rng"))
             self._count.continue_after(info.metadata, save_freq=self.save_freq,
                                        metrics=[np.asarray(v.value) for v in self.model.metrics_variables])
+        fitstate.publish_resume(self._model, self.params, fitstate.Resumed(by=self, info=info))
         self._say(*resume_point.describe(point, info, epochs=(self.params or {}).get("epochs"),
                                          directory=self.directory))
+
+    def _refuse_a_second_resume(self) -> None:
+        """Refuses `resume=True` where another callback of this `fit` resumed already.
+
+        Raises:
+            ConfigurationError: naming both directories and the fix.
+        """
+        other = fitstate.resume_of(self._model, self.params)
+        if other is None:
+            return
+        assert self._writer is not None  # set in on_train_begin
+        self._writer.close(None)
+        raise ConfigurationError(
+            f"Two OrbaxCheckpoint callbacks of this fit have resume=True ({other.by.directory!r} and "
+            f"{self.directory!r}): each would restore its own step into the same model, the later one over "
+            "the earlier. Fix: resume=True on one of them only, the one holding the newest step (after a "
+            "preemption, the one that saves most often); the others go on from the step it resumes. "
+            "Received: resume=True twice")
+
+    def _go_on_from_resume(self) -> None:
+        """Where another callback of this `fit` resumed, counts on from the step it restored.
+
+        This callback's count was taken at its `on_train_begin`, perhaps
+        before that restore; it goes on from the restored step's batches and
+        position in the epoch (the metric accumulators of a partial epoch are
+        given back by the callback that resumed).
+        """
+        shared = fitstate.resume_of(self._model, self.params)
+        if shared is None or shared.by is self:
+            return
+        self._adopted = shared
+        if shared.info is not None and shared.info.epoch is not None:
+            self._count.continue_after(shared.info.metadata, save_freq=self.save_freq, metrics=None)
+        else:  # restarted from the beginning, or a step Keras wrote: the optimizer's count
+            optimizer = getattr(self._model, "optimizer", None)
+            iterations = int(optimizer.iterations) if optimizer is not None and optimizer.built else 0
+            self._count.total = fitstate.batches_at_start(self._model, iterations)
+
+    def _stop_before_training(self) -> None:
+        """Undoes what `on_train_begin` started, for a `fit` refused before its first batch."""
+        self._preemption.stop()
+        quiet.stop()
+        if self._writer is not None:
+            self._writer.close(None)
 
     def _refuse_saves_below_committed_steps(self) -> None:
         """Refuses a `fit` whose saves would be numbered at or below a step already committed.
@@ -472,11 +533,18 @@ class OrbaxCheckpoint(BestTracking):
         first = self._schedule.first_step(self._count, _keras.initial_epoch(self._model))
         if not self._schedule.writes_below(newest, first):
             return
-        assert self._writer is not None  # set in on_train_begin
-        self._writer.close(None)
         saved = (ondisk.read_json_item(ondisk.join(self.directory, str(newest)), ondisk.METADATA_ITEM) or {})
+        if (self._adopted is not None and self._schedule.per_epoch and newest == first
+                and saved.get("epoch_complete") is False):
+            # This folder's partial step of the epoch another callback resumed (both saved at a
+            # preemption): the epoch's save replaces it, as it would had this callback resumed.
+            self._schedule.replace = newest
+            return
         named = "epochs" if self._schedule.per_epoch else "batches trained"
-        if not self.resume:
+        if self._adopted is not None:
+            fix = (f"resume=True on this callback instead of on the one for {self._adopted.by.directory!r}: "
+                   f"step {newest} here is further on than the step that one resumed")
+        elif not self.resume:
             fix = f"pass resume=True to continue from step {newest}, or save into a new directory"
         elif saved.get("save_freq") not in (None, self.save_freq):
             fix = f"save with the save_freq step {newest} was saved with ({saved['save_freq']!r}), or into a new directory"

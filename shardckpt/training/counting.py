@@ -97,18 +97,25 @@ class BatchCount:
         self.since_save = 0
         return True
 
-    def continue_after(self, meta: dict[str, Any], *, save_freq: str | int, metrics: list[Any]) -> None:
+    def continue_after(self, meta: dict[str, Any], *, save_freq: str | int, metrics: list[Any] | None) -> None:
         """Continues the count of a resumed step (`meta`: its metadata item).
 
         Args:
             meta: The step's metadata (`total_batches`, `epoch`, `batch`...).
             save_freq: The callback's; integer saves fall on the same batches
                 as in the uninterrupted run.
-            metrics: The metric accumulators restored with a partial epoch.
+            metrics: The metric accumulators restored with a partial epoch, to
+                give back at its start (None: another callback gives them).
         """
         self.total = int(meta.get("total_batches") or 0)
         if isinstance(save_freq, int):
-            self.since_save = self.total % save_freq
+            # Stored since it is not `total % save_freq` where saves fall off the multiples
+            # (steps_per_execution > 1: Keras' count restarts at each save).
+            stored = meta.get("batches_since_save")
+            if isinstance(stored, int) and meta.get("save_freq") == save_freq:
+                self.since_save = stored
+            else:
+                self.since_save = self.total % save_freq
         if not meta.get("epoch_complete", True):
             self.resume_epoch, self.resume_offset = int(meta["epoch"]), int(meta.get("batch") or 0)
             self.resume_metrics = metrics

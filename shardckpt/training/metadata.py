@@ -100,6 +100,7 @@ def step_metadata(count: BatchCount, step: int, *, epoch_complete: bool, save_fr
         "batch": int(count.steps_per_epoch if epoch_complete and count.steps_per_epoch else count.in_epoch),
         "steps_per_epoch": count.steps_per_epoch,
         "total_batches": int(count.total),
+        "batches_since_save": int(count.since_save),  # of the integer save_freq's count
         "save_freq": save_freq,
         "monitor": monitor,
         "save_weights_only": weights_only,
