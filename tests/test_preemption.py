@@ -296,6 +296,27 @@ def test_a_second_fit_with_gradient_accumulation_counts_on_from_the_batches_of_t
     assert inspect(str(tmp_path)).metadata["total_batches"] == 8
 
 
+def test_restore_latest_of_a_partial_epoch_says_fit_would_train_it_from_its_first_batch(tmp_path, caplog):
+    """fit(initial_epoch=info.next_epoch) after it would train 14 batches where the run had 12; a
+    step of whole epochs gets no warning."""
+    caplog.set_level(logging.WARNING, logger="shardckpt")
+    ckpt = OrbaxCheckpoint(str(tmp_path), save_freq="epoch", max_to_keep=None, data_iterator=_Batches())
+    _two_dense_adam_regressor().fit(ckpt.batches(), steps_per_epoch=4, epochs=3,
+                                    callbacks=[sigterm_at(6), ckpt], verbose=0)
+    info = restore_latest(_two_dense_adam_regressor(), str(tmp_path), data_iterator=_Batches())
+    assert (info.step, info.epoch_complete, info.next_epoch) == (1, False, 1)
+    said = [r.getMessage() for r in caplog.records if "holds part of epoch" in r.getMessage()]
+    assert said == ["step 1 holds part of epoch 1 (2 of 4 batches trained): fit(initial_epoch=1) would train "
+                    "that epoch from its first batch again, with the data going on from where it stopped, and "
+                    "end past the run it continues. Fix: continue it with OrbaxCheckpoint(directory, "
+                    "resume=True) in fit (fed from ckpt.batches()), which finishes the epoch's remaining "
+                    "batches."], said
+    caplog.clear()
+    shutil.rmtree(tmp_path / "1")  # step 0: epoch 0 whole
+    assert restore_latest(_two_dense_adam_regressor(), str(tmp_path)).epoch_complete
+    assert not [r for r in caplog.records if "holds part of epoch" in r.getMessage()]
+
+
 def test_a_batches_generator_fed_to_a_second_fit_is_left_where_keras_left_it(tmp_path):
     """The end-of-fit rewind counts batches from the generator's first fit only:
     fed again (not supported for saves), the iterator is not moved back."""

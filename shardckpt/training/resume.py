@@ -200,7 +200,15 @@ def restore_latest(
     Every model, optimizer and metric variable (seed-generator states included)
     gets its saved value in its current sharding, so this works on any mesh.
     The optimizer is built first if needed. With `data_iterator`, its saved
-    position (this process's) is set too. The step may come from another
+    position (this process's) is set too.
+
+    What `fit(initial_epoch=info.next_epoch)` then trains is the uninterrupted
+    run's continuation only for a step of whole epochs and an input whose order
+    does not come from the global random generators: `fit` shuffles arrays and
+    a `PyDataset` with NumPy's and Python's, and draws the first epoch's order
+    before any callback runs. `OrbaxCheckpoint(resume=True)` restores those
+    generators at the right moment and finishes a partial epoch; a step that
+    holds part of an epoch gets a warning here. The step may come from another
     number of processes and another mesh: every array is resharded; only the
     per-process iterator positions then need `on_process_count_change`.
 
@@ -240,6 +248,8 @@ def restore_latest(
         ValueError: `max_inflight_bytes` is not a positive number of bytes.
         CheckpointMismatchError, DtypeMismatchError, ...: see `load_sharded`.
     """
+    import jax
+
     # Classified first: an unsupported scheme:// is refused, never a local folder.
     location = storage.parse(directory, what="directory")
     try:
@@ -247,5 +257,13 @@ def restore_latest(
     except CheckpointNotFoundError as e:
         raise CheckpointNotFoundError(
             f"{e} Fix: check the directory, or train with OrbaxCheckpoint first.") from None
-    return restore_step(model, step_dir, data_iterator=data_iterator, strict=strict,
+    info = restore_step(model, step_dir, data_iterator=data_iterator, strict=strict,
                         on_process_count_change=on_process_count_change, max_inflight_bytes=max_inflight_bytes)
+    if info.epoch is not None and not info.epoch_complete and jax.process_index() == 0:
+        _log.warning(
+            "step %d holds part of epoch %d (%s of %s batches trained): fit(initial_epoch=%d) would train "
+            "that epoch from its first batch again, with the data going on from where it stopped, and end "
+            "past the run it continues. Fix: continue it with OrbaxCheckpoint(directory, resume=True) "
+            "in fit (fed from ckpt.batches()), which finishes the epoch's remaining batches.",
+            info.step, info.epoch, info.batch, info.metadata.get("steps_per_epoch"), info.next_epoch)
+    return info
