@@ -127,7 +127,9 @@ class OrbaxCheckpoint(BestTracking):
         keep_best: Also keep the N best steps by `monitor` (with `max_to_keep`).
         keep_period: Also keep every step that is a multiple of this.
         metadata: A JSON dict, or a callable `(epoch, logs) -> dict`, saved under
-            "user" in each step's metadata.
+            "user" in each step's metadata. It is stored as JSON and read back
+            as JSON: keys become strings, tuples lists, NumPy/JAX arrays lists,
+            their scalars numbers, and NaN / inf the strings "nan" / "inf".
         data_iterator: An object with `get_state()` / `set_state(state)`.
         resume: Restore the latest committed step when `fit` starts (see above).
         compression: zstd-compress array chunks as Keras does (off: a third of
