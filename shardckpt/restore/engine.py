@@ -57,9 +57,13 @@ class LoadReport(ReadTally):
         arrays: Variables that received a value from the checkpoint.
         seconds: Wall time of the whole load.
         missing: Variable paths with no array in the checkpoint.
-        unexpected: Checkpoint keys matching no variable.
-        skipped: Optimizer/metric keys left unread because the model has no
-            such variables (e.g. a full-state checkpoint into a fresh model).
+        unexpected: Checkpoint keys matching no variable (a Hugging Face
+            folder: tensors of the model's own modules no variable reads).
+        skipped: Stored arrays left unread because the model has no such
+            variables: optimizer/metric keys (e.g. a full-state checkpoint
+            into a fresh model); a Hugging Face folder's buffers, heads of
+            another class and the output embedding of a tied model
+            (`shardckpt.presets.hf_unread`).
         casts: "path: stored -> variable dtype" for every cast made.
         initialized: Lazily built variables given their own initial value:
             the checkpoint lacked them (`strict=False` only), or the format
@@ -198,8 +202,8 @@ def load_sharded(
 
     Returns:
         A `LoadReport`. Stored arrays skipped because the model has no such
-        variables (optimizer state into a model without one) are also
-        logged in one INFO line.
+        variables (optimizer state into a model without one, a Hugging Face
+        folder's buffers and other heads) are also logged in one INFO line.
 
     Raises:
         CheckpointNotFoundError: nothing at `path`, or no committed step.
@@ -357,7 +361,8 @@ def match_jobs(
         dtypes.check_cast(variable.path, key, stored, target_dtype)
         if stored != target_dtype:
             report.casts.append(f"{variable.path}: {stored} -> {target_dtype}")
-    found.fix = _unbuilt_state_fix(model, found)
+    # Else the reader's own advice, if it gave one (a Hugging Face folder's unexpected tensors).
+    found.fix = _unbuilt_state_fix(model, found) or found.fix
     found.raise_if_mismatched(reader.path, strict=strict)
     if not strict:
         _refuse_little(model, found, reader.path)
