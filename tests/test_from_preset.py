@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
+import shutil
 import sys
 
 import jax
@@ -204,6 +206,33 @@ def test_load_sharded_on_a_task_preset_reads_task_weights_only_for_a_task(classi
     report = shardckpt.load_sharded(backbone, str(folder))
     assert report.unexpected == [] and report.arrays == len(backbone.weights)
     assert not any(k.startswith("task/") for k in report.skipped)
+
+
+def test_a_task_preset_without_task_weights_warns_once_naming_the_initialised_head(classifier_preset, tmp_path, caplog):
+    """The task's own layers get their initializers' values (keras-hub's behaviour): said, once."""
+    folder, saved = classifier_preset
+    bare = tmp_path / "bert"
+    shutil.copytree(folder, bare)
+    os.remove(bare / "task.weights.h5")
+    keras.backend.clear_session()
+    with caplog.at_level(logging.WARNING, logger="shardckpt"):
+        task, report = load_preset(str(bare), layout=_bert_layout(), cls=keras_hub.models.TextClassifier)
+    said = [r.getMessage() for r in caplog.records if r.name == "shardckpt" and r.levelno >= logging.WARNING]
+    assert len(said) == 1, said
+    assert "the preset has no task.weights.h5" in said[0]
+    assert "the task's own 2 variable(s) got their initializers' values, not trained ones: logits/kernel, logits/bias." in said[0]
+    assert "Fix: fine-tune the task before using it" in said[0]
+    assert [m.split(" (key")[0] for m in report.missing] == ["logits/kernel", "logits/bias"]
+    for v in task.backbone.weights:  # the backbone is the preset's
+        np.testing.assert_array_equal(np.asarray(v.value), saved[v.path], err_msg=v.path)
+    assert not np.array_equal(np.asarray(task.get_layer("logits").kernel.value), saved["logits/kernel"])
+
+    # With its task weights: nothing at WARNING.
+    keras.backend.clear_session()
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="shardckpt"):
+        shardckpt.from_preset(str(folder), layout=_bert_layout(), cls=keras_hub.models.TextClassifier)
+    assert not [r for r in caplog.records if r.name == "shardckpt"]
 
 
 def test_missing_shard_of_a_sharded_preset_loads_nothing(llama_presets, tmp_path):

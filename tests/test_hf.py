@@ -10,6 +10,7 @@ the layout asks for, and one compiled forward pass bit-equal on both.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 
@@ -19,6 +20,7 @@ import keras
 import ml_dtypes
 import numpy as np
 import pytest
+import safetensors.numpy as stnp
 from jax.sharding import PartitionSpec
 
 import shardckpt
@@ -30,7 +32,7 @@ from shardckpt.errors import (
 from shardckpt.formats import detect_format, open_reader
 from shardckpt.formats.base import strided
 from shardckpt.formats.hf_remap import Strided, Unsupported
-from shardckpt.presets import hf
+from shardckpt.presets import hf, load_preset
 
 keras_hub = pytest.importorskip("keras_hub")
 
@@ -401,3 +403,81 @@ def test_folder_into_an_untied_model_names_the_config_difference(tmp_path):
         shardckpt.load_sharded(model, folder)
     assert info.value.missing == ["token_embedding/reverse_embeddings (Hugging Face tensor 'lm_head.weight')"]
     assert "tie_word_embeddings=False (the folder's: True)" in str(info.value).split("Fix: ", 1)[1]
+
+
+def _add_tensors(folder: str, make) -> dict[str, np.ndarray]:
+    """Rewrites the folder's `model.safetensors` with the tensors `make(tensors)` adds."""
+    path = os.path.join(folder, "model.safetensors")
+    tensors = stnp.load_file(path)
+    tensors.update(make(tensors))
+    fx.write_safetensors(path, tensors)
+    return tensors
+
+
+def _shardckpt_records(caplog, level):
+    return [r.getMessage() for r in caplog.records if r.name == "shardckpt" and r.levelno == level]
+
+
+def test_a_tied_folder_storing_another_lm_head_lists_it_and_warns_once(tmp_path, caplog):
+    """A tied Llama 3 folder (tie_word_embeddings: true) that also stores an lm_head.weight of other values
+    (an untied fine-tune saved with a stale config) and an old rotary buffer."""
+    folder = str(tmp_path / "llama3")
+    fx.make_folder("llama3", folder)
+    _add_tensors(folder, lambda t: {
+        "lm_head.weight": t["model.embed_tokens.weight"] * 2 + 1,
+        "model.layers.0.self_attn.rotary_emb.inv_freq": np.arange(4, dtype=np.float32),
+    })
+    keras.backend.clear_session()
+    with caplog.at_level(logging.INFO, logger="shardckpt"):
+        model, report = load_preset(folder, mesh=(1, 8))
+    assert report.unexpected == []
+    assert report.skipped == ["lm_head.weight", "model.layers.0.self_attn.rotary_emb.inv_freq"]
+    warned = _shardckpt_records(caplog, logging.WARNING)
+    assert len(warned) == 1, warned
+    assert "its logits use 'model.embed_tokens.weight'; the folder also stores 'lm_head.weight' with other values, " \
+           "which is not loaded" in warned[0]
+    assert 'Fix: if the folder was saved from an untied model, set "tie_word_embeddings": false' in warned[0]
+    assert _shardckpt_records(caplog, logging.INFO)[-1].endswith(
+        "2 stored array(s) skipped, the model has no such variables: lm_head.weight, "
+        "model.layers.0.self_attn.rotary_emb.inv_freq.")
+    keras.distribution.set_distribution(None)
+    keras.backend.clear_session()
+    reference = fx.keras_hub_load(folder)  # keras-hub: tied, lm_head.weight ignored
+    for ours, theirs in zip(model.weights, reference.weights, strict=True):
+        np.testing.assert_array_equal(np.asarray(ours.value), np.asarray(theirs.value), err_msg=ours.path)
+
+
+def test_harmless_extras_of_a_folder_are_listed_and_not_warned(tmp_path, caplog):
+    """An lm_head.weight equal to the tied embedding (torch checkpoints store both) and the head of
+    another class (a sequence classifier's score.weight) change nothing in the backbone."""
+    folder = str(tmp_path / "llama3")
+    fx.make_folder("llama3", folder)
+    _add_tensors(folder, lambda t: {
+        "lm_head.weight": t["model.embed_tokens.weight"].copy(),
+        "score.weight": np.ones((3, fx.H), np.float32),
+    })
+    model = hf.build(folder)
+    with caplog.at_level(logging.INFO, logger="shardckpt"):
+        report = shardckpt.load_sharded(model, folder, layout=keras.distribution.DataParallel())
+    assert report.unexpected == [] and report.skipped == ["lm_head.weight", "score.weight"]
+    assert report.arrays == len(model.weights)
+    assert _shardckpt_records(caplog, logging.WARNING) == []
+    assert len(_shardckpt_records(caplog, logging.INFO)) == 1
+
+
+def test_a_folder_holding_more_layers_than_its_config_is_refused_when_strict(tmp_path, caplog):
+    folder = str(tmp_path / "llama3")
+    fx.make_folder("llama3", folder)
+    extra = f"model.layers.{fx.L}.mlp.up_proj.weight"
+    _add_tensors(folder, lambda t: {extra: t["model.layers.0.mlp.up_proj.weight"].copy()})
+    model = hf.build(folder)
+    with pytest.raises(CheckpointMismatchError) as info:
+        shardckpt.load_sharded(model, folder, layout=keras.distribution.DataParallel())
+    assert info.value.unexpected == [extra] and not info.value.missing
+    assert "its config.json describes a smaller model than the safetensors hold" in str(info.value).split("Fix: ")[1]
+    assert all(v._value is None for v in model.weights)  # nothing loaded
+    with caplog.at_level(logging.WARNING, logger="shardckpt"):
+        report = shardckpt.load_sharded(model, folder, layout=keras.distribution.DataParallel(), strict=False)
+    assert report.unexpected == [extra] and report.skipped == []
+    warned = _shardckpt_records(caplog, logging.WARNING)
+    assert len(warned) == 1 and f"1 stored array(s) the model has no variable for were not loaded ({extra})" in warned[0]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import mmap
 import os
 
@@ -206,6 +207,43 @@ def test_strict_false_initialises_missing_variables_in_their_sharding(tmp_path):
             np.testing.assert_array_equal(np.asarray(v.value), values[v.path])
     kernel = next(v for v in model.weights if v.path == dropped)
     assert np.asarray(kernel.value).std() > 0  # glorot_uniform ran, not zeros
+
+
+def test_strict_false_warns_once_naming_what_it_initialised_kept_and_left_unread(tmp_path, caplog):
+    src, _ = _fresh(build_zoo)
+    randomize(src, seed=13)
+    values = {v.path: np.asarray(v.value) for v in src.weights}
+    dropped = "block/up/kernel"
+    path = str(tmp_path / "partial.safetensors")
+    stnp.save_file({**{k: v for k, v in values.items() if k != dropped}, "extra/kernel": values[dropped]}, path)
+    model, _ = _fresh(build_zoo, MESHES["1x8"], lazy=True)
+    with caplog.at_level(logging.INFO, logger="shardckpt"):
+        report = shardckpt.load_sharded(model, path, strict=False)
+    said = [(r.levelno, r.getMessage()) for r in caplog.records if r.name == "shardckpt"]
+    assert said == [(logging.WARNING, (
+        f"load_sharded(strict=False) of {path!r}: 1 variable(s) the checkpoint lacks got their initializer's "
+        f"values ({dropped}); 1 stored array(s) the model has no variable for were not loaded (extra/kernel). "
+        "The model differs from the checkpoint there. Fix: load into the architecture that wrote the "
+        "checkpoint; strict=True (the default) refuses such a load and lists each difference."
+    ))]
+    assert report.unexpected == ["extra/kernel"]
+
+    # A normally built model keeps its value there: said so.
+    built, _ = _fresh(build_zoo)
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="shardckpt"):
+        shardckpt.load_sharded(built, path, strict=False, layout=keras.distribution.DataParallel())
+    said = [r.getMessage() for r in caplog.records if r.name == "shardckpt"]
+    assert len(said) == 1 and f"1 variable(s) the checkpoint lacks keep their current values ({dropped})" in said[0]
+
+    # Everything matches: nothing said, strict or not.
+    full = str(tmp_path / "full.safetensors")
+    stnp.save_file(values, full)
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="shardckpt"):
+        shardckpt.load_sharded(built, full, strict=False, layout=keras.distribution.DataParallel())
+        shardckpt.load_sharded(built, full, layout=keras.distribution.DataParallel())
+    assert not [r for r in caplog.records if r.name == "shardckpt"]
 
 
 def test_progress_bar_runs(tmp_path, capsys, monkeypatch):

@@ -8,7 +8,7 @@ from shardckpt import storage
 from shardckpt.budget import CHUNK_CACHE_BYTES
 from shardckpt.errors import UnknownFormatError
 from shardckpt.formats import registry
-from shardckpt.formats.base import ArraySpec, Box, ChunkedReader, MappedReader, Reader, full_box
+from shardckpt.formats.base import ArraySpec, Box, ChunkedReader, MappedReader, Reader, RemappedReader, Unread, full_box
 from shardckpt.formats.declaration import Format, Lazy, Probe
 from shardckpt.formats.h5 import H5Reader
 from shardckpt.formats.h5_sharded import ShardedH5Reader
@@ -31,8 +31,10 @@ __all__ = [
     "PresetReader",
     "Probe",
     "Reader",
+    "RemappedReader",
     "SafetensorsReader",
     "ShardedH5Reader",
+    "Unread",
     "detect_format",
     "full_box",
     "open_reader",

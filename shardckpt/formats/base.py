@@ -152,6 +152,40 @@ class ChunkedReader(Reader, Protocol):
         ...
 
 
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Unread:
+    """Stored arrays that none of a `RemappedReader`'s keys is made of.
+
+    Attributes:
+        unexpected: Arrays of the model's own modules that no variable reads
+            (the folder holds more than its config describes): unexpected
+            keys, refused by `strict=True` as those of any format.
+        skipped: Arrays the model never has a variable for: buffers its
+            framework recomputes, heads of another class, an output
+            embedding its tied embedding stands for. Listed, never refused.
+        fix: What to do about `unexpected` ones (the error's advice).
+    """
+
+    unexpected: list[str] = dataclasses.field(default_factory=list)
+    skipped: list[str] = dataclasses.field(default_factory=list)
+    fix: str | None = None
+
+
+@runtime_checkable
+class RemappedReader(Reader, Protocol):
+    """A reader whose keys are variables made of stored arrays under other names.
+
+    A Hugging Face folder read as a model's variables: its keys are the
+    variables, so stored arrays that no variable is made of never appear among
+    them. `unread` names those, for the load's report (`unexpected` /
+    `skipped`), as a reader keyed by stored names would show them.
+    """
+
+    def unread(self) -> Unread:
+        """The stored arrays no key is made of, sorted into unexpected and skipped."""
+        ...
+
+
 def strided(flat: np.ndarray, first: int, shape: tuple[int, ...], strides: tuple[int, ...]) -> np.ndarray:
     """`flat[first + i . strides]` for every index `i` of `shape`: a view, no copy.
 

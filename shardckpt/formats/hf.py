@@ -21,7 +21,7 @@ import numpy as np
 from shardckpt import storage
 from shardckpt.errors import CheckpointNotFoundError, CorruptCheckpointError
 from shardckpt.formats import hf_remap
-from shardckpt.formats.base import ArraySpec, Box, MappedReader
+from shardckpt.formats.base import ArraySpec, Box, MappedReader, RemappedReader, Unread
 from shardckpt.formats.safetensors import SafetensorsReader
 
 CONFIG = "config.json"
@@ -77,7 +77,7 @@ def safetensors_index(folder: str | storage.Location) -> Any:
     return storage.read_json(storage.parse(folder).join(INDEX), fix="re-download the folder.", missing_ok=True)
 
 
-class HFReader(MappedReader):
+class HFReader(MappedReader, RemappedReader):
     """Reader of a Hugging Face folder as the variables of one model.
 
     A `MappedReader`: a variable that is a transpose, reshape or slice of one
@@ -91,15 +91,19 @@ class HFReader(MappedReader):
         tensors: Its stored tensors (`open_tensors`); closed with the reader.
         remaps: `variable.path -> hf_remap.Tensor`, how each variable is made
             of stored tensors.
-        unmapped: Variable paths the converter gives no value.
+        unread: The stored tensors no variable is made of, sorted (`unread`).
     """
 
     format = "hf"
 
-    def __init__(self, folder: str | storage.Location, tensors: SafetensorsReader, remaps: Mapping[str, Any]) -> None:
+    def __init__(
+        self, folder: str | storage.Location, tensors: SafetensorsReader, remaps: Mapping[str, Any],
+        unread: Unread | None = None,
+    ) -> None:
         self.path = str(folder)
         self._tensors = tensors
         self._remaps = dict(remaps)
+        self._unread = unread if unread is not None else Unread()
 
     def _stored(self, key: str, first: int, shape: tuple[int, ...], strides: tuple[int, ...]) -> np.ndarray:
         """Elements of stored tensor `key` as `hf_remap.Fetch` describes them: a view of
@@ -108,6 +112,9 @@ class HFReader(MappedReader):
 
     def keys(self) -> list[str]:
         return list(self._remaps)
+
+    def unread(self) -> Unread:
+        return self._unread
 
     def spec(self, key: str) -> ArraySpec:
         remap = self._remaps[key]

@@ -41,6 +41,7 @@ from shardckpt.formats.hf import (
 from shardckpt.formats.hf_record import ConversionProblems, record
 from shardckpt.formats.hf_remap import Unsupported
 from shardckpt.lazy import is_unloaded, lazy_init, original_initializer
+from shardckpt.presets import hf_unread
 from shardckpt.structure import lora_off
 
 __all__ = ["build", "initialize_states", "is_hf_folder", "open_reader", "preset_loader", "reader"]
@@ -216,7 +217,8 @@ def open_reader(folder: str | os.PathLike | storage.Location, model: Any) -> HFR
     folder = folder.url if isinstance(folder, storage.Location) else os.fspath(folder)
     tensors = open_tensors(folder)
     try:
-        return HFReader(folder, tensors, remaps(model, folder, tensors))
+        mapped = remaps(model, folder, tensors)
+        return HFReader(folder, tensors, mapped, hf_unread.classify(model, mapped, tensors, folder))
     except BaseException:
         tensors.close()
         raise

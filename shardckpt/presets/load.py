@@ -17,6 +17,7 @@ keras-hub's own loader tells them apart by `config.json`:
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Sequence
 from typing import Any, Literal
@@ -28,8 +29,12 @@ from shardckpt.formats.preset import TASK_WEIGHTS, has_files
 from shardckpt.layout import auto_layout
 from shardckpt.layout.choose import announce
 from shardckpt.presets import hf, kerashub
-from shardckpt.restore import LoadReport, load_sharded
+from shardckpt.progress import some
+from shardckpt.restore import LoadReport
+from shardckpt.restore.engine import load, say_skipped
 from shardckpt.types import DType, Layout, Mesh, Model
+
+_log = logging.getLogger("shardckpt")
 
 _KINDS = {"preset": "keras-hub", "hf": "hf"}
 """The formats (`shardckpt.formats.FORMATS`) `from_preset` builds a model from, by kind."""
@@ -109,7 +114,9 @@ def from_preset(
         cls: The keras-hub class to build (a `Backbone` or `Task` subclass,
             e.g. `keras_hub.models.CausalLM`). None: the preset's backbone.
             keras-hub folders only; a Hugging Face folder builds the
-            backbone its `config.json` names.
+            backbone its `config.json` names. A task whose preset has no
+            `task.weights.h5` gets its own layers' initial values, as in
+            keras-hub, and one WARNING (logger "shardckpt") names them.
         fsdp: Plan parameters split over the data axis too (FSDP; see
             `auto_layout`). Ignored when `layout` is given.
         devices: A device count or devices for `mesh` given by shape or
@@ -178,8 +185,10 @@ def load_preset(
     # a task) gets its own layers' initial values, as keras-hub gives them.
     strict = not (task and not _has_task_weights(folder))
     report = _load(model, folder, distribution, strict=strict, kind=kind, max_inflight_bytes=max_inflight_bytes)
+    say_skipped(report)
     if not strict:
         _check_only_task_layers_missing(model, report)
+        _say_head_initialized(folder, model, report)
     if task and kind == "keras-hub":
         model.compile()  # keras-hub's default compilation, deferred by `kerashub.build`
     return model, report
@@ -199,7 +208,8 @@ def _load(
     from shardckpt.errors import CheckpointMismatchError
 
     try:
-        return load_sharded(model, folder, layout=distribution, strict=strict, max_inflight_bytes=max_inflight_bytes)
+        # Without load_sharded's log lines: the one said here names the preset's cause.
+        return load(model, folder, layout=distribution, strict=strict, max_inflight_bytes=max_inflight_bytes)
     except CheckpointMismatchError as e:
         if kind != "keras-hub":
             raise
@@ -220,6 +230,24 @@ def _check_only_task_layers_missing(model: Any, report: Any) -> None:
         raise CheckpointMismatchError(
             report.path, missing=missing_backbone, unexpected=report.unexpected, fix=_PRESET_FIX
         )
+
+
+def _say_head_initialized(folder: str, model: Any, report: LoadReport) -> None:
+    """Warns once that a task's own layers got their initializers' values, not the preset's.
+
+    keras-hub does the same for a backbone preset loaded as a task, and says
+    nothing: the task then predicts from untrained layers.
+    """
+    head = [line.split(" (key ", 1)[0] for line in report.missing]
+    if not head:
+        return  # a task with no variables of its own (a causal LM's head is its backbone's)
+    _log.warning(
+        "from_preset(%r, cls=%s): the preset has no %s (a backbone preset, or task weights not saved), "
+        "so the task's own %d variable(s) got their initializers' values, not trained ones: %s. Its "
+        "outputs are those of an untrained head. Fix: fine-tune the task before using it (and "
+        "save_to_preset it, which writes %s), or pass a preset saved from this task.",
+        folder, type(model).__name__, TASK_WEIGHTS, len(head), some(head), TASK_WEIGHTS,
+    )
 
 
 def _local_folder(source: str, *, task: bool) -> str:

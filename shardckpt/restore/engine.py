@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import logging
 import os
 import sys
 import time
@@ -29,7 +30,7 @@ from shardckpt import budget as budgets
 from shardckpt.errors import CheckpointMismatchError, IndivisibleLayoutError, LayoutError
 from shardckpt.formats import Reader, open_reader
 from shardckpt.lazy import is_unloaded, original_initializer
-from shardckpt.progress import ByteProgress, ReadTally, key_lines, read_line
+from shardckpt.progress import ByteProgress, ReadTally, key_lines, read_line, some
 from shardckpt.restore import hostmem, pipeline
 from shardckpt.restore import keys as naming
 from shardckpt.restore.strategies import Budget, Job, load_variable
@@ -44,6 +45,8 @@ _WORKERS = min(32, max(2, budgets.usable_cores()))
 
 _TRANSFERS = ("auto", "ring", "direct")
 
+_log = logging.getLogger("shardckpt")
+
 
 @dataclasses.dataclass(kw_only=True)
 class LoadReport(ReadTally):
@@ -54,9 +57,13 @@ class LoadReport(ReadTally):
         arrays: Variables that received a value from the checkpoint.
         seconds: Wall time of the whole load.
         missing: Variable paths with no array in the checkpoint.
-        unexpected: Checkpoint keys matching no variable.
-        skipped: Optimizer/metric keys left unread because the model has no
-            such variables (e.g. a full-state checkpoint into a fresh model).
+        unexpected: Checkpoint keys matching no variable (a Hugging Face
+            folder: tensors of the model's own modules no variable reads).
+        skipped: Stored arrays left unread because the model has no such
+            variables: optimizer/metric keys (e.g. a full-state checkpoint
+            into a fresh model); a Hugging Face folder's buffers, heads of
+            another class and the output embedding of a tied model
+            (`shardckpt.presets.hf_unread`).
         casts: "path: stored -> variable dtype" for every cast made.
         initialized: Lazily built variables given their own initial value:
             the checkpoint lacked them (`strict=False` only), or the format
@@ -161,7 +168,9 @@ def load_sharded(
             by structure, so generated layer names may differ).
         strict: Raise on missing or unexpected keys. With False, load what
             matches; lazily built variables the checkpoint lacks are
-            initialised with their own initializer, in their sharding.
+            initialised with their own initializer, in their sharding, and
+            one WARNING (logger "shardckpt") names what was initialised,
+            kept or left unread.
         max_inflight_bytes: Most bytes of host memory the load holds at once
             beyond the final state: chunks being decoded, fresh reads and,
             off host, pieces on their way to their devices. A variable needing
@@ -192,7 +201,9 @@ def load_sharded(
             force one; the ring copies every piece on CPU devices too.
 
     Returns:
-        A `LoadReport`.
+        A `LoadReport`. Stored arrays skipped because the model has no such
+        variables (optimizer state into a model without one, a Hugging Face
+        folder's buffers and other heads) are also logged in one INFO line.
 
     Raises:
         CheckpointNotFoundError: nothing at `path`, or no committed step.
@@ -206,6 +217,32 @@ def load_sharded(
         UnplannedVariableError: a `LayoutPlan` has no placement for a variable.
         LayoutError: no layout for a lazily built variable on a host of several
             devices, or a layout of more axes than its variable has dimensions.
+    """
+    report = load(
+        model, path, layout=layout, strict=strict, max_inflight_bytes=max_inflight_bytes, progress=progress,
+        allow_other_mesh=allow_other_mesh, transfer=transfer,
+    )
+    say_skipped(report)
+    if not strict:
+        say_fallbacks(report)
+    return report
+
+
+def load(
+    model: Model,
+    path: str | os.PathLike[str],
+    *,
+    layout: Layout = None,
+    strict: bool = True,
+    max_inflight_bytes: int | None = None,
+    progress: bool | None = None,
+    allow_other_mesh: bool = False,
+    transfer: str = "auto",
+) -> LoadReport:
+    """`load_sharded` without its log lines (`say_skipped`, `say_fallbacks`).
+
+    For a caller that says what the load left in its own words, once
+    (`from_preset`: a task's head its preset has no weights for).
     """
     start = time.perf_counter()
     # Classified once, here: below, the `Location` travels (an unsupported
@@ -258,6 +295,52 @@ def load_sharded(
     return report
 
 
+def say_skipped(report: LoadReport) -> None:
+    """Logs (INFO) the stored arrays the load skipped because the model has no such variables.
+
+    INFO, not WARNING: the model's own variables are all loaded, so its
+    result is the checkpoint's (an inference model from a training
+    checkpoint, a backbone from a folder with another head).
+    """
+    if report.skipped:
+        _log.info(
+            "%s %r: %d stored array(s) skipped, the model has no such variables: %s.",
+            report.format, report.path, len(report.skipped), some(report.skipped),
+        )
+
+
+def say_fallbacks(report: LoadReport) -> None:
+    """Warns once where a `strict=False` load left the model other than the checkpoint.
+
+    `strict=False` is asked for, but what it skips is decided by the
+    checkpoint, not by the caller: each variable initialised or kept instead
+    of loaded, and each stored array left unread, makes the model compute
+    something the checkpoint did not. Said in one line (with the report's
+    lists), never per variable.
+    """
+    initialized = set(report.initialized)
+    missing = [line.split(" (key ", 1)[0] for line in report.missing]
+    fresh = [p for p in missing if p in initialized]
+    kept = [p for p in missing if p not in initialized]
+    said = []
+    if fresh:
+        said.append(f"{len(fresh)} variable(s) the checkpoint lacks got their initializer's values ({some(fresh)})")
+    if kept:
+        said.append(f"{len(kept)} variable(s) the checkpoint lacks keep their current values ({some(kept)})")
+    if report.unexpected:
+        said.append(
+            f"{len(report.unexpected)} stored array(s) the model has no variable for were not loaded "
+            f"({some(report.unexpected)})"
+        )
+    if said:
+        _log.warning(
+            "load_sharded(strict=False) of %r: %s. The model differs from the checkpoint there. Fix: load "
+            "into the architecture that wrote the checkpoint; strict=True (the default) refuses such a "
+            "load and lists each difference.",
+            report.path, "; ".join(said),
+        )
+
+
 def match_jobs(
     model: Any,
     reader: Reader,
@@ -278,7 +361,8 @@ def match_jobs(
         dtypes.check_cast(variable.path, key, stored, target_dtype)
         if stored != target_dtype:
             report.casts.append(f"{variable.path}: {stored} -> {target_dtype}")
-    found.fix = _unbuilt_state_fix(model, found)
+    # Else the reader's own advice, if it gave one (a Hugging Face folder's unexpected tensors).
+    found.fix = _unbuilt_state_fix(model, found) or found.fix
     found.raise_if_mismatched(reader.path, strict=strict)
     if not strict:
         _refuse_little(model, found, reader.path)

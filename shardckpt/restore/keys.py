@@ -59,7 +59,7 @@ import numpy as np
 
 from shardckpt import _keras, state
 from shardckpt.errors import CheckpointMismatchError
-from shardckpt.formats.base import Reader
+from shardckpt.formats.base import Reader, RemappedReader
 from shardckpt.formats.registry import FORMATS
 from shardckpt.natsort import natural_sorted
 from shardckpt.progress import some
@@ -283,9 +283,11 @@ class KeyMatch:
         missing: `(key, variable)` the checkpoint lacks, except keys of an
             optional collection the checkpoint has none of (a weights-only
             checkpoint: the optimizer keeps its state).
-        unexpected: Checkpoint keys no variable wants, sorted.
+        unexpected: Checkpoint keys no variable wants, sorted (then a
+            `RemappedReader`'s unexpected stored arrays).
         skipped: Optional checkpoint keys whose collection the model lacks
-            entirely (optimizer state into a model without an optimizer).
+            entirely (optimizer state into a model without an optimizer), and
+            a `RemappedReader`'s skipped stored arrays.
         mismatched: One line per variable that cannot be loaded from its key:
             shapes differ, or the layer saves a computed value.
         fresh: `(key, variable)` of optimizer slots the checkpoint cannot
@@ -380,6 +382,14 @@ def match(wanted: dict[str, Any], reader: Reader) -> KeyMatch:
             result.skipped.append(key)
         else:
             result.unexpected.append(key)
+    if isinstance(reader, RemappedReader):
+        # Keys that are variables (a Hugging Face folder): the stored arrays
+        # none of them is made of are listed as a reader of stored names lists them.
+        unread = reader.unread()
+        result.unexpected += unread.unexpected
+        result.skipped = natural_sorted([*result.skipped, *unread.skipped])
+        if unread.unexpected:
+            result.fix = unread.fix
     if fmt == "orbax":
         _follow_trainability(result, model_keys, reader.keys())
     if result.unexpected or result.skipped:  # (Orbax: scales are non-trainable variables)

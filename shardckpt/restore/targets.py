@@ -177,7 +177,7 @@ def warn_unmatched_keys(layout: Layout, model: Any) -> list[str]:
             f"the whole variable path (re.fullmatch), and replicates the variables it meant on every device. "
             f"This model's paths look like {paths[0]!r}. Fix: write the whole path, or a pattern such as "
             f"'.*{unmatched[0]}'.",
-            stacklevel=3,
+            stacklevel=4,  # load_sharded -> load -> here: the caller of load_sharded
         )
     return unmatched
 
