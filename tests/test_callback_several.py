@@ -10,7 +10,9 @@ resumes mid-epoch through `batches()`.
 
 from __future__ import annotations
 
+import gc
 import signal
+import weakref
 
 import keras
 import numpy as np
@@ -153,3 +155,18 @@ def test_two_callbacks_that_both_resume_are_refused_before_either_trains(tmp_pat
     assert "Fix: resume=True on one of them only" in str(e.value)
     assert int(model.optimizer.iterations) == 8  # a's restore, and not one batch trained after it
     assert _steps(str(tmp_path / "a")) == [8] and _steps(str(tmp_path / "b")) == [1]
+
+
+def test_what_the_callbacks_of_a_fit_share_does_not_keep_the_model_alive(tmp_path):
+    """The shared resume record is keyed weakly by the model; its value must not hold the model
+    (through the callback) or a resumed model's device arrays would outlive it."""
+    ckpt = OrbaxCheckpoint(str(tmp_path), save_freq=2, data_iterator=_Batches())
+    _two_dense_adam_regressor().fit(ckpt.batches(), steps_per_epoch=4, epochs=1, callbacks=[ckpt], verbose=0)
+    ckpt = OrbaxCheckpoint(str(tmp_path), save_freq=2, resume=True, data_iterator=_Batches())
+    model = _two_dense_adam_regressor()
+    model.fit(ckpt.batches(), steps_per_epoch=4, epochs=2, callbacks=[ckpt], verbose=0)
+    assert ckpt.resumed.step == 4
+    alive = weakref.ref(model)
+    del model, ckpt
+    gc.collect()
+    assert alive() is None

@@ -452,7 +452,7 @@ class OrbaxCheckpoint(BestTracking):
 
     def _restore_at_start(self, tracked: bool) -> None:
         point = self._resume.choose(self.directory, mid_epoch=tracked)
-        fitstate.publish_resume(self._model, self.params, fitstate.Resumed(by=self, info=None))
+        fitstate.publish_resume(self._model, self.params, fitstate.Resumed(owner=id(self), directory=self.directory, info=None))
         if point is None:
             return
         assert self._writer is not None  # set in on_train_begin
@@ -467,7 +467,7 @@ class OrbaxCheckpoint(BestTracking):
             hostrng.restore(info.metadata.get("host_rng"))
             self._count.continue_after(info.metadata, save_freq=self.save_freq,
                                        metrics=[np.asarray(v.value) for v in self.model.metrics_variables])
-        fitstate.publish_resume(self._model, self.params, fitstate.Resumed(by=self, info=info))
+        fitstate.publish_resume(self._model, self.params, fitstate.Resumed(owner=id(self), directory=self.directory, info=info))
         self._say(*resume_point.describe(point, info, epochs=(self.params or {}).get("epochs"),
                                          directory=self.directory))
 
@@ -483,7 +483,7 @@ class OrbaxCheckpoint(BestTracking):
         assert self._writer is not None  # set in on_train_begin
         self._writer.close(None)
         raise ConfigurationError(
-            f"Two OrbaxCheckpoint callbacks of this fit have resume=True ({other.by.directory!r} and "
+            f"Two OrbaxCheckpoint callbacks of this fit have resume=True ({other.directory!r} and "
             f"{self.directory!r}): each would restore its own step into the same model, the later one over "
             "the earlier. Fix: resume=True on one of them only, the one holding the newest step (after a "
             "preemption, the one that saves most often); the others go on from the step it resumes. "
@@ -498,7 +498,7 @@ class OrbaxCheckpoint(BestTracking):
         given back by the callback that resumed).
         """
         shared = fitstate.resume_of(self._model, self.params)
-        if shared is None or shared.by is self:
+        if shared is None or shared.owner == id(self):
             return
         self._adopted = shared
         if shared.info is not None and shared.info.epoch is not None:
@@ -544,7 +544,7 @@ class OrbaxCheckpoint(BestTracking):
             return
         named = "epochs" if self._schedule.per_epoch else "batches trained"
         if self._adopted is not None:
-            fix = (f"resume=True on this callback instead of on the one for {self._adopted.by.directory!r}: "
+            fix = (f"resume=True on this callback instead of on the one for {self._adopted.directory!r}: "
                    f"step {newest} here is further on than the step that one resumed")
         elif not self.resume:
             fix = f"pass resume=True to continue from step {newest}, or save into a new directory"

@@ -32,11 +32,14 @@ class Resumed:
     """The resume of one `fit`.
 
     Attributes:
-        by: The callback that resumed (its `directory` names it in messages).
+        owner: `id()` of the callback that resumed (not the callback itself: a
+            value held here must not hold the model, its key, alive).
+        directory: That callback's directory.
         info: The step restored, or None (nothing to resume from: the run starts over).
     """
 
-    by: Any
+    owner: int
+    directory: str
     info: ResumeInfo | None
 
 
