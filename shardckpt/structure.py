@@ -18,7 +18,9 @@ matching):
 - `variables_by_key(model) -> {key: variable}`, its inverse;
 - `RecordingStore` and `lora_off(model)`, the walk's parts, which restore's
   h5 key naming (`restore.keys.h5_keys`) and export's converter recording
-  use too.
+  use too;
+- `slot_references(model)`: each optimizer slot and the variable it was made
+  from.
 
 A variable the walk does not reach (none in Keras' built-in layers; a
 custom layer may skip some in `save_own_variables`) gets the key
@@ -34,7 +36,14 @@ from typing import Any
 
 from shardckpt import _keras
 
-__all__ = ["RecordingStore", "lora_layers", "lora_off", "structural_paths", "variables_by_key"]
+__all__ = [
+    "RecordingStore",
+    "lora_layers",
+    "lora_off",
+    "slot_references",
+    "structural_paths",
+    "variables_by_key",
+]
 
 
 class RecordingStore(_keras.H5IOStore):
@@ -153,3 +162,34 @@ def variables_by_key(model: Any) -> dict[str, Any]:
     """`{structural key: variable}`: the inverse of `structural_paths`."""
     by_id = {id(v): v for v in model.variables}
     return {key: by_id[i] for i, key in structural_paths(model).items()}
+
+
+def slot_references(model: Any) -> dict[int, Any]:
+    """`{id(slot): variable}`: each optimizer slot of `model` and the model variable it was made from.
+
+    Keras makes a slot from a variable with `add_variable_from_reference`,
+    which names it `<variable path, "/" -> "_">_<slot name>` (`adam/
+    up_kernel_momentum`) and gives it the variable's layout, and keeps no
+    link from one to the other. A slot is paired with the variable of the
+    longest such prefix of its name and of its shape; the optimizer's other
+    variables (step counter, learning rate) have none and are left out.
+
+    Args:
+        model: A Keras model; without an optimizer the result is empty.
+    """
+    optimizer = getattr(model, "optimizer", None)
+    slots = list(getattr(optimizer, "variables", None) or [])
+    if not slots:
+        return {}
+    by_stem: dict[str, list[Any]] = {}
+    for variable in model.weights:
+        by_stem.setdefault(variable.path.replace("/", "_"), []).append(variable)
+    out: dict[int, Any] = {}
+    for slot in slots:
+        name, end = slot.name, len(slot.name)
+        while (end := name.rfind("_", 0, end)) > 0:
+            same = [v for v in by_stem.get(name[:end], ()) if tuple(v.shape) == tuple(slot.shape)]
+            if same:
+                out[id(slot)] = same[0]
+                break
+    return out

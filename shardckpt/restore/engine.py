@@ -34,6 +34,7 @@ from shardckpt.restore import hostmem, pipeline
 from shardckpt.restore import keys as naming
 from shardckpt.restore.strategies import Budget, Job, load_variable
 from shardckpt.restore.targets import TargetLayout, check_mesh, resolve_layout, warn_unmatched_keys
+from shardckpt.structure import slot_references
 from shardckpt.types import Layout, Model, PlanLike
 
 # Reads run on one thread per usable core: numpy copies, h5 page faults and
@@ -240,7 +241,9 @@ def load_sharded(
         # On a host of several devices, a lazily built variable is never put on
         # one device by default (see `resolve_layout`).
         unplaced = "raise" if jax.device_count() > 1 else "first_device"
-        jobs, to_init = match_jobs(model, reader, report, strict, resolve_layout(layout, unplaced=unplaced))
+        # Optimizer slots go where their variables go, as Keras places them (see `targets`).
+        layout_of = resolve_layout(layout, unplaced=unplaced, references=slot_references(model))
+        jobs, to_init = match_jobs(model, reader, report, strict, layout_of)
         total = sum(reader.spec(job.key).nbytes for job in jobs)
         show = sys.stderr.isatty() if progress is None else progress
         with ByteProgress(total, f"loading {os.path.basename(reader.path)}", enabled=show) as bar:
