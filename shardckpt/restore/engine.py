@@ -34,7 +34,7 @@ from shardckpt.restore import hostmem, pipeline
 from shardckpt.restore import keys as naming
 from shardckpt.restore.strategies import Budget, Job, load_variable
 from shardckpt.restore.targets import TargetLayout, check_mesh, resolve_layout, warn_unmatched_keys
-from shardckpt.structure import slot_references
+from shardckpt.structure import explicit_names, slot_references
 from shardckpt.types import Layout, Model, PlanLike
 
 # Reads run on one thread per usable core: numpy copies, h5 page faults and
@@ -270,7 +270,7 @@ def match_jobs(
 ) -> tuple[list[Job], list[tuple[Any, TargetLayout]]]:
     """Pairs keys with variables and checks everything before any I/O."""
     wanted, lora_absent = naming.align_lora(model, naming.keys_for(model, reader.format), reader.keys())
-    found = naming.match(wanted, reader)
+    found = naming.match(wanted, reader, explicit=explicit_names(model))
     report.missing = found.missing_lines()
     report.unexpected = found.unexpected
     report.skipped = found.skipped
