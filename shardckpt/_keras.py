@@ -25,6 +25,10 @@ Private modules:
 - `global_state`'s "name_scope_stack" (layout.distribution, through
   `name_scope_callers`): which layer, optimizer or metric is creating the
   variable Keras asks a distribution to place.
+- `utils.naming.to_snake_case` (structure, through `auto_name_base`): the
+  name Keras generates for an unnamed object is `auto_name(class name)`,
+  the class name through this function plus a counter; the only way to tell
+  a generated name from a user's is to compute the same.
 
 Private attributes of `keras.Variable`, through the functions below:
 
@@ -66,9 +70,11 @@ from keras.src.backend.common import global_state
 from keras.src.callbacks.monitor_callback import MonitorCallback
 from keras.src.distribution.distribution_lib import Distribution
 from keras.src.saving import saving_lib
+from keras.src.utils import naming
 
 __all__ = [
     "Distribution",
+    "auto_name_base",
     "H5IOStore",
     "MonitorCallback",
     "resolve_policy_map",
@@ -107,6 +113,16 @@ def save_state(model: Any, weights_store: Any, *, skip: Any = ()) -> None:
         inner_path="",
         visited_saveables={id(o) for o in skip},
     )
+
+
+def auto_name_base(cls: type) -> str:
+    """The name Keras generates for an unnamed instance of `cls`, before its `_<n>` counter.
+
+    `Operation`, `Optimizer`, `Metric`, `SeedGenerator` and `Variable` all
+    call `auto_name(self.__class__.__name__)`: `Dense` -> `dense`,
+    `MultiHeadAttention` -> `multi_head_attention`.
+    """
+    return str(naming.to_snake_case(cls.__name__))
 
 
 def serialize_model_config(model: Any) -> Any:

@@ -18,7 +18,11 @@ matching):
 - `variables_by_key(model) -> {key: variable}`, its inverse;
 - `RecordingStore` and `lora_off(model)`, the walk's parts, which restore's
   h5 key naming (`restore.keys.h5_keys`) and export's converter recording
-  use too.
+  use too;
+- `explicit_names(model)`: the names a user gave (the ones Keras did not
+  generate), which match by name, never by position;
+- `slot_references(model)`: each optimizer slot and the variable it was made
+  from.
 
 A variable the walk does not reach (none in Keras' built-in layers; a
 custom layer may skip some in `save_own_variables`) gets the key
@@ -29,12 +33,21 @@ for the same architecture built the same way.
 from __future__ import annotations
 
 import contextlib
+import re
 from collections.abc import Iterator
 from typing import Any
 
 from shardckpt import _keras
 
-__all__ = ["RecordingStore", "lora_layers", "lora_off", "structural_paths", "variables_by_key"]
+__all__ = [
+    "RecordingStore",
+    "explicit_names",
+    "lora_layers",
+    "lora_off",
+    "slot_references",
+    "structural_paths",
+    "variables_by_key",
+]
 
 
 class RecordingStore(_keras.H5IOStore):
@@ -153,3 +166,85 @@ def variables_by_key(model: Any) -> dict[str, Any]:
     """`{structural key: variable}`: the inverse of `structural_paths`."""
     by_id = {id(v): v for v in model.variables}
     return {key: by_id[i] for i, key in structural_paths(model).items()}
+
+
+def _named_objects(model: Any) -> Iterator[Any]:
+    """The objects whose names appear in the model's variable paths: its layers
+    (the model included), its optimizer, its metrics (nested ones too) and
+    every variable (the last part of a path)."""
+    yield from getattr(model, "_flatten_layers", list)()
+    optimizer = getattr(model, "optimizer", None)
+    if optimizer is not None:
+        yield optimizer
+    metrics = list(getattr(model, "metrics", None) or [])
+    while metrics:
+        metric = metrics.pop()
+        yield metric
+        inner = getattr(metric, "metrics", None)  # Keras' CompileMetrics holds the compiled ones
+        if isinstance(inner, list | tuple):
+            metrics.extend(inner)
+    yield from model.weights
+
+
+def explicit_names(model: Any) -> frozenset[str]:
+    """The names in `model`'s variable paths that a user gave, not Keras.
+
+    Keras names an object it is given no name for `auto_name(class)`: the
+    class name in snake case, then `_<n>` from a process-wide counter
+    (`Dense` -> `dense`, `dense_1`, ...; see `_keras.auto_name_base`). Any
+    other name was given: `layer_3`, `head_1` and `up` are explicit, and a
+    counter in them is part of the name. Such names identify their object in
+    any build of the model; generated ones do not (the counter depends on
+    what the process built before).
+
+    A user name that has the generated form (a `Dense` layer named
+    `dense_4`) cannot be told from a generated one and counts as generated,
+    as Keras' own generated names would.
+
+    Args:
+        model: A Keras model, built (its variables may be unloaded).
+
+    Returns:
+        The explicit names of its layers, the model, its optimizer and
+        metrics, and its variables.
+    """
+    out: set[str] = set()
+    for obj in _named_objects(model):
+        name = getattr(obj, "name", None)
+        if not isinstance(name, str) or not name:
+            continue
+        base = _keras.auto_name_base(type(obj))
+        if not re.fullmatch(rf"{re.escape(base)}(?:_\d+)?", name):
+            out.add(name)
+    return frozenset(out)
+
+
+def slot_references(model: Any) -> dict[int, Any]:
+    """`{id(slot): variable}`: each optimizer slot of `model` and the model variable it was made from.
+
+    Keras makes a slot from a variable with `add_variable_from_reference`,
+    which names it `<variable path, "/" -> "_">_<slot name>` (`adam/
+    up_kernel_momentum`) and gives it the variable's layout, and keeps no
+    link from one to the other. A slot is paired with the variable of the
+    longest such prefix of its name and of its shape; the optimizer's other
+    variables (step counter, learning rate) have none and are left out.
+
+    Args:
+        model: A Keras model; without an optimizer the result is empty.
+    """
+    optimizer = getattr(model, "optimizer", None)
+    slots = list(getattr(optimizer, "variables", None) or [])
+    if not slots:
+        return {}
+    by_stem: dict[str, list[Any]] = {}
+    for variable in model.weights:
+        by_stem.setdefault(variable.path.replace("/", "_"), []).append(variable)
+    out: dict[int, Any] = {}
+    for slot in slots:
+        name, end = slot.name, len(slot.name)
+        while (end := name.rfind("_", 0, end)) > 0:
+            same = [v for v in by_stem.get(name[:end], ()) if tuple(v.shape) == tuple(slot.shape)]
+            if same:
+                out[id(slot)] = same[0]
+                break
+    return out

@@ -58,6 +58,7 @@ from shardckpt.progress import ByteProgress, format_bytes, key_lines, read_line
 from shardckpt.restore import keys as naming
 from shardckpt.restore.targets import resolve_layout
 from shardckpt.storage import commit
+from shardckpt.structure import explicit_names
 from shardckpt.types import DType, Layout, Mesh, Model
 
 _log = logging.getLogger("shardckpt")
@@ -308,7 +309,9 @@ def _match(reader: Reader, model: Any, report: ConvertReport, target: np.dtype |
         for variable in variables:
             dst_of.setdefault(id(variable), f"{name}/{variable.path}")
     by_key = naming.keys_for(model, reader.format)
-    found = naming.match({k: v for k, v in by_key.items() if id(v) in dst_of}, reader)
+    found = naming.match(
+        {k: v for k, v in by_key.items() if id(v) in dst_of}, reader, explicit=explicit_names(model)
+    )
     found.raise_if_mismatched(reader.path, strict=True)
     report.skipped = found.skipped
     order = {key: i for i, key in enumerate(reader.keys())}

@@ -35,6 +35,7 @@ from shardckpt.restore import hostmem, pipeline
 from shardckpt.restore import keys as naming
 from shardckpt.restore.strategies import Budget, Job, load_variable
 from shardckpt.restore.targets import TargetLayout, check_mesh, resolve_layout, warn_unmatched_keys
+from shardckpt.structure import explicit_names, slot_references
 from shardckpt.types import Layout, Model, PlanLike
 
 # Reads run on one thread per usable core: numpy copies, h5 page faults and
@@ -277,7 +278,9 @@ def load(
         # On a host of several devices, a lazily built variable is never put on
         # one device by default (see `resolve_layout`).
         unplaced = "raise" if jax.device_count() > 1 else "first_device"
-        jobs, to_init = match_jobs(model, reader, report, strict, resolve_layout(layout, unplaced=unplaced))
+        # Optimizer slots go where their variables go, as Keras places them (see `targets`).
+        layout_of = resolve_layout(layout, unplaced=unplaced, references=slot_references(model))
+        jobs, to_init = match_jobs(model, reader, report, strict, layout_of)
         total = sum(reader.spec(job.key).nbytes for job in jobs)
         show = sys.stderr.isatty() if progress is None else progress
         with ByteProgress(total, f"loading {os.path.basename(reader.path)}", enabled=show) as bar:
@@ -350,7 +353,7 @@ def match_jobs(
 ) -> tuple[list[Job], list[tuple[Any, TargetLayout]]]:
     """Pairs keys with variables and checks everything before any I/O."""
     wanted, lora_absent = naming.align_lora(model, naming.keys_for(model, reader.format), reader.keys())
-    found = naming.match(wanted, reader)
+    found = naming.match(wanted, reader, explicit=explicit_names(model))
     report.missing = found.missing_lines()
     report.unexpected = found.unexpected
     report.skipped = found.skipped

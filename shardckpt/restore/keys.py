@@ -39,7 +39,8 @@ Two adjustments to what Keras names:
   `sequential_2/dense_2/kernel` where the checkpoint has
   `sequential_1/dense_1/kernel`. `align_generated_names` matches such keys by
   structure, as `.weights.h5` keys (the object graph) are immune to names:
-  see its docstring.
+  see its docstring. Names the user gave (`layer_3`: `structure.
+  explicit_names`) match by name only, counter included.
 
 Keras' `_save_state` walk and `H5IOStore` are private (see `shardckpt._keras`):
 there is no public way to ask Keras which key a variable is saved under.
@@ -51,7 +52,7 @@ import contextlib
 import dataclasses
 import re
 import warnings
-from collections.abc import Iterable, Iterator
+from collections.abc import Collection, Iterable, Iterator
 from typing import Any
 
 import keras
@@ -169,47 +170,118 @@ def align_optimizer_keys(wanted: dict[str, Any], stored: Iterable[str]) -> dict[
     return {(new + k[len(old) :] if k.startswith(old) else k): v for k, v in wanted.items()}
 
 
-def _pattern(key: str) -> str:
-    """`key` without Keras' uniquifying suffixes nor its weight collection: the
-    same for every build of a model, frozen or not."""
-    return _SUFFIXES.sub("", _WEIGHT_COLLECTION.sub("weights/", key))
+@dataclasses.dataclass(frozen=True)
+class _Identity:
+    """What a key says about its variable whatever names Keras generated.
+
+    Attributes:
+        pattern: The key without the `_<n>` counters of generated names nor
+            its weight collection: the same for every build of a model, frozen
+            or not. Explicit names (`layer_3`) stay whole.
+        order: The counters of its generated names, 0 where a name has none
+            (`dense` before `dense_1`): Keras hands them out in creation order.
+    """
+
+    pattern: str
+    order: tuple[int, ...]
 
 
-def _creation_order(key: str) -> tuple[int, ...]:
-    """The suffix counters of `key`: Keras hands them out in creation order."""
-    return tuple(int(n) for n in _SUFFIXES.findall(key))
+def _name_identity(key: str, explicit: Collection[str]) -> _Identity:
+    """The identity of a key read name by name ("/" between names)."""
+    parts, order = [], []
+    for part in _WEIGHT_COLLECTION.sub("weights/", key).split("/"):
+        if part in explicit:
+            parts.append(part)
+            continue
+        parts.append(_SUFFIXES.sub("", part))
+        order.extend([int(n) for n in _SUFFIXES.findall(part)] or [0])
+    return _Identity("/".join(parts), tuple(order))
 
 
-def align_generated_names(wanted: dict[str, Any], reader: Reader) -> dict[str, Any]:
+def _identities(keys: Iterable[str], explicit: Collection[str]) -> dict[str, _Identity]:
+    """`{key: identity}`; an optimizer slot's from the variable it was made from.
+
+    A slot's name embeds its variable's path with "_" for "/"
+    (`optimizer_variables/adam/layer_3_kernel_momentum`), where a name's own
+    "_" cannot be told from a separator: the slot takes its variable's
+    identity (the variable's key on the same side, found by the longest
+    prefix), so an explicit name stays whole in it too.
+    """
+    keys = list(keys)
+    weights = {_stem(k): k for k in keys if _WEIGHT_COLLECTION.match(k)}
+    out: dict[str, _Identity] = {}
+    for key in keys:
+        owner = _owner_stem(key, weights)
+        if owner is None:
+            out[key] = _name_identity(key, explicit)
+            continue
+        _, optimizer, name = key.split("/", 2)
+        of = _name_identity(weights[owner], explicit)
+        slot = name[len(owner) + 1 :]
+        pattern = f"{_OPTIMIZER_PREFIX}{_UNIQUIFIED.sub('', optimizer)}/{_stem(of.pattern)}_{slot}"
+        out[key] = _Identity(pattern, of.order)
+    return out
+
+
+def _owner_stem(slot_key: str, stems: Collection[str]) -> str | None:
+    """The stem (`_stem`) of the variable the optimizer slot `slot_key` was made from, or None.
+
+    Keras names a slot `<optimizer>/<variable path, / -> _>_<slot name>`
+    (`BaseOptimizer.add_variable_from_reference`); the longest of `stems`
+    its name starts with wins.
+    """
+    parts = slot_key.split("/", 2)
+    if len(parts) < 3 or not slot_key.startswith(_OPTIMIZER_PREFIX):
+        return None
+    name = parts[2]
+    end = len(name)
+    while (end := name.rfind("_", 0, end)) > 0:
+        if name[:end] in stems:
+            return name[:end]
+    return None
+
+
+def align_generated_names(wanted: dict[str, Any], reader: Reader, explicit: Collection[str]) -> dict[str, Any]:
     """Renames the model's keys whose generated names differ from the checkpoint's.
 
     Keys are grouped by their pattern: the key without the `_<n>` counters
     Keras appends to generated names (`trainable_variables/sequential/dense/
-    kernel`; an optimizer slot embeds its variable's path and is grouped the
-    same way). The pattern carries the collection (trainable and
-    non-trainable variables count as one: a variable frozen on one side sits
-    in the other collection), the layer classes along the path (a generated
-    name is the class name in snake case) and the variable name. In a group where model and checkpoint hold the same keys, nothing
-    changes: explicit names match by name, whatever their position. In a group
-    where they differ, the model's keys and the checkpoint's are paired in
-    creation order (the counters, oldest first: the position in the model),
-    and renamed only if the counts are equal and every pair has the same shape
-    and dtype. Anything else is left as it is and reported by `match` (another
-    architecture: missing and unexpected keys, each named).
+    kernel`). Only generated names lose their counter: a name in `explicit`
+    (one the user gave, `structure.explicit_names`) stays whole, so keys of
+    explicitly named layers match by name only, as Keras' own `load_weights`
+    matches them (`layer_3` never takes `layer_1`'s weights because both
+    have one shape). An optimizer slot is grouped by its variable's pattern.
+    The pattern carries the collection (trainable and non-trainable
+    variables count as one: a variable frozen on one side sits in the other
+    collection), the layer classes along the path (a generated name is the
+    class name in snake case), the explicit names and the variable name. In
+    a group where model and checkpoint hold the same keys, nothing changes.
+    In a group where they differ, the model's keys and the checkpoint's are
+    paired in creation order (the generated names' counters, oldest first:
+    the position in the model), and renamed only if the counts are equal
+    and every pair has the same shape and dtype. Anything else is left as
+    it is and reported by `match` (another architecture: missing and
+    unexpected keys, each named).
+
+    Args:
+        wanted: `{key: variable}` of the model.
+        reader: The checkpoint.
+        explicit: The names in the model's paths that were given, not
+            generated (`structure.explicit_names(model)`).
     """
     stored = list(reader.keys())
-    theirs: dict[str, list[str]] = {}
-    for key in stored:
-        theirs.setdefault(_pattern(key), []).append(key)
-    ours: dict[str, list[str]] = {}
-    for key in wanted:
-        ours.setdefault(_pattern(key), []).append(key)
+    theirs: dict[str, list[tuple[tuple[int, ...], str]]] = {}
+    for key, identity in _identities(stored, explicit).items():
+        theirs.setdefault(identity.pattern, []).append((identity.order, key))
+    ours: dict[str, list[tuple[tuple[int, ...], str]]] = {}
+    for key, identity in _identities(wanted, explicit).items():
+        ours.setdefault(identity.pattern, []).append((identity.order, key))
     renames: dict[str, str] = {}
     for pattern, mine in ours.items():
         saved = theirs.get(pattern, [])
-        if set(saved) == set(mine) or len(saved) != len(mine):
+        if {k for _, k in saved} == {k for _, k in mine} or len(saved) != len(mine):
             continue
-        pairs = list(zip(sorted(mine, key=_creation_order), sorted(saved, key=_creation_order)))
+        pairs = [(key, other) for (_, key), (_, other) in zip(sorted(mine), sorted(saved))]
         if all(_same_array(wanted[key], reader.spec(other)) for key, other in pairs):
             renames.update(pairs)
     if not renames:
@@ -332,13 +404,14 @@ class KeyMatch:
             )
 
 
-def match(wanted: dict[str, Any], reader: Reader) -> KeyMatch:
+def match(wanted: dict[str, Any], reader: Reader, *, explicit: Collection[str]) -> KeyMatch:
     """Pairs the model's keys (`keys_for`, or a subset) with the checkpoint's.
 
     Reads metadata only (`reader.spec`). A variable saved under two keys (a
     shared layer) is loaded once. Optimizer keys match whatever name the
     optimizer was given (`align_optimizer_keys`), and Orbax keys whatever
-    names Keras generated for the layers (`align_generated_names`).
+    names Keras generated for the layers (`align_generated_names`); names in
+    `explicit` (`structure.explicit_names(model)`) match by name only.
     """
     fmt = reader.format
     stored = set(reader.keys())
@@ -346,7 +419,7 @@ def match(wanted: dict[str, Any], reader: Reader) -> KeyMatch:
     model_keys = {id(v): k for k, v in reversed(list(wanted.items()))}
     wanted = align_optimizer_keys(wanted, stored)
     if fmt == "orbax":
-        wanted = align_generated_names(wanted, reader)
+        wanted = align_generated_names(wanted, reader, explicit)
     collections_stored = {collection(k, fmt) for k in stored}
     result = KeyMatch(format=fmt)
     seen: set[int] = set()
@@ -402,20 +475,6 @@ def _stem(weight_key: str) -> str:
     return weight_key.split("/", 1)[1].replace("/", "_")
 
 
-def _slot_owner(slot_key: str, stems: Iterable[str]) -> str | None:
-    """The stem of the variable an optimizer slot key was made from (longest prefix), or None.
-
-    Keras names a slot `<optimizer>/<variable path, / -> _>_<slot name>`
-    (`BaseOptimizer.add_variable_from_reference`).
-    """
-    parts = slot_key.split("/", 2)
-    if len(parts) < 3 or not slot_key.startswith(_OPTIMIZER_PREFIX):
-        return None
-    name = parts[2]
-    owners = [s for s in stems if name.startswith(f"{s}_")]
-    return max(owners, key=len) if owners else None
-
-
 def _follow_trainability(result: KeyMatch, model_keys: dict[int, str], stored: Iterable[str]) -> None:
     """Optimizer slots of variables frozen on one side only: fresh, or skipped, said once.
 
@@ -438,11 +497,11 @@ def _follow_trainability(result: KeyMatch, model_keys: dict[int, str], stored: I
             frozen.add(_stem(key))
     if not thawed and not frozen:
         return
-    our_stems = [_stem(k) for k in model_keys.values() if k.startswith(weights)]
-    their_stems = [_stem(k) for k in stored if k.startswith(weights)]
+    our_stems = {_stem(k) for k in model_keys.values() if k.startswith(weights)}
+    their_stems = {_stem(k) for k in stored if k.startswith(weights)}
     missing: list[tuple[str, Any]] = []
     for key, variable in result.missing:
-        if _slot_owner(model_keys.get(id(variable), key), our_stems) in thawed:
+        if _owner_stem(model_keys.get(id(variable), key), our_stems) in thawed:
             result.fresh.append((key, variable))
         else:
             missing.append((key, variable))
@@ -450,7 +509,7 @@ def _follow_trainability(result: KeyMatch, model_keys: dict[int, str], stored: I
     unexpected: list[str] = []
     dropped: list[str] = []
     for key in result.unexpected:
-        (dropped if _slot_owner(key, their_stems) in frozen else unexpected).append(key)
+        (dropped if _owner_stem(key, their_stems) in frozen else unexpected).append(key)
     result.unexpected = unexpected
     result.skipped = natural_sorted([*result.skipped, *dropped])
     said = []

@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 import re
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import jax
@@ -41,7 +41,9 @@ class TargetLayout:
     keras_layout: Any = None
 
 
-def resolve_layout(layout: Layout, *, unplaced: str = "first_device") -> Callable[[Any], TargetLayout]:
+def resolve_layout(
+    layout: Layout, *, unplaced: str = "first_device", references: Mapping[int, Any] | None = None
+) -> Callable[[Any], TargetLayout]:
     """Returns `variable -> TargetLayout` for any accepted `layout` form.
 
     Args:
@@ -51,26 +53,31 @@ def resolve_layout(layout: Layout, *, unplaced: str = "first_device") -> Callabl
             "first_device", or "raise" (`load_sharded` on a host of several
             devices: the model would compute on one device, and the next
             sharded step fails inside JAX on incompatible devices).
+        references: `{id(slot): variable}` of the model's optimizer slots
+            (`structure.slot_references`): under a distribution or a
+            `LayoutMap`, a slot goes where its variable goes (see the module
+            docstring).
 
     Raises:
         TypeError: `layout` is none of the accepted forms.
         LayoutError: from the returned function, for an unplaced variable
             when `unplaced="raise"`.
     """
+    references = references or {}
     if layout is None:
         active = kd.distribution()
         if active is not None:
-            return _from_distribution(active)
+            return _slots_follow(_from_distribution(active), references)
         return _current if unplaced == "first_device" else _current_or_raise
     sharding_for = getattr(layout, "sharding_for", None)
     if sharding_for is not None:
         return lambda v: TargetLayout(sharding_for(v))
     if isinstance(layout, _keras.Distribution):
-        return _from_distribution(layout)
+        return _slots_follow(_from_distribution(layout), references)
     if hasattr(layout, "layout_map") and callable(layout.layout_map):
         layout = layout.layout_map()
     if isinstance(layout, kd.LayoutMap):
-        return _from_layout_map(layout)
+        return _slots_follow(_from_layout_map(layout), references)
     raise TypeError(
         "layout must be None, a keras.distribution.Distribution or LayoutMap, or a "
         f"plan with layout_map() (shardckpt.auto_layout). Received: layout={layout!r}"
@@ -209,6 +216,19 @@ def _from_keras_layout(layout: Any) -> TargetLayout:
     if isinstance(layout, kd.TensorLayout):
         return TargetLayout(layout.backend_layout, layout)
     return TargetLayout(layout)
+
+
+def _slots_follow(
+    layout_of: Callable[[Any], TargetLayout], references: Mapping[int, Any]
+) -> Callable[[Any], TargetLayout]:
+    """`layout_of`, with each optimizer slot placed as its variable (see the module docstring)."""
+    if not references:
+        return layout_of
+
+    def follow(variable: Any) -> TargetLayout:
+        return layout_of(references.get(id(variable), variable))
+
+    return follow
 
 
 def _from_distribution(dist: Any) -> Callable[[Any], TargetLayout]:

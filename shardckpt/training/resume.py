@@ -12,7 +12,9 @@ import logging
 import os
 from typing import Any
 
-from shardckpt import budget, storage
+from keras import distribution as kd
+
+from shardckpt import _keras, budget, storage
 from shardckpt.errors import CheckpointNotFoundError, IteratorCountError
 from shardckpt.formats.orbax.ondisk import (  # noqa: F401  (the callback's names for them)
     ARRAYS_ITEM,
@@ -22,6 +24,7 @@ from shardckpt.formats.orbax.ondisk import (  # noqa: F401  (the callback's name
     latest_step_dir,
     read_json_item,
 )
+from shardckpt.lazy import is_unloaded
 from shardckpt.restore import LoadReport, load_sharded
 from shardckpt.training.iterators import decode_state
 from shardckpt.types import Model, StatefulIterator
@@ -116,10 +119,36 @@ def iterator_state_for_process(
 
 
 def build_optimizer(model: Any) -> None:
-    """Creates optimizer variables so that their saved values have a target."""
+    """Creates optimizer variables so that their saved values have a target.
+
+    Keras gives each slot its variable's layout
+    (`add_variable_from_reference(layout=variable._layout)`). A variable
+    built under `lazy_init()` has none until it is loaded, and Keras would
+    then place its slots by their own paths, which a `LayoutMap` of variable
+    paths does not match: a whole copy on every device, before the load (or,
+    for a weights-only step, after it). For the build, each such variable
+    holds the layout the active distribution gives it, as Keras gives one to
+    every variable it initialises (`JaxVariable._initialize_layout`), so
+    the slots are created where they belong; then it has none again, and
+    the load places it as it places any lazily built variable.
+    """
     optimizer = getattr(model, "optimizer", None)
-    if optimizer is not None and not optimizer.built:
+    if optimizer is None or optimizer.built:
+        return
+    distribution = kd.distribution()
+    for_model = getattr(distribution, "for_model", None)
+    if callable(for_model):  # a plan's distribution, bound to this model as `load_sharded` binds it
+        distribution = for_model(model)
+    lent = []
+    if distribution is not None:
+        lent = [v for v in model.trainable_variables if is_unloaded(v) and _keras.current_layout(v) is None]
+    for variable in lent:
+        _keras.set_layout(variable, distribution.get_variable_layout(variable))
+    try:
         optimizer.build(model.trainable_variables)
+    finally:
+        for variable in lent:
+            _keras.set_layout(variable, None)
 
 
 def restore_step(

@@ -1,0 +1,154 @@
+"""Optimizer slots restored into a lazily built model go where their variables go, as Keras puts them.
+
+Keras gives a slot its variable's layout when the optimizer is built
+(`add_variable_from_reference(layout=variable._layout)`). A variable built
+under `lazy_init()` has no layout until it is loaded, so an optimizer built
+before the load (by `restore_latest`, or by the user as the
+`CheckpointMismatchError` advice says) asks the distribution for the slot's
+own path (`adam/up_kernel_momentum`), which a `LayoutMap` of variable paths
+does not match: the slots came back replicated on every device while their
+kernels were split, a silent 8x of the optimizer's memory.
+"""
+
+from __future__ import annotations
+
+import keras
+import numpy as np
+import pytest
+
+import shardckpt
+from shardckpt import errors
+
+X = np.random.default_rng(0).standard_normal((16, 8)).astype("float32")
+Y = np.random.default_rng(1).standard_normal((16, 8)).astype("float32")
+
+
+def _build() -> keras.Model:
+    inputs = keras.Input((8,))
+    x = keras.layers.Dense(16, name="up")(inputs)
+    return keras.Model(inputs, keras.layers.Dense(8, name="down")(x), name="m")
+
+
+def _layout_map(mesh_shape: tuple[int, int]) -> keras.distribution.LayoutMap:
+    """Column-parallel `up`, row-parallel `down`: an exact path for each kernel, none for the slots."""
+    layout_map = keras.distribution.LayoutMap(keras.distribution.DeviceMesh(mesh_shape, ["batch", "model"]))
+    layout_map["up/kernel"] = (None, "model")
+    layout_map["down/kernel"] = ("model", None)
+    return layout_map
+
+
+def _distribution(mesh_shape: tuple[int, int]) -> keras.distribution.ModelParallel:
+    return keras.distribution.ModelParallel(layout_map=_layout_map(mesh_shape), batch_dim_name="batch")
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    """A full-state step of a model built normally under the (1, 8) layout (Keras' own callback),
+    with every optimizer variable's value and sharding spec."""
+    keras.backend.clear_session()
+    keras.distribution.set_distribution(_distribution((1, 8)))
+    model = _build()
+    model.compile(optimizer="adam", loss="mse")
+    directory = tmp_path_factory.mktemp("slots") / "ckpt"
+    callback = keras.callbacks.OrbaxCheckpoint(str(directory), save_freq="epoch")
+    model.fit(X, Y, epochs=1, batch_size=8, verbose=0, callbacks=[callback])
+    callback.wait_until_finished()
+    slots = {v.path: (np.asarray(v.value), v.value.sharding.spec) for v in model.optimizer.variables}
+    keras.distribution.set_distribution(None)
+    return str(directory), slots
+
+
+def _slot_pairs(model: keras.Model) -> list[tuple[keras.Variable, keras.Variable]]:
+    """(slot, its variable) for Adam's momentum and velocity of every trainable variable."""
+    slots = {v.path: v for v in model.optimizer.variables}
+    prefix = model.optimizer.name  # `adam`, or `adam_1` after another Adam in this process
+    return [
+        (slots[f"{prefix}/{v.path.replace('/', '_')}_{name}"], v)
+        for v in model.trainable_variables
+        for name in ("momentum", "velocity")
+    ]
+
+
+def _assert_restored(model: keras.Model, saved_slots: dict) -> None:
+    pairs = _slot_pairs(model)
+    assert len(pairs) == len(saved_slots) - 2  # all but the step counter and the learning rate
+    for slot, variable in pairs:
+        assert slot.value.sharding == variable.value.sharding, slot.path
+    for slot in model.optimizer.variables:
+        value, _ = saved_slots[slot.path]
+        np.testing.assert_array_equal(np.asarray(slot.value), value, err_msg=slot.path)
+        assert np.asarray(slot.value).dtype == value.dtype, slot.path
+
+
+@pytest.mark.parametrize("mesh", [(1, 8), (2, 4)])
+@pytest.mark.parametrize("how", ["restore_latest", "build_then_load", "layout_map", "distribution_arg"])
+def test_slots_of_a_lazily_built_model_are_sharded_like_their_variables(saved, mesh, how):
+    directory, saved_slots = saved
+    if how in ("restore_latest", "build_then_load"):
+        keras.distribution.set_distribution(_distribution(mesh))
+    with shardckpt.lazy_init():
+        model = _build()
+    model.compile(optimizer="adam", loss="mse")
+    if how == "restore_latest":
+        shardckpt.restore_latest(model, directory)  # builds the optimizer, then loads
+    else:
+        model.optimizer.build(model.trainable_variables)
+        layout = {"build_then_load": None, "layout_map": _layout_map(mesh), "distribution_arg": _distribution(mesh)}
+        report = shardckpt.load_sharded(model, directory, layout=layout[how])
+        assert report.missing == [] and report.unexpected == []
+    assert tuple(model.get_layer("up").kernel.value.sharding.spec) == (None, "model")
+    _assert_restored(model, saved_slots)
+    for slot, _ in _slot_pairs(model):  # as Keras placed them when it built the model normally
+        assert slot.value.sharding.spec == saved_slots[slot.path][1], slot.path
+
+
+def test_the_advice_to_build_the_optimizer_first_gives_sharded_slots(saved):
+    """The fix `CheckpointMismatchError` names for an unbuilt optimizer, followed to the letter."""
+    directory, saved_slots = saved
+    keras.distribution.set_distribution(_distribution((1, 8)))
+    with shardckpt.lazy_init():
+        model = _build()
+    model.compile(optimizer="adam", loss="mse")
+    with pytest.raises(errors.CheckpointMismatchError) as raised:
+        shardckpt.load_sharded(model, directory)
+    assert "model.optimizer.build(model.trainable_variables)" in str(raised.value)
+    model.optimizer.build(model.trainable_variables)
+    shardckpt.load_sharded(model, directory)
+    _assert_restored(model, saved_slots)
+
+
+def test_a_weights_only_step_leaves_fresh_slots_sharded_like_their_variables(tmp_path):
+    """`restore_latest` builds the optimizer, and a weights-only step has no slots to load:
+    the fresh ones must be created where Keras would put them, not replicated."""
+    keras.distribution.set_distribution(_distribution((1, 8)))
+    source = _build()
+    source.compile(optimizer="adam", loss="mse")
+    callback = keras.callbacks.OrbaxCheckpoint(str(tmp_path), save_freq="epoch", save_weights_only=True)
+    source.fit(X, Y, epochs=1, batch_size=8, verbose=0, callbacks=[callback])
+    callback.wait_until_finished()
+    weights = {v.path: np.asarray(v.value) for v in source.weights}
+
+    with shardckpt.lazy_init():
+        model = _build()
+    model.compile(optimizer="adam", loss="mse")
+    shardckpt.restore_latest(model, str(tmp_path))
+    for v in model.weights:
+        np.testing.assert_array_equal(np.asarray(v.value), weights[v.path], err_msg=v.path)
+    pairs = _slot_pairs(model)
+    assert len(pairs) == 2 * len(model.trainable_variables)
+    for slot, variable in pairs:
+        assert slot.value.sharding == variable.value.sharding, slot.path
+        np.testing.assert_array_equal(np.asarray(slot.value), np.zeros(slot.shape, slot.dtype), err_msg=slot.path)
+
+
+def test_slots_stay_sharded_through_training_after_a_lazy_restore(saved):
+    directory, saved_slots = saved
+    keras.distribution.set_distribution(_distribution((1, 8)))
+    with shardckpt.lazy_init():
+        model = _build()
+    model.compile(optimizer="adam", loss="mse")
+    shardckpt.restore_latest(model, directory)
+    model.fit(X, Y, epochs=1, batch_size=8, verbose=0)
+    for slot, variable in _slot_pairs(model):
+        assert slot.value.sharding == variable.value.sharding, slot.path
+        assert slot.value.sharding.spec == saved_slots[slot.path][1], slot.path
