@@ -13,6 +13,8 @@ import re
 from collections.abc import Callable
 from typing import Any
 
+import numpy as np
+
 from shardckpt.exporting.pieces import Identity
 from shardckpt.formats import h5_writer, safetensors_writer
 from shardckpt.formats.base import ArraySpec
@@ -70,7 +72,7 @@ def plan_hf(model: Any, dtype: Any, shard: int | None) -> Plan:
             f"{type(model).__name__}: keras-hub has no Hugging Face export of {type(tokenizer).__name__}. "
             "Fix: export the backbone (model.backbone) and convert the tokenizer separately."
         )
-    config = dict(plan.config)
+    config = _with_stored_dtype(dict(plan.config), plan.specs, type(model).__name__)
     if task:
         from shardckpt.exporting.hf_config import task_architectures
 
@@ -92,6 +94,44 @@ def plan_hf(model: Any, dtype: Any, shard: int | None) -> Plan:
 
     return Plan(kind="safetensors", specs=plan.specs, files=safetensors_writer.plan_files(plan.specs, shard),
                  writes=plan.remaps, small_files=small_files)
+
+
+def _with_stored_dtype(config: dict[str, Any], specs: dict[str, ArraySpec], name: str) -> dict[str, Any]:
+    """`config` with `dtype` and `torch_dtype` naming the dtype its tensors are stored in.
+
+    transformers (5.x: `dtype`; before 4.56 and keras-hub's exporter:
+    `torch_dtype`, which 5.x still reads when `dtype` is absent) loads a
+    folder in that dtype by default. keras-hub's exporter writes the compute
+    dtype of the model's policy, which a `mixed_bfloat16` model (float32
+    weights) or `export(dtype=...)` makes differ from the tensors: transformers
+    then rounds (or widens) every weight on load, silently. Nested
+    configs (`text_config`) that name a dtype get the same.
+    """
+    import logging
+
+    from shardckpt import dtypes
+
+    by_dtype: dict[str, int] = {}
+    for spec in specs.values():
+        if dtypes.is_float(spec.dtype):
+            by_dtype[str(np.dtype(spec.dtype))] = by_dtype.get(str(np.dtype(spec.dtype)), 0) + spec.nbytes
+    if not by_dtype:
+        return config
+    stored = max(by_dtype, key=lambda d: by_dtype[d])
+    if len(by_dtype) > 1:  # keras-hub backbones hold one float dtype; a hand-made mix is loaded in one
+        logging.getLogger("shardckpt").warning(
+            "%s: its tensors are stored in %s; config.json says dtype=%s (the most bytes), which "
+            "transformers casts every weight to by default. Fix: export with dtype=... to store one dtype.",
+            name, ", ".join(sorted(by_dtype)), stored)
+
+    def put(c: dict[str, Any], top: bool) -> dict[str, Any]:
+        out = {k: put(v, False) if isinstance(v, dict) else v for k, v in c.items()}
+        for key in ("dtype", "torch_dtype"):
+            if top or key in c:
+                out[key] = stored
+        return out
+
+    return put(config, True)
 
 
 def plan_keras_hub(model: Any, dtype: Any, shard: int | None) -> Plan:
