@@ -80,6 +80,53 @@ def float_dtype(dtype: Any) -> np.dtype | None:
     return resolved
 
 
+def narrows_range(source: Any, target: Any) -> bool:
+    """True where a cast of float `source` into float `target` can turn finite values into inf.
+
+    float32 or bfloat16 into float16 (largest finite 65504) does; float32
+    into bfloat16 only beyond 3.39e38.
+    """
+    source, target = np.dtype(source), np.dtype(target)
+    if source == target or not (is_float(source) and is_float(target)):
+        return False
+    return float(ml_dtypes.finfo(target).max) < float(ml_dtypes.finfo(source).max)
+
+
+def overflowed(source: np.ndarray, cast: np.ndarray) -> int:
+    """How many finite values of `source` are inf in `cast` (its cast into a narrower float)."""
+    return int(np.count_nonzero(np.isinf(cast) & np.isfinite(source)))
+
+
+class Overflows:
+    """Values a narrowing cast turned into inf, by variable: said once, after the whole write.
+
+    numpy's own "overflow encountered in cast" names nothing and repeats per
+    block; callers cast under `np.errstate(over="ignore")` and count here.
+    """
+
+    def __init__(self, target: np.dtype | None) -> None:
+        self.target = target
+        self.counts: dict[str, int] = {}
+
+    def add(self, name: str, count: int) -> None:
+        if count:
+            self.counts[name] = self.counts.get(name, 0) + count
+
+    def message(self, what: str) -> str | None:
+        """The warning's text, or None when nothing overflowed."""
+        if not self.counts:
+            return None
+        total = sum(self.counts.values())
+        names = ", ".join(f"{n!r} ({c})" for n, c in list(self.counts.items())[:8])
+        more = f" and {len(self.counts) - 8} more" if len(self.counts) > 8 else ""
+        largest = float(ml_dtypes.finfo(self.target).max) if self.target is not None else float("nan")
+        return (
+            f"{what}: casting to {self.target} turned {total} finite value(s) into inf (beyond +-{largest:g}) in "
+            f"{len(self.counts)} variable(s): {names}{more}. Fix: store a dtype of wider range (dtype='bfloat16' "
+            "or 'float32'), or rescale those weights before the cast."
+        )
+
+
 ALIGNMENT = 64
 """Byte alignment at which XLA's CPU client adopts a numpy buffer without copying."""
 

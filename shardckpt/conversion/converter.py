@@ -397,6 +397,7 @@ def _stream(
     txn = writer.transaction()
     staged = 0
     in_batch: list[Any] = []  # checksum and copy futures of the batch being filled
+    overflows = dtypes.Overflows(next((i.target for i in items if i.target != i.stored), None))
 
     def checksum(key: str, piece: np.ndarray) -> None:
         crcs[key] = integrity.crc32(piece, crcs.get(key, 0))
@@ -417,7 +418,11 @@ def _stream(
                 else:
                     piece = fetch(item.src_key, box)
                 if item.target != item.stored:
-                    piece = piece.astype(item.target)
+                    with np.errstate(over="ignore"):  # counted here, said once after the write
+                        cast = piece.astype(item.target)
+                    if dtypes.narrows_range(item.stored, item.target):
+                        overflows.add(item.src_key, dtypes.overflowed(piece, cast))
+                    piece = cast
                 if staged and staged + piece.nbytes > batch_bytes:
                     _drain(in_batch)  # the batch's pieces are copied and checksummed
                     pending = _commit(txn, pending, writer)
@@ -436,6 +441,9 @@ def _stream(
         pending = _commit(txn, pending, writer)
         pending.result()
         writer.release(writer.committed_files())
+    said = overflows.message(f"convert {reader.path!r}")
+    if said:
+        _log.warning("%s", said)
     return {
         item.dst_key: {
             integrity.ALGORITHM: integrity.hex32(crcs.get(item.dst_key, 0)),

@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from shardckpt import budget as _budget
-from shardckpt import storage
+from shardckpt import dtypes, storage
 from shardckpt.errors import DestinationExistsError, UnsupportedURLError
 from shardckpt.exporting import model as _model
 from shardckpt.exporting import plans
@@ -213,7 +213,7 @@ def export(
             number of GB (as keras-hub's `save_to_preset`) or a string such
             as "500MB". None: one file.
         dtype: Store floating-point tensors in this dtype (e.g. "bfloat16");
-            None: each variable's own dtype.
+            None: each variable's own dtype. A floating-point dtype only.
         max_inflight_bytes: Most bytes of tensor data this process holds in
             host memory at once (`shardckpt.budget`); None: the host's default.
         progress: Show a progress bar; None: when stderr is a terminal.
@@ -229,10 +229,13 @@ def export(
             its variables), a LoRA layer PEFT cannot express, or a quantized
             model (before anything is written).
         UnloadedVariableError: a variable holds no value.
+        DtypeMismatchError: `dtype` is not a floating-point dtype.
     """
     start = time.perf_counter()
     write = registry.writer_for(format)  # an unknown format is refused first
     location = storage.parse(dst, what="dst")  # an unsupported scheme:// is refused here
+    # The rule `convert(to="orbax")` applies: a cast to int8 would truncate every weight (99% zeros).
+    dtype = dtypes.float_dtype(dtype)
     _model.check_exportable(model)
     shard = plans.max_shard_bytes(max_shard_size)
     if location.is_remote and format == "orbax":
@@ -279,14 +282,19 @@ def _export_files(planner: Callable[[Any, Any, int | None], plans.Plan], model: 
     total = sum(s.nbytes for s in plan.specs.values())
     written = 0
     show = sys.stderr.isatty() if progress is None else progress
+    overflows = dtypes.Overflows(dtype)
     try:
-        with ByteProgress(total, f"export {format}", enabled=show) as bar:
+        # numpy's anonymous "overflow encountered in cast" gives way to one warning naming the variables.
+        with ByteProgress(total, f"export {format}", enabled=show) as bar, np.errstate(over="ignore"):
             for ordinal, (variable, remap) in enumerate(plan.writes):
                 keys = [k for k in remap.sources() if k in slots]
                 if not keys:
                     continue  # zero-sized
-                itemsize = plan.specs[keys[0]].dtype.itemsize
+                stored_dtype = plan.specs[keys[0]].dtype
+                itemsize = stored_dtype.itemsize
                 value = _model.value_of(variable, getters)
+                if dtypes.narrows_range(value.dtype, stored_dtype):
+                    overflows.add(variable.path, _model.overflowed(value, stored_dtype))
                 n = write_value(value, remap, mapped, budget, salt=ordinal, writer=writer)
                 stored = n // max(1, np.dtype(value.dtype).itemsize) * itemsize
                 written += stored
@@ -299,6 +307,9 @@ def _export_files(planner: Callable[[Any, Any, int | None], plans.Plan], model: 
         finally:
             mapped.close()  # the maps and descriptors go either way
     _barrier(f"shardckpt-export-written:{dst}")
+    said = overflows.message(f"export format={format!r} to {dst!r}")
+    if said and process == 0:  # every process counted the same global values
+        _log.warning("%s", said)
     if process == 0:
         if plan.small_files is not None:
             plan.small_files(partial)

@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from shardckpt import _keras
+from shardckpt import _keras, dtypes
 from shardckpt.formats.base import ArraySpec
 from shardckpt.restore.keys import h5_keys, is_task
 
@@ -71,5 +71,5 @@ def weight_files(model: Any) -> list[tuple[str, dict[str, Any], dict[str, dict[s
 
 def spec_of(variable: Any, dtype: Any) -> ArraySpec:
     own = np.dtype(variable.dtype)
-    stored = np.dtype(dtype) if dtype is not None and own.kind == "f" else own
+    stored = np.dtype(dtype) if dtype is not None and dtypes.is_float(own) else own
     return ArraySpec(shape=tuple(variable.shape), dtype=stored)

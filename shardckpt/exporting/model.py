@@ -11,9 +11,13 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
+import numpy as np
+
+from shardckpt import dtypes
 from shardckpt.errors import UnloadedVariableError, UnsupportedModelError
 from shardckpt.structure import lora_layers
 
@@ -74,3 +78,24 @@ def value_of(variable: Any, getters: dict[int, Callable[[], Any]]) -> Any:
     return get() if get is not None else variable.value
 
 
+
+
+def overflowed(value: Any, stored: np.dtype) -> int:
+    """How many finite values of `value` its cast into `stored` turns into inf.
+
+    Counted where the value lives (one fused reduction per device for a
+    sharded `jax.Array`, no gather); every process calls it for every
+    array, in one order, as it calls the writes.
+    """
+    if isinstance(value, np.ndarray):
+        with np.errstate(over="ignore"):
+            return dtypes.overflowed(value, value.astype(stored))
+    return int(_count_overflows(np.dtype(stored))(value))
+
+
+@functools.lru_cache(maxsize=8)
+def _count_overflows(stored: np.dtype) -> Callable[[Any], Any]:
+    import jax
+    import jax.numpy as jnp
+
+    return jax.jit(lambda x: jnp.sum(jnp.isinf(x.astype(stored)) & jnp.isfinite(x), dtype=jnp.int32))

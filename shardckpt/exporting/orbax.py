@@ -11,14 +11,15 @@ is written by `shardckpt.OrbaxCheckpoint`, not here.
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import numpy as np
 
-from shardckpt import state
+from shardckpt import dtypes, state
 from shardckpt.budget import Budget
 from shardckpt.errors import UnsupportedModelError
-from shardckpt.exporting.model import lora_bases, lora_factors, value_getters, value_of
+from shardckpt.exporting.model import lora_bases, lora_factors, overflowed, value_getters, value_of
 from shardckpt.exporting.pieces import owned_pieces
 from shardckpt.formats.orbax import writer as orbax_writer
 from shardckpt.restore.keys import state_keys
@@ -51,19 +52,26 @@ def export_orbax(model: Any, partial: str, *, dtype: Any, budget: Budget) -> tup
     for key, variable in keys.items():
         value = value_of(variable, getters)
         own = np.dtype(value.dtype)
-        stored = np.dtype(dtype) if dtype is not None and own.kind == "f" else own
+        stored = np.dtype(dtype) if dtype is not None and dtypes.is_float(own) else own
         write_shape = value.sharding.shard_shape(value.shape) if hasattr(value, "sharding") else value.shape
         arrays.append((key, tuple(value.shape), stored, tuple(write_shape)))
         values.append((value, stored))
     stores = writer.open_arrays(arrays)
     total = 0
-    for store, (value, stored) in zip(stores, values, strict=True):
+    overflows = dtypes.Overflows(None if dtype is None else np.dtype(dtype))
+    for (key, *_), store, (value, stored) in zip(arrays, stores, values, strict=True):
+        if dtypes.narrows_range(value.dtype, stored):
+            overflows.add(key.split("/", 1)[-1], overflowed(value, stored))
         for box, data in owned_pieces(value):
-            host = np.asarray(data).astype(stored, copy=False)
+            with np.errstate(over="ignore"):  # counted above, said once below
+                host = np.asarray(data).astype(stored, copy=False)
             with budget.holding(host.nbytes):
                 txn = writer.transaction()
                 orbax_writer.OrbaxStepWriter.write(store, txn, box, host).copy.result()
                 txn.commit_async().result()  # one OCDBT commit per piece: TensorStore holds no more
             total += host.nbytes
+    said = overflows.message("export format='orbax'")
+    if said:
+        logging.getLogger("shardckpt").warning("%s", said)
     marker = writer.finish(custom_metadata={"exported_by": "shardckpt.export"})
     return len(arrays), total, marker

@@ -14,7 +14,7 @@ import dataclasses
 import os
 from typing import Any, Literal, overload
 
-from shardckpt import storage
+from shardckpt import dtypes, storage
 from shardckpt.conversion.converter import ConvertReport
 from shardckpt.conversion.converter import convert as to_orbax
 from shardckpt.errors import ModelRequiredError
@@ -170,6 +170,7 @@ def convert(
             f"compression applies to to='orbax'; {to!r} files are not compressed. Fix: drop it. "
             f"Received: compression={compression!r}"
         )
+    dtypes.float_dtype(dtype)  # refused before the model is loaded, as `to="orbax"` refuses it
     loaded, load = _load(src, to=to, model=model, layout=layout, mesh=mesh, max_inflight_bytes=max_inflight_bytes)
     report = export(
         loaded, dst, format=to, max_shard_size=max_shard_size, dtype=dtype,

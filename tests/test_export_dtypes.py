@@ -1,0 +1,115 @@
+"""`dtype=` of export and convert: floats only, overflow said once by name, config.json's dtype.
+
+- A non-float `dtype` (int8) is refused by every format of `export` and every
+  target of `convert`, before anything is written (it truncated every weight).
+- A cast into float16 that turns finite values into inf names the variables
+  on the "shardckpt" logger, once per export or conversion; numpy's anonymous
+  RuntimeWarning is not raised.
+- The Hugging Face `config.json`'s `dtype` and `torch_dtype` name the dtype the
+  tensors are stored in: transformers loads that dtype by default.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import warnings
+
+import keras
+import numpy as np
+import pytest
+from safetensors.numpy import load_file
+
+import shardckpt
+from shardckpt.errors import DtypeMismatchError
+
+BIG = 1e6  # beyond float16's 65504
+
+
+def _mlp() -> keras.Model:
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3, name="up"), keras.layers.Dense(2, name="down")])
+    model.layers[0].kernel.assign(np.array([[BIG, 1.0, 2.0]] * 2 + [[0.5, -BIG, 3.0]] * 2, "float32"))
+    return model
+
+
+@pytest.mark.parametrize("fmt", ["hf", "keras-hub", "safetensors", "orbax", "peft"])
+def test_export_refuses_a_non_float_dtype_before_writing(fmt, tmp_path):
+    with pytest.raises(DtypeMismatchError, match=r"floating-point dtype.*Received: dtype='int8'"):
+        shardckpt.export(_mlp(), tmp_path / "out", format=fmt, dtype="int8")
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("to", ["hf", "keras-hub", "safetensors", "orbax"])
+def test_convert_refuses_a_non_float_dtype_before_writing(to, tmp_path):
+    src = tmp_path / "mlp.keras"
+    _mlp().save(src)
+    with pytest.raises(DtypeMismatchError, match=r"Received: dtype='int8'"):
+        shardckpt.convert(src, tmp_path / "out", to=to, dtype="int8")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["mlp.keras"]
+
+
+def _overflow_records(caplog) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.name == "shardckpt" and "into inf" in r.getMessage()]
+
+
+@pytest.mark.parametrize("fmt", ["safetensors", "orbax", "keras-hub"])
+def test_a_float16_export_that_overflows_names_the_variable_once(fmt, tmp_path, caplog):
+    caplog.set_level(logging.WARNING, logger="shardckpt")
+    model = _mlp()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # numpy's anonymous "overflow encountered in cast" would fail here
+        shardckpt.export(model, tmp_path / "out", format=fmt, dtype="float16")
+    said = _overflow_records(caplog)
+    assert len(said) == 1, said
+    assert "turned 4 finite value(s) into inf" in said[0] and "in 1 variable(s):" in said[0]
+    assert f"{model.layers[0].kernel.path!r} (4)" in said[0] and "dtype='bfloat16'" in said[0]
+    if fmt == "safetensors":
+        stored = load_file(str(tmp_path / "out" / "model.safetensors"))[model.layers[0].kernel.path]
+        assert stored.dtype == np.float16 and np.isinf(stored).sum() == 4
+
+
+def test_a_float16_export_within_range_says_nothing(tmp_path, caplog):
+    caplog.set_level(logging.WARNING, logger="shardckpt")
+    model = _mlp()
+    model.layers[0].kernel.assign(np.full((4, 3), 65504.0, "float32"))
+    shardckpt.export(model, tmp_path / "out", format="safetensors", dtype="float16")
+    assert _overflow_records(caplog) == []
+
+
+def test_convert_to_orbax_float16_overflow_names_the_array_once(tmp_path, caplog):
+    caplog.set_level(logging.WARNING, logger="shardckpt")
+    src = tmp_path / "mlp.keras"
+    _mlp().save(src)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        report = shardckpt.convert(src, tmp_path / "out", dtype="float16", max_inflight_bytes=64)
+    said = _overflow_records(caplog)
+    assert len(said) == 1, said
+    kernel = next(c for c in report.casts if "float32 -> float16" in c and "dense" in c).split(":")[0]
+    assert f"{kernel!r} (4)" in said[0] and "in 1 variable(s):" in said[0]
+
+
+keras_hub = pytest.importorskip("keras_hub")
+ARGS = dict(vocabulary_size=61, num_layers=1, num_query_heads=4, num_key_value_heads=2, hidden_dim=32,
+            intermediate_dim=40)
+
+
+@pytest.mark.parametrize(("policy", "dtype", "stored"), [
+    ("mixed_bfloat16", None, "float32"),   # float32 weights, bfloat16 compute: config said bfloat16
+    ("float32", "bfloat16", "bfloat16"),   # cast on export: config said float32
+    ("float32", None, "float32"),
+])
+def test_hf_config_dtype_is_the_stored_dtype(policy, dtype, stored, tmp_path):
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    backbone = keras_hub.models.Llama3Backbone(**ARGS, dtype=policy)
+    shardckpt.export(backbone, tmp_path / "hf", dtype=dtype)
+    tensors = load_file(str(tmp_path / "hf" / "model.safetensors"))
+    assert {str(t.dtype) for t in tensors.values()} == {stored}
+    with open(tmp_path / "hf" / "config.json") as f:
+        config = json.load(f)
+    assert config["dtype"] == stored and config["torch_dtype"] == stored
+    loaded = transformers.AutoModel.from_pretrained(tmp_path / "hf")  # transformers' default: the config's dtype
+    assert loaded.dtype == getattr(torch, stored)
+    got = loaded.embed_tokens.weight.detach().float().numpy()
+    np.testing.assert_array_equal(got, tensors["model.embed_tokens.weight"].astype(np.float32))
