@@ -186,3 +186,80 @@ def test_two_processes_export_the_adapter_byte_for_byte_as_one(tmp_path):
     # The processes together write what one process writes (B' off its block diagonal is the file's hole).
     assert sum(r["written"] for r in results) == one.bytes_written < one.bytes_total
     assert all(r["written"] > 0 for r in results), results
+
+
+def test_fit_trained_biases_go_to_the_adapter_as_peft_lora_only_biases(tmp_path):
+    """Keras' enable_lora leaves query/value biases trainable and fit trains them: bias="lora_only"."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    peft = pytest.importorskip("peft")
+    keras.utils.set_random_seed(0)
+    task = keras_hub.models.QwenCausalLM(backbone=keras_hub.models.QwenBackbone(
+        vocabulary_size=61, num_layers=2, num_query_heads=4, num_key_value_heads=2, hidden_dim=32,
+        intermediate_dim=40), preprocessor=None)
+    shardckpt.export(task, tmp_path / "base")
+    task.backbone.enable_lora(RANK)
+    trained = sorted(v.path for v in task.trainable_weights if "lora" not in v.path)
+    assert len(trained) == 4 and all(p.endswith(("query/bias", "value/bias")) for p in trained)
+    ids = np.random.default_rng(0).integers(1, 61, size=(8, 10)).astype("int32")
+    x = {"token_ids": ids, "padding_mask": np.ones_like(ids)}
+    task.compile(optimizer=keras.optimizers.Adam(1e-2),
+                 loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    task.fit(x, np.roll(ids, -1, axis=1), epochs=3, verbose=0)
+    want = np.asarray(task(x), np.float32)
+    shardckpt.export(task, tmp_path / "adapter", format="peft")
+    with open(tmp_path / "adapter" / "adapter_config.json") as f:
+        config = json.load(f)
+    assert config["bias"] == "lora_only" and config["modules_to_save"] is None
+    tensors = load_file(str(tmp_path / "adapter" / "adapter_model.safetensors"))
+    biases = sorted(k for k in tensors if k.endswith("bias"))
+    assert biases == [f"base_model.model.model.layers.{i}.self_attn.{p}_proj.base_layer.bias"
+                      for i in range(2) for p in ("q", "v")]
+    layer = task.backbone.transformer_layers[0]._self_attention_layer
+    np.testing.assert_array_equal(
+        tensors["base_model.model.model.layers.0.self_attn.q_proj.base_layer.bias"],
+        np.asarray(layer._query_dense.bias).reshape(-1))
+    base = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "base"), attn_implementation="eager")
+    adapted = peft.PeftModel.from_pretrained(base, str(tmp_path / "adapter")).eval()
+    with torch.no_grad():
+        got = adapted(input_ids=torch.from_numpy(ids.astype(np.int64))).logits.numpy()
+    np.testing.assert_allclose(got, want, atol=1e-4, rtol=0)
+
+
+def test_a_trained_task_head_goes_to_modules_to_save(tmp_path):
+    """A BertTextClassifier's head stays trainable after backbone.enable_lora: modules_to_save=["classifier"]."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    peft = pytest.importorskip("peft")
+    backbone = keras_hub.models.BertBackbone(vocabulary_size=61, num_layers=2, num_heads=2, hidden_dim=32,
+                                             intermediate_dim=64, max_sequence_length=32)
+    task = keras_hub.models.BertTextClassifier(backbone=backbone, num_classes=3, preprocessor=None)
+    _randomize(task.weights, 3, scale=0.1)
+    shardckpt.export(task, tmp_path / "base")
+    layers = _lora(task)
+    _randomize(task.output_dense.weights + [v.bias for v in layers], 5, scale=0.5)  # as fine-tuning changes them
+    x = {"token_ids": TOKENS, "segment_ids": np.zeros_like(TOKENS), "padding_mask": np.ones_like(TOKENS)}
+    want = np.asarray(task(x), np.float32)
+    shardckpt.export(task, tmp_path / "adapter", format="peft")
+    with open(tmp_path / "adapter" / "adapter_config.json") as f:
+        config = json.load(f)
+    assert config["modules_to_save"] == ["classifier"] and config["bias"] == "lora_only"
+    tensors = load_file(str(tmp_path / "adapter" / "adapter_model.safetensors"))
+    np.testing.assert_array_equal(tensors["base_model.model.classifier.weight"],
+                                  np.asarray(task.output_dense.kernel).T)
+    base = transformers.AutoModelForSequenceClassification.from_pretrained(
+        str(tmp_path / "base"), attn_implementation="eager")
+    adapted = peft.PeftModel.from_pretrained(base, str(tmp_path / "adapter")).eval()
+    with torch.no_grad():
+        got = adapted(input_ids=torch.from_numpy(TOKENS.astype(np.int64)),
+                      token_type_ids=torch.zeros(TOKENS.shape, dtype=torch.long)).logits.numpy()
+    np.testing.assert_allclose(got, want, atol=1e-4, rtol=0)
+
+
+def test_a_trained_lora_kernel_is_refused_by_name(tmp_path):
+    task = _task("llama3")
+    layers = _lora(task)
+    layers[0]._kernel.trainable = True  # trained beside its factors: no adapter holds that
+    with pytest.raises(UnsupportedModelError, match=re.escape(layers[0]._kernel.path) + r".*format='hf'"):
+        shardckpt.export(task, tmp_path / "adapter", format="peft")
+    assert not (tmp_path / "adapter").exists()

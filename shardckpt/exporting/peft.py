@@ -21,6 +21,22 @@ equals Keras' `alpha / rank`: the adapter adds exactly Keras' delta.
 Ranks and alphas that differ per module go to `rank_pattern` /
 `alpha_pattern`.
 
+Variables trained beside the factors. After `enable_lora` Keras freezes
+each LoRA layer's kernel only: its bias stays trainable, and so does a
+task's head (keras-hub freezes the backbone's other layers). `fit` trains
+them, so an adapter of the factors alone does not reproduce the model.
+The export sees only the fine-tuned model, not the base it started from,
+so every trainable variable other than the factors is taken as trained
+(a practitioner who froze what they did not train gets a factors-only
+adapter) and stored with PEFT's own mechanisms: a LoRA module's bias
+under `bias="lora_only"` (`<module>.base_layer.bias`, as PEFT 0.21 saves
+it), any other module whole under `modules_to_save` (`<module>.<param>`).
+What PEFT cannot express is refused, naming the variables: a trained
+LoRA base kernel, a LoRA module's other parameters, a module holding part
+of a LoRA module's tensor, a tied embedding (PEFT would change the input
+embedding and leave the tied output one), a variable with no Hugging
+Face tensor.
+
 Each element of A' and B' is a strided position of a factor
 (`hf_remap.Strided`), so each device's piece of a factor is written where
 it belongs (`export.pieces`), with no gathering.
@@ -29,6 +45,7 @@ it belongs (`export.pieces`), with no gathering.
 from __future__ import annotations
 
 import collections
+import copy
 import json
 import math
 import os
@@ -44,6 +61,7 @@ from shardckpt.structure import lora_layers
 ADAPTER_FILE = "adapter_model.safetensors"
 CONFIG_FILE = "adapter_config.json"
 KEY = "base_model.model.{module}.lora_{ab}.weight"
+PREFIX = "base_model.model."
 
 
 def _kernel_layout(layer: Any, remap: Tensor, specs: dict[str, ArraySpec]) -> tuple[str, list[int], list[int], int, int]:
@@ -139,7 +157,100 @@ def plan(model: Any, hf_plan: Any, dtype: Any) -> tuple[dict[str, ArraySpec], li
                                       row0 * peft_rank + flat * rank)))
         alpha = float(layer.lora_alpha) * q_count
         ranks[module] = (peft_rank, int(alpha) if alpha.is_integer() else alpha)
-    return dict(sorted(specs.items())), writes, _config(model, ranks, hf_plan.specs)
+    bias, saved = _trained_extras(model, hf_plan, {m for m in ranks}, specs, writes)
+    config = _config(model, ranks, hf_plan.specs)
+    config["bias"] = "lora_only" if bias else "none"
+    config["modules_to_save"] = saved or None
+    return dict(sorted(specs.items())), writes, config
+
+
+def _renamed(remap: Tensor, names: dict[str, str]) -> Tensor:
+    """`remap` writing into `names[key]` instead of each stored `key`."""
+    out = copy.copy(remap)
+    if isinstance(out, Strided):
+        out.key = names[out.key]
+    elif isinstance(out, Cast):
+        out.child = _renamed(out.child, names)
+    else:
+        out.parts = [_renamed(p, names) for p in out.parts]  # type: ignore[attr-defined]
+    return out
+
+
+def _trained_extras(model: Any, hf_plan: Any, lora_modules: set[str], specs: dict[str, ArraySpec],
+                    writes: list[tuple[Any, Tensor]]) -> tuple[bool, list[str]]:
+    """Adds the trainable variables other than the factors to `specs` / `writes`.
+
+    Returns:
+        Whether LoRA modules' biases are stored (`bias="lora_only"`), and
+        the modules stored whole (`modules_to_save`).
+
+    Raises:
+        UnsupportedModelError: trained variables PEFT cannot express, named.
+    """
+    from shardckpt.exporting.model import lora_bases, lora_factors
+
+    factors, bases = lora_factors(model), lora_bases(model)
+    trained = [v for v in model.trainable_weights if id(v) not in factors]
+    if not trained:
+        return False, []
+    remaps = {id(v): t for v, t in hf_plan.remaps}
+    of_key = {k: (v, t) for v, t in hf_plan.remaps for k in t.sources()}
+    refused: list[str] = []
+    biases: dict[str, str] = {}  # stored key -> adapter key
+    modules: set[str] = set()
+    for v in trained:
+        if id(v) in bases or id(v) not in remaps:
+            refused.append(v.path)
+            continue
+        for key in remaps[id(v)].sources():
+            module, param = key.rsplit(".", 1)
+            if module in lora_modules and param == "bias" and remaps[id(v)].sources() == [key]:
+                biases[key] = f"{PREFIX}{module}.base_layer.bias"
+            elif module in lora_modules:
+                refused.append(v.path)
+            else:
+                modules.add(module)
+    # A module is saved whole: every stored tensor of it, from every variable that fills one; such a
+    # variable's other tensors bring their modules in too.
+    names: dict[str, str] = {}
+    variables: dict[int, tuple[Any, Tensor]] = {}
+    todo = sorted(modules)
+    while todo:
+        module = todo.pop()
+        for key in hf_plan.specs:
+            if key.rsplit(".", 1)[0] != module or key in names:
+                continue
+            names[key] = PREFIX + key
+            v, t = of_key[key]
+            variables[id(v)] = (v, t)
+            for other in t.sources():
+                other_module = other.rsplit(".", 1)[0]
+                if other_module in lora_modules:
+                    refused.append(v.path)
+                elif other_module not in modules:
+                    modules.add(other_module)
+                    todo.append(other_module)
+    tied = getattr(getattr(model, "backbone", model), "tie_word_embeddings", False)
+    embedding = getattr(getattr(getattr(model, "backbone", model), "token_embedding", None), "embeddings", None)
+    if tied and embedding is not None and id(embedding) in variables:
+        refused.append(embedding.path)
+    if refused:
+        paths = sorted(set(refused))
+        raise UnsupportedModelError(
+            f"{type(model).__name__}: variables trained beside the LoRA factors that a PEFT adapter cannot "
+            f"hold: {paths[:6]}{' ...' if len(paths) > 6 else ''} (a LoRA layer's kernel, a part of a LoRA "
+            "module's tensor, a tied embedding, or no Hugging Face tensor). Fix: export the merged model "
+            "(format='hf'), or set trainable=False on the layers you did not train before exporting."
+        )
+    for key, new in biases.items():
+        v, t = of_key[key]
+        names[key] = new
+        variables[id(v)] = (v, t)
+    for v, t in variables.values():
+        for key in t.sources():
+            specs[names[key]] = hf_plan.specs[key]
+        writes.append((v, _renamed(t, names)))
+    return bool(biases), sorted(modules)
 
 
 def _config(model: Any, ranks: dict[str, tuple[int, Any]], stored: dict[str, ArraySpec]) -> dict[str, Any]:

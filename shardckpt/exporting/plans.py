@@ -190,7 +190,13 @@ def plan_peft(model: Any, dtype: Any, shard: int | None) -> Plan:
     task = is_task(model)
     backbone = model.backbone if task else model
     head = hf_heads.head_map(model) if task else None
-    base = hf.plan(backbone, None, prefix=head.prefix if head is not None else "")
+    # The Hugging Face tensors of the model in the adapter's dtype: the factors' modules, and the
+    # trained biases and head (`export.peft`) under their names.
+    base = hf.plan(backbone, dtype, prefix=head.prefix if head is not None else "")
+    if head is not None:
+        tail = hf.plan_head(model, head, dtype)
+        base = hf.HFPlan(config=base.config, specs=dict(sorted({**base.specs, **tail.specs}.items())),
+                         remaps=base.remaps + tail.remaps)
     specs, writes, config = peft.plan(model, base, dtype)
 
     def small_files(folder: str) -> None:
