@@ -235,6 +235,59 @@ def test_a_task_preset_without_task_weights_warns_once_naming_the_initialised_he
     assert not [r for r in caplog.records if r.name == "shardckpt"]
 
 
+@pytest.fixture(scope="module")
+def causal_lm_preset(tmp_path_factory):
+    """A tiny Llama 3 causal LM saved by keras-hub's own `save_to_preset` (its head is the tied embedding)."""
+    folder = tmp_path_factory.mktemp("causal") / "llama3"
+    keras.backend.clear_session()
+    backbone = keras_hub.models.Llama3Backbone(**LLAMA)
+    task = keras_hub.models.Llama3CausalLM(backbone=backbone, preprocessor=None)
+    rng = np.random.default_rng(2)
+    for v in task.weights:
+        v.assign(rng.standard_normal(v.shape).astype("float32"))
+    task.save_to_preset(str(folder))
+    return folder
+
+
+def test_from_preset_loads_a_causal_lm_that_compiles_and_generates(causal_lm_preset):
+    """cls=CausalLM on (1, 8): keras-hub's deferred compile makes a sampler whose seed state the plan
+    never saw (it was refused as an unplanned variable); it is replicated, the weights stay as planned."""
+    folder = causal_lm_preset
+    keras.backend.clear_session()
+    reference = keras_hub.models.CausalLM.from_preset(str(folder))
+    want = {v.path: np.asarray(v.value) for v in reference.weights}
+    prompt = {"token_ids": np.array([[5, 17, 3, 0, 0, 0], [9, 2, 0, 0, 0, 0]], "int32")}
+    prompt["padding_mask"] = prompt["token_ids"] != 0
+    reference.compile(sampler="greedy")
+    reference_greedy = reference.generate(prompt, stop_token_ids=None)
+    keras.backend.clear_session()
+
+    model = shardckpt.from_preset(str(folder), mesh=(1, 8), cls=keras_hub.models.CausalLM)
+    assert isinstance(model, keras_hub.models.Llama3CausalLM)
+    dist = keras.distribution.distribution()
+    assert dist.device_mesh.shape == (1, 8)
+    plan = dist.plan.bind(model)
+    assert {v.path for v in model.weights} == set(want)
+    for v in model.weights:
+        got = np.asarray(v.value)
+        assert got.dtype == want[v.path].dtype, v.path
+        np.testing.assert_array_equal(got, want[v.path], err_msg=v.path)
+        assert v.value.sharding.is_equivalent_to(plan.sharding_for(v), v.ndim), (v.path, v.value.sharding)
+    assert sum(any(a is not None for a in v.value.sharding.spec) for v in model.weights) >= len(model.weights) // 2
+    # The sampler keras-hub's compile made after the load: its seed state on every device, whole.
+    state = model.sampler.seed_generator.state
+    assert state.value.sharding.is_fully_replicated and len(state.value.sharding.device_set) == 8
+    assert model.optimizer is not None
+
+    sampled = model.generate(prompt, stop_token_ids=None)  # keras-hub's default sampler (top-k), drawing from that state
+    assert sampled["token_ids"].shape == (2, 6)
+    np.testing.assert_array_equal(sampled["token_ids"][:, :2], prompt["token_ids"][:, :2])
+    model.compile(sampler="greedy")
+    greedy = model.generate(prompt, stop_token_ids=None)
+    np.testing.assert_array_equal(greedy["token_ids"], reference_greedy["token_ids"])
+    np.testing.assert_array_equal(greedy["padding_mask"], reference_greedy["padding_mask"])
+
+
 def test_missing_shard_of_a_sharded_preset_loads_nothing(llama_presets, tmp_path):
     root, _ = llama_presets
     folder = tmp_path / "broken"

@@ -69,3 +69,39 @@ def test_plan_auto_mesh_fsdp_and_device_memory(capsys):
     assert run_plan("tests.stacks:build_default", "1x8", "adam", device_memory="1KiB") == 1
     out = capsys.readouterr().out
     assert "fits in 1KiB (1,024 bytes) per device: no" in out and "more than --device-memory 1KiB" in out
+
+
+@pytest.mark.parametrize(
+    ("mesh", "fsdp"), [("8x1", False), ("8x1", True), ("1x8", False)], ids=["data-parallel", "fsdp", "tensor-parallel"]
+)
+def test_sharded_fraction_counts_bytes_split_across_devices(mesh, fsdp, capsys):
+    """A data-parallel (8, 1) plan splits nothing: its placements over the size-1 model axis leave
+    every device the whole variable (it reported 99% split). FSDP's data axis does split."""
+    import json
+
+    import numpy as np
+
+    from shardckpt import lazy_init
+    from shardckpt.cli.plan import parse_mesh
+    from shardckpt.layout import auto_layout
+    from tests import stacks
+
+    assert run_plan("tests.stacks:build_default", mesh, None, fsdp=fsdp, as_json=True) == 0
+    data = json.loads(capsys.readouterr().out)
+    keras.backend.clear_session()
+    with lazy_init():
+        model = stacks.build_default()
+    plan = auto_layout(model, parse_mesh(mesh), fsdp=fsdp)
+    # What JAX itself says of each variable's sharding: split when not every device holds all of it.
+    nbytes = {v.path: int(np.prod(v.shape)) * np.dtype(v.dtype).itemsize for v in model.variables}
+    split = sum(nbytes[v.path] for v in model.variables if not plan.sharding_for(v).is_fully_replicated)
+    total = sum(nbytes.values())
+    assert data["parameter_bytes"] == total
+    assert plan.sharded_fraction() == data["sharded_fraction"] == split / total
+    if mesh == "8x1" and not fsdp:
+        assert data["sharded_fraction"] == 0.0 and data["bytes_per_device"] == total
+        assert "0.0% of parameter bytes split" in str(plan.explain())
+        assert run_plan("tests.stacks:build_default", mesh, None) == 0
+        assert "0.0% split" in capsys.readouterr().out
+    else:
+        assert data["sharded_fraction"] > 0.9 and data["bytes_per_device"] < total / 4

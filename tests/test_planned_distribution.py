@@ -98,3 +98,17 @@ def test_a_variable_of_another_architecture_is_refused():
     layer = keras.layers.Dense(8)
     layer.build((None, 4))
     assert layer.kernel.value.sharding.is_fully_replicated
+
+
+def test_a_seed_generator_made_after_planning_is_replicated_a_weight_of_its_shape_is_refused():
+    """RNG state (a sampler's, made by `compile()` after the load) is replicated; the plan still
+    refuses a layer's variable it does not know, even one of the seed state's shape."""
+    inputs = keras.Input((16,))
+    model = keras.Model(inputs, keras.layers.Dense(8)(keras.layers.Dense(32)(inputs)))
+    plan = auto_layout(model, (1, 8))
+    keras.distribution.set_distribution(plan.distribution())
+    seed = keras.random.SeedGenerator(7)
+    assert seed.state.value.sharding.is_fully_replicated and len(seed.state.value.sharding.device_set) == 8
+    np.testing.assert_array_equal(np.asarray(seed.state.value), [7, 0])
+    with pytest.raises(UnplannedVariableError, match=r"'norm/gamma' \(shape \(2,\)\).*no variable there"):
+        keras.layers.LayerNormalization(name="norm").build((None, 2))

@@ -14,7 +14,10 @@ placements of that pattern and shape differ, its exact path or the order in
 which Keras creates them (the order of the planned model). A layer's
 variable it cannot place is an `UnplannedVariableError`, never replicated;
 optimizer slots follow their variable (Keras passes the variable's layout)
-and metric variables are replicated, as Keras does.
+and metric variables are replicated, as Keras does. The state of a random
+seed generator the plan does not know (a keras-hub sampler's, made when a
+causal LM is compiled after its load) is replicated too: it is a counter,
+not a parameter, and every device must draw the same numbers from it.
 
 `load_sharded` under this distribution binds the plan to the loaded model
 exactly (`for_model`: `plan.bind`), so the resolution above decides only
@@ -27,7 +30,7 @@ import re
 from typing import TYPE_CHECKING, Any
 
 from keras import distribution as kd
-from keras import metrics, optimizers
+from keras import metrics, optimizers, random
 
 from shardckpt import _keras
 from shardckpt.errors import UnplannedVariableError
@@ -39,6 +42,14 @@ if TYPE_CHECKING:
 
 # Keras makes generated names unique by appending `_<n>` to each name.
 _COUNTERS = re.compile(r"_(\d+)(?=/|$)")
+
+
+# Objects whose variables are state, not parameters: a variable one of them
+# creates (the innermost name scope) that the plan does not know is
+# replicated. A seed generator holds a (seed, counter) pair every device must
+# share to draw the same numbers; splitting it is meaningless, and one made
+# after planning (a sampler built by `compile()`) has nothing in the plan.
+_REPLICATED_STATE: tuple[type, ...] = (random.SeedGenerator,)
 
 
 def generated_pattern(path: str) -> str:
@@ -102,7 +113,8 @@ class PlannedDistribution(kd.ModelParallel):
         Raises:
             UnplannedVariableError: a layer's variable the plan has no
                 placement for (another architecture), unless the plan was
-                made with `unknown="replicate"`.
+                made with `unknown="replicate"`. A seed generator's state
+                the plan does not know is replicated, not refused.
         """
         if getattr(variable, "_layout", None) is not None:
             return variable._layout
@@ -136,6 +148,8 @@ class PlannedDistribution(kd.ModelParallel):
         if lora is not None and len(lora) == len(shape):
             return lora
         if not shape or self.plan.unknown == "replicate":
+            return (None,) * len(shape)
+        if callers and isinstance(callers[-1], _REPLICATED_STATE):
             return (None,) * len(shape)
         planned = self._by_pattern.get(pattern)
         found = f"the plan has it with shape {planned[0].shape}" if planned else "the plan has no variable there"

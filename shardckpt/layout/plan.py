@@ -307,9 +307,15 @@ class LayoutPlan:
         return self.bytes_per_device(optimizer) / (total / self.shard_devices())
 
     def sharded_fraction(self) -> float:
-        """Share of parameter bytes split over at least one mesh axis."""
+        """Share of parameter bytes split across devices (each device holds a part, not all).
+
+        A variable counts when the mesh axes it is placed on span more than
+        one device (`split_factor`): a placement over an axis of size 1 (the
+        model axis of a data-parallel `(8, 1)` mesh) leaves every device the
+        whole variable, and FSDP's batch axis splits one.
+        """
         total = sum(p.nbytes for p in self.placements)
-        split = sum(p.nbytes for p in self.placements if any(a is not None for a in p.axes))
+        split = sum(p.nbytes for p in self.placements if self.split_factor(p.axes) > 1)
         return split / total if total else 0.0
 
     # -- reports ---------------------------------------------------------------
