@@ -78,3 +78,15 @@ def test_the_same_unmatched_keys_are_warned_about_once(saved):
         warnings.simplefilter("always")
         shardckpt.load_sharded(model, path, progress=False, layout=keras.distribution.DataParallel())
     assert len(first) == 1 and [w for w in caught if "LayoutMap key" in str(w.message)] == []
+
+
+def test_a_layer_output_key_is_no_mistake_and_one_of_no_layer_is(saved):
+    """Keras places a layer's output by "<layer path>/output" (as shardckpt's own plans do for an
+    embedding whose vocabulary the mesh does not divide): such a key matches a layer, not a
+    variable. One that names no layer is still said."""
+    path, _ = saved
+    _, caught = _load(path, ".*dense/kernel", "sequential/dense/output", "sequential/dense_1/output")
+    assert caught == []
+    keras.backend.clear_session()
+    _, caught = _load(path, ".*dense/kernel", "sequential/nothing/output")
+    assert len(caught) == 1 and "'sequential/nothing/output'" in str(caught[0].message)

@@ -173,9 +173,13 @@ def warn_unmatched_keys(layout: Layout, model: Any) -> list[str]:
     paths = [v.path for v in model.variables]
     # A LayoutPlan's map also places the LoRA factors `enable_lora` may add later: not a mistake.
     reserved = lora_factor_paths(paths)
+    # "<layer path>/output" places a layer's output (Keras' `distribute_tensor` of activations):
+    # it matches a layer, found here as a prefix of its variables' paths.
+    layers = {"/".join(parts[:n]) for parts in (p.split("/") for p in paths) for n in range(1, len(parts))}
     unmatched = [
         key for key in layout_map
         if not any(p == key or re.fullmatch(key, p) for p in paths) and not any(re.fullmatch(key, r) for r in reserved)
+        and not _places_a_layer_output(key, layers)
     ]
     if unmatched and tuple(unmatched) not in _warned_unmatched:
         _warned_unmatched.add(tuple(unmatched))
@@ -187,6 +191,15 @@ def warn_unmatched_keys(layout: Layout, model: Any) -> list[str]:
             stacklevel=4,  # load_sharded -> load -> here: the caller of load_sharded
         )
     return unmatched
+
+
+def _places_a_layer_output(key: str, layers: set[str]) -> bool:
+    """Whether `key` is `<layer>/output` for one of `layers` (exactly, or as Keras' `re.fullmatch`)."""
+    suffix = "/output"
+    if not key.endswith(suffix):
+        return False
+    layer = key[: -len(suffix)]
+    return layer in layers or any(re.fullmatch(layer, path) for path in layers)
 
 
 def _current(variable: Any) -> TargetLayout:
