@@ -92,6 +92,11 @@ def narrows_range(source: Any, target: Any) -> bool:
     return float(ml_dtypes.finfo(target).max) < float(ml_dtypes.finfo(source).max)
 
 
+def largest(dtype: Any) -> float:
+    """The largest finite value of float `dtype` (bfloat16 included)."""
+    return float(ml_dtypes.finfo(np.dtype(dtype)).max)
+
+
 def overflowed(source: np.ndarray, cast: np.ndarray) -> int:
     """How many finite values of `source` are inf in `cast` (its cast into a narrower float)."""
     return int(np.count_nonzero(np.isinf(cast) & np.isfinite(source)))
