@@ -44,6 +44,7 @@ __all__ = [
     "explicit_names",
     "lora_layers",
     "lora_off",
+    "reference_prefixes",
     "slot_references",
     "structural_paths",
     "variables_by_key",
@@ -241,10 +242,22 @@ def slot_references(model: Any) -> dict[int, Any]:
         by_stem.setdefault(variable.path.replace("/", "_"), []).append(variable)
     out: dict[int, Any] = {}
     for slot in slots:
-        name, end = slot.name, len(slot.name)
-        while (end := name.rfind("_", 0, end)) > 0:
-            same = [v for v in by_stem.get(name[:end], ()) if tuple(v.shape) == tuple(slot.shape)]
+        for stem in reference_prefixes(slot.name):
+            same = [v for v in by_stem.get(stem, ()) if tuple(v.shape) == tuple(slot.shape)]
             if same:
                 out[id(slot)] = same[0]
                 break
     return out
+
+
+def reference_prefixes(slot_name: str) -> Iterator[str]:
+    """Where the variable part of an optimizer slot's name may end, longest first.
+
+    Keras names a slot `<variable path, "/" -> "_">_<slot name>`
+    (`add_variable_from_reference`), and a path's own "_" cannot be told from
+    the one before the slot name: each prefix ending before an "_" is a
+    candidate, and the longest that names a variable is the one.
+    """
+    end = len(slot_name)
+    while (end := slot_name.rfind("_", 0, end)) > 0:
+        yield slot_name[:end]

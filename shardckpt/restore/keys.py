@@ -64,7 +64,7 @@ from shardckpt.formats.base import Reader, RemappedReader
 from shardckpt.formats.registry import FORMATS
 from shardckpt.natsort import natural_sorted
 from shardckpt.progress import some
-from shardckpt.structure import RecordingStore, lora_layers, lora_off
+from shardckpt.structure import RecordingStore, lora_layers, lora_off, reference_prefixes
 
 # Checkpoint collections that are optional: a weights-only checkpoint lacks
 # them, and a model without a built optimizer has nothing to put there.
@@ -233,12 +233,7 @@ def _owner_stem(slot_key: str, stems: Collection[str]) -> str | None:
     parts = slot_key.split("/", 2)
     if len(parts) < 3 or not slot_key.startswith(_OPTIMIZER_PREFIX):
         return None
-    name = parts[2]
-    end = len(name)
-    while (end := name.rfind("_", 0, end)) > 0:
-        if name[:end] in stems:
-            return name[:end]
-    return None
+    return next((stem for stem in reference_prefixes(parts[2]) if stem in stems), None)
 
 
 def align_generated_names(wanted: dict[str, Any], reader: Reader, explicit: Collection[str]) -> dict[str, Any]:
