@@ -14,6 +14,7 @@ import ml_dtypes
 import numpy as np
 
 from shardckpt.errors import DtypeMismatchError
+from shardckpt.progress import some
 
 # Casts Keras' own loading would make without losing meaning: float width
 # changes, integer width changes, and integers or booleans into floats. A float
@@ -89,7 +90,7 @@ def narrows_range(source: Any, target: Any) -> bool:
     source, target = np.dtype(source), np.dtype(target)
     if source == target or not (is_float(source) and is_float(target)):
         return False
-    return float(ml_dtypes.finfo(target).max) < float(ml_dtypes.finfo(source).max)
+    return largest(target) < largest(source)
 
 
 def largest(dtype: Any) -> float:
@@ -122,12 +123,11 @@ class Overflows:
         if not self.counts:
             return None
         total = sum(self.counts.values())
-        names = ", ".join(f"{n!r} ({c})" for n, c in list(self.counts.items())[:8])
-        more = f" and {len(self.counts) - 8} more" if len(self.counts) > 8 else ""
-        largest = float(ml_dtypes.finfo(self.target).max) if self.target is not None else float("nan")
+        names = some([f"{n!r} ({c})" for n, c in self.counts.items()])
+        bound = largest(self.target) if self.target is not None else float("nan")
         return (
-            f"{what}: casting to {self.target} turned {total} finite value(s) into inf (beyond +-{largest:g}) in "
-            f"{len(self.counts)} variable(s): {names}{more}. Fix: store a dtype of wider range (dtype='bfloat16' "
+            f"{what}: casting to {self.target} turned {total} finite value(s) into inf (beyond +-{bound:g}) in "
+            f"{len(self.counts)} variable(s): {names}. Fix: store a dtype of wider range (dtype='bfloat16' "
             "or 'float32'), or rescale those weights before the cast."
         )
 

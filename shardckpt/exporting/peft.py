@@ -56,6 +56,7 @@ import numpy as np
 from shardckpt.errors import UnsupportedModelError
 from shardckpt.formats.base import ArraySpec
 from shardckpt.formats.hf_remap import Cast, Strided, Tensor
+from shardckpt.progress import some
 from shardckpt.structure import lora_layers
 
 ADAPTER_FILE = "adapter_model.safetensors"
@@ -157,7 +158,7 @@ def plan(model: Any, hf_plan: Any, dtype: Any) -> tuple[dict[str, ArraySpec], li
                                       row0 * peft_rank + flat * rank)))
         alpha = float(layer.lora_alpha) * q_count
         ranks[module] = (peft_rank, int(alpha) if alpha.is_integer() else alpha)
-    bias, saved = _trained_extras(model, hf_plan, {m for m in ranks}, specs, writes)
+    bias, saved = _trained_extras(model, hf_plan, set(ranks), specs, writes)
     config = _config(model, ranks, hf_plan.specs)
     config["bias"] = "lora_only" if bias else "none"
     config["modules_to_save"] = saved or None
@@ -238,7 +239,7 @@ def _trained_extras(model: Any, hf_plan: Any, lora_modules: set[str], specs: dic
         paths = sorted(set(refused))
         raise UnsupportedModelError(
             f"{type(model).__name__}: variables trained beside the LoRA factors that a PEFT adapter cannot "
-            f"hold: {paths[:6]}{' ...' if len(paths) > 6 else ''} (a LoRA layer's kernel, a part of a LoRA "
+            f"hold: {some(paths, 6)} (a LoRA layer's kernel, a part of a LoRA "
             "module's tensor, a tied embedding, or no Hugging Face tensor). Fix: export the merged model "
             "(format='hf'), or set trainable=False on the layers you did not train before exporting."
         )

@@ -25,6 +25,7 @@ from shardckpt.formats.orbax.ondisk import (  # noqa: F401  (the callback's name
     read_json_item,
 )
 from shardckpt.lazy import is_unloaded
+from shardckpt.progress import some
 from shardckpt.restore import LoadReport, load_sharded
 from shardckpt.training.iterators import decode_state
 from shardckpt.types import Model, StatefulIterator
@@ -186,7 +187,7 @@ def restore_step(
             "optimizer and metric variables (%s) keep their current values (a new optimizer starts "
             "over: iteration count, learning-rate schedule, slots), so training does not continue "
             "exactly where it stopped. Fix: save with save_weights_only=False to resume training.",
-            os.path.basename(step_dir), len(kept), _some(kept))
+            os.path.basename(step_dir), len(kept), some(kept, 3))
     if data_iterator is not None and iterator_state is not None:
         data_iterator.set_state(iterator_state)
     return ResumeInfo(
@@ -207,12 +208,6 @@ def _training_state(model: Any) -> list[str]:
     optimizer = getattr(model, "optimizer", None)
     variables = list(getattr(optimizer, "variables", None) or []) + list(getattr(model, "metrics_variables", []))
     return [variable.path for variable in variables]
-
-
-def _some(names: list[str], shown: int = 3) -> str:
-    """The first `shown` names of `names`, and how many more."""
-    more = len(names) - shown
-    return ", ".join(names[:shown]) + (f", and {more} more" if more > 0 else "")
 
 
 def restore_latest(
