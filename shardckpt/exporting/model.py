@@ -78,8 +78,6 @@ def value_of(variable: Any, getters: dict[int, Callable[[], Any]]) -> Any:
     return get() if get is not None else variable.value
 
 
-
-
 def overflowed(value: Any, stored: np.dtype) -> int:
     """How many finite values of `value` its cast into `stored` turns into inf.
 
@@ -98,23 +96,19 @@ def overflowed(value: Any, stored: np.dtype) -> int:
             return 0
         with np.errstate(over="ignore"):
             return dtypes.overflowed(value, value.astype(stored))
-    if float(_largest_magnitude(value)) <= dtypes.largest(stored):
+    if float(_largest_magnitude()(value)) <= dtypes.largest(stored):
         return 0
     return int(_count_overflows(np.dtype(stored))(value))
 
 
 @functools.cache
-def _largest_magnitude_fn() -> Callable[[Any], Any]:
+def _largest_magnitude() -> Callable[[Any], Any]:
     import jax
     import jax.numpy as jnp
 
     # abs fuses into the reduction (a `where` skipping NaN does not: 30 MiB for a 64 MiB kernel on
     # CPU). NaN or inf anywhere makes the result fail the comparison, and the count runs.
     return jax.jit(lambda x: jnp.max(jnp.abs(x)))
-
-
-def _largest_magnitude(value: Any) -> Any:
-    return _largest_magnitude_fn()(value)
 
 
 @functools.lru_cache(maxsize=8)

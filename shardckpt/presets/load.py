@@ -238,7 +238,7 @@ def _say_head_initialized(folder: str, model: Any, report: LoadReport) -> None:
     keras-hub does the same for a backbone preset loaded as a task, and says
     nothing: the task then predicts from untrained layers.
     """
-    head = [line.split(" (key ", 1)[0] for line in report.missing]
+    head = report.missing_paths
     if not head:
         return  # a task with no variables of its own (a causal LM's head is its backbone's)
     _log.warning(

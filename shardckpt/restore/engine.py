@@ -117,6 +117,11 @@ class LoadReport(ReadTally):
         return "\n".join(lines)
 
     @property
+    def missing_paths(self) -> list[str]:
+        """The variable paths of `missing` (its lines are "path (key 'k')": `KeyMatch.missing_lines`)."""
+        return [line.split(" (key ", 1)[0] for line in self.missing]
+
+    @property
     def budget(self) -> str:
         """The budget and how it was chosen, in words: "256 MiB, given"."""
         return f"{self.max_inflight_bytes / 2**20:.0f} MiB, {self.budget_rule}"
@@ -322,7 +327,7 @@ def say_fallbacks(report: LoadReport) -> None:
     lists), never per variable.
     """
     initialized = set(report.initialized)
-    missing = [line.split(" (key ", 1)[0] for line in report.missing]
+    missing = report.missing_paths
     fresh = [p for p in missing if p in initialized]
     kept = [p for p in missing if p not in initialized]
     said = []
