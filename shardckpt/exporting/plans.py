@@ -7,6 +7,7 @@ out from the plan and fills them.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import os
 import re
@@ -111,13 +112,13 @@ def _with_stored_dtype(config: dict[str, Any], specs: dict[str, ArraySpec], name
 
     from shardckpt import dtypes
 
-    by_dtype: dict[str, int] = {}
+    by_dtype: collections.Counter[str] = collections.Counter()
     for spec in specs.values():
         if dtypes.is_float(spec.dtype):
-            by_dtype[str(np.dtype(spec.dtype))] = by_dtype.get(str(np.dtype(spec.dtype)), 0) + spec.nbytes
+            by_dtype[str(np.dtype(spec.dtype))] += spec.nbytes
     if not by_dtype:
         return config
-    stored = max(by_dtype, key=lambda d: by_dtype[d])
+    [(stored, _)] = by_dtype.most_common(1)
     if len(by_dtype) > 1:  # keras-hub backbones hold one float dtype; a hand-made mix is loaded in one
         logging.getLogger("shardckpt").warning(
             "%s: its tensors are stored in %s; config.json says dtype=%s (the most bytes), which "

@@ -452,8 +452,8 @@ class OrbaxCheckpoint(BestTracking):
 
     def _restore_at_start(self, tracked: bool) -> None:
         point = self._resume.choose(self.directory, mid_epoch=tracked)
-        fitstate.publish_resume(self._model, self.params, fitstate.Resumed(owner=id(self), directory=self.directory, info=None))
-        if point is None:
+        if point is None:  # nothing to resume from: the run starts over, and the other callbacks with it
+            fitstate.publish_resume(self._model, self.params, fitstate.Resumed(owner=id(self), directory=self.directory, info=None))
             return
         assert self._writer is not None  # set in on_train_begin
         for step in point.newer:  # the resumed run writes them again, bit-identical
