@@ -29,6 +29,14 @@ def _build() -> keras.Model:
     return keras.Model(inputs, keras.layers.Dense(8, name="down")(x), name="m")
 
 
+def _lazy_compiled() -> keras.Model:
+    """`_build()` under `lazy_init()` (no variable has a value or a layout yet), compiled with Adam."""
+    with shardckpt.lazy_init():
+        model = _build()
+    model.compile(optimizer="adam", loss="mse")
+    return model
+
+
 def _layout_map(mesh_shape: tuple[int, int]) -> keras.distribution.LayoutMap:
     """Column-parallel `up`, row-parallel `down`: an exact path for each kernel, none for the slots."""
     layout_map = keras.distribution.LayoutMap(keras.distribution.DeviceMesh(mesh_shape, ["batch", "model"]))
@@ -69,11 +77,14 @@ def _slot_pairs(model: keras.Model) -> list[tuple[keras.Variable, keras.Variable
     ]
 
 
-def _assert_restored(model: keras.Model, saved_slots: dict) -> None:
-    pairs = _slot_pairs(model)
-    assert len(pairs) == len(saved_slots) - 2  # all but the step counter and the learning rate
-    for slot, variable in pairs:
+def _assert_slots_follow(model: keras.Model) -> None:
+    for slot, variable in _slot_pairs(model):
         assert slot.value.sharding == variable.value.sharding, slot.path
+
+
+def _assert_restored(model: keras.Model, saved_slots: dict) -> None:
+    assert len(_slot_pairs(model)) == len(saved_slots) - 2  # all but the step counter and the learning rate
+    _assert_slots_follow(model)
     for slot in model.optimizer.variables:
         value, _ = saved_slots[slot.path]
         np.testing.assert_array_equal(np.asarray(slot.value), value, err_msg=slot.path)
@@ -86,9 +97,7 @@ def test_slots_of_a_lazily_built_model_are_sharded_like_their_variables(saved, m
     directory, saved_slots = saved
     if how in ("restore_latest", "build_then_load"):
         keras.distribution.set_distribution(_distribution(mesh))
-    with shardckpt.lazy_init():
-        model = _build()
-    model.compile(optimizer="adam", loss="mse")
+    model = _lazy_compiled()
     if how == "restore_latest":
         shardckpt.restore_latest(model, directory)  # builds the optimizer, then loads
     else:
@@ -106,9 +115,7 @@ def test_the_advice_to_build_the_optimizer_first_gives_sharded_slots(saved):
     """The fix `CheckpointMismatchError` names for an unbuilt optimizer, followed to the letter."""
     directory, saved_slots = saved
     keras.distribution.set_distribution(_distribution((1, 8)))
-    with shardckpt.lazy_init():
-        model = _build()
-    model.compile(optimizer="adam", loss="mse")
+    model = _lazy_compiled()
     with pytest.raises(errors.CheckpointMismatchError) as raised:
         shardckpt.load_sharded(model, directory)
     assert "model.optimizer.build(model.trainable_variables)" in str(raised.value)
@@ -128,9 +135,7 @@ def test_a_weights_only_step_leaves_fresh_slots_sharded_like_their_variables(tmp
     callback.wait_until_finished()
     weights = {v.path: np.asarray(v.value) for v in source.weights}
 
-    with shardckpt.lazy_init():
-        model = _build()
-    model.compile(optimizer="adam", loss="mse")
+    model = _lazy_compiled()
     shardckpt.restore_latest(model, str(tmp_path))
     for v in model.weights:
         np.testing.assert_array_equal(np.asarray(v.value), weights[v.path], err_msg=v.path)
@@ -144,11 +149,9 @@ def test_a_weights_only_step_leaves_fresh_slots_sharded_like_their_variables(tmp
 def test_slots_stay_sharded_through_training_after_a_lazy_restore(saved):
     directory, saved_slots = saved
     keras.distribution.set_distribution(_distribution((1, 8)))
-    with shardckpt.lazy_init():
-        model = _build()
-    model.compile(optimizer="adam", loss="mse")
+    model = _lazy_compiled()
     shardckpt.restore_latest(model, directory)
     model.fit(X, Y, epochs=1, batch_size=8, verbose=0)
-    for slot, variable in _slot_pairs(model):
-        assert slot.value.sharding == variable.value.sharding, slot.path
+    _assert_slots_follow(model)
+    for slot, _ in _slot_pairs(model):
         assert slot.value.sharding.spec == saved_slots[slot.path][1], slot.path
