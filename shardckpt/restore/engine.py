@@ -31,7 +31,7 @@ from shardckpt.errors import CheckpointMismatchError, IndivisibleLayoutError, La
 from shardckpt.formats import Reader, open_reader
 from shardckpt.lazy import is_unloaded, original_initializer
 from shardckpt.progress import ByteProgress, ReadTally, key_lines, read_line, some
-from shardckpt.restore import hostmem, pipeline
+from shardckpt.restore import hostmem, pipeline, slots
 from shardckpt.restore import keys as naming
 from shardckpt.restore.strategies import Budget, Job, load_variable
 from shardckpt.restore.targets import TargetLayout, check_mesh, resolve_layout, warn_unmatched_keys
@@ -72,6 +72,12 @@ class LoadReport(ReadTally):
         lora_zeroed: LoRA factors of a normally built model set to zero
             because the checkpoint holds merged kernels and no factors (as
             Keras' `load_weights` does), so LoRA is not applied twice.
+        slots_moved: Optimizer slots the checkpoint gave no value (one
+            without optimizer state: a `.weights.h5`, a weights-only step)
+            that were sharded otherwise than their variable, moved onto its
+            sharding with their values unchanged: an optimizer built before
+            the load of a model built under `lazy_init()` places them by
+            their own paths (`shardckpt.restore.slots`).
         max_inflight_bytes: The host-memory budget the load ran with (the
             host's default, `shardckpt.budget.default_max_inflight_bytes`,
             when none was given; on a host with accelerators, at least 4 GiB
@@ -94,6 +100,7 @@ class LoadReport(ReadTally):
     casts: list[str] = dataclasses.field(default_factory=list)
     initialized: list[str] = dataclasses.field(default_factory=list)
     lora_zeroed: list[str] = dataclasses.field(default_factory=list)
+    slots_moved: list[str] = dataclasses.field(default_factory=list)
     max_inflight_bytes: int = 0
     budget_rule: str = "given"
     transfer: str = "direct"
@@ -109,6 +116,7 @@ class LoadReport(ReadTally):
             ("cast", self.casts),
             ("initialised (not in checkpoint)", self.initialized),
             ("LoRA factors zeroed (merged kernels loaded)", self.lora_zeroed),
+            ("optimizer slots moved to their variable's sharding", self.slots_moved),
         ))
         if self.transfer == "ring":
             lines.append(
@@ -284,7 +292,8 @@ def load(
         # one device by default (see `resolve_layout`).
         unplaced = "raise" if jax.device_count() > 1 else "first_device"
         # Optimizer slots go where their variables go, as Keras places them (see `targets`).
-        layout_of = resolve_layout(layout, unplaced=unplaced, references=slot_references(model))
+        references = slot_references(model)
+        layout_of = resolve_layout(layout, unplaced=unplaced, references=references)
         jobs, to_init = match_jobs(model, reader, report, strict, layout_of)
         total = sum(reader.spec(job.key).nbytes for job in jobs)
         show = sys.stderr.isatty() if progress is None else progress
@@ -297,6 +306,8 @@ def load(
             else:  # a LoRA factor beside a merged kernel: zero, as Keras' load_own_variables sets it
                 variable.assign(np.zeros(variable.shape, variable.dtype))
                 report.lora_zeroed.append(variable.path)
+        # Last: a slot follows its variable's final sharding.
+        report.slots_moved = slots.follow_variables(model, references, {id(job.variable) for job in jobs})
     finally:
         reader.close()
     report.seconds = time.perf_counter() - start
