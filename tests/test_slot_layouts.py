@@ -37,16 +37,20 @@ def _lazy_compiled() -> keras.Model:
     return model
 
 
-def _layout_map(mesh_shape: tuple[int, int]) -> keras.distribution.LayoutMap:
-    """Column-parallel `up`, row-parallel `down`: an exact path for each kernel, none for the slots."""
+def _layout_map(mesh_shape: tuple[int, int], lora: bool = False) -> keras.distribution.LayoutMap:
+    """Column-parallel `up`, row-parallel `down`: an exact path for each kernel, none for the slots
+    (with `lora`, `up`'s LoRA factors split along the dimension each shares with the kernel's split)."""
     layout_map = keras.distribution.LayoutMap(keras.distribution.DeviceMesh(mesh_shape, ["batch", "model"]))
     layout_map["up/kernel"] = (None, "model")
     layout_map["down/kernel"] = ("model", None)
+    if lora:
+        layout_map["up/lora_kernel_a"] = ("model", None)
+        layout_map["up/lora_kernel_b"] = (None, "model")
     return layout_map
 
 
-def _distribution(mesh_shape: tuple[int, int]) -> keras.distribution.ModelParallel:
-    return keras.distribution.ModelParallel(layout_map=_layout_map(mesh_shape), batch_dim_name="batch")
+def _distribution(mesh_shape: tuple[int, int], lora: bool = False) -> keras.distribution.ModelParallel:
+    return keras.distribution.ModelParallel(layout_map=_layout_map(mesh_shape, lora), batch_dim_name="batch")
 
 
 @pytest.fixture(scope="module")
@@ -155,3 +159,36 @@ def test_slots_stay_sharded_through_training_after_a_lazy_restore(saved):
     _assert_slots_follow(model)
     for slot, _ in _slot_pairs(model):
         assert slot.value.sharding.spec == saved_slots[slot.path][1], slot.path
+
+
+@pytest.mark.parametrize("lora", [False, True])
+def test_a_weights_file_into_a_hand_built_optimizer_leaves_slots_sharded_like_their_variables(tmp_path, lora):
+    """An optimizer built by hand before a `.weights.h5` (no optimizer state) is loaded into a lazily
+    built model: Keras made its slots by their own paths, replicated; after the load each slot is
+    sharded exactly as its variable (a LoRA factor's as its factor), keeps its value, is listed in
+    `report.slots_moved`, and later assigns stay on that sharding."""
+    source = _build()
+    path = str(tmp_path / "m.weights.h5")
+    source.save_weights(path)
+    keras.distribution.set_distribution(_distribution((1, 8), lora))
+    with shardckpt.lazy_init():
+        model = _build()
+        if lora:
+            model.get_layer("up").enable_lora(2)
+    model.compile(optimizer="adam", loss="mse")
+    model.optimizer.build(model.trainable_variables)
+    pairs = _slot_pairs(model)
+    before = {slot.path: np.asarray(slot.value) for slot, _ in pairs}
+
+    report = shardckpt.load_sharded(model, path)
+
+    split = [v.path for v in model.trainable_variables if "model" in tuple(v.value.sharding.spec)]
+    assert sorted(split) == (["down/kernel", "up/lora_kernel_a", "up/lora_kernel_b"] if lora
+                             else ["down/kernel", "up/kernel"])
+    assert sorted(report.slots_moved) == sorted(slot.path for slot, v in pairs if v.path in split)
+    for slot, variable in pairs:
+        assert slot.value.sharding == variable.value.sharding, slot.path
+        np.testing.assert_array_equal(np.asarray(slot.value), before[slot.path], err_msg=slot.path)
+        assert np.asarray(slot.value).dtype == before[slot.path].dtype, slot.path
+        slot.assign(np.ones(slot.shape, slot.dtype))  # as an optimizer update: placed on the slot's layout
+        assert slot.value.sharding == variable.value.sharding, slot.path
