@@ -1,9 +1,11 @@
-"""Damage done to checkpoints on disk, as a bad disk or a torn copy would."""
+"""Damage done to checkpoints on disk, as a bad disk or a torn copy would (data bytes, h5 headers)."""
 
 from __future__ import annotations
 
 import os
+import struct
 
+import h5py
 import numpy as np
 
 
@@ -24,3 +26,33 @@ def flip_byte_of(tree: str, data: np.ndarray) -> str:
                 f.write(bytes([blob[at + len(raw) // 2] ^ 0x10]))
             return path
     raise AssertionError("array bytes not found in the data files")
+
+
+def _patch_once(path: str, old: bytes, new: bytes) -> None:
+    blob = open(path, "rb").read()
+    at = blob.find(old)
+    assert at >= 0 and blob.find(old, at + 1) < 0, "pattern not found exactly once"
+    with open(path, "r+b") as f:
+        f.seek(at)
+        f.write(new)
+
+
+def rewrite_h5_layout(path: str, key: str, *, offset: int | None = None, size: int | None = None) -> None:
+    """Rewrites the data address and/or stored size in `key`'s contiguous layout message.
+
+    A version-3 contiguous layout message is `03 01`, then the address and
+    the size as 8-byte little-endian numbers (HDF5 file format spec, IV.A.2.i).
+    """
+    with h5py.File(path, "r") as f:
+        ds = f[key]
+        old_offset, old_size = ds.id.get_offset(), ds.id.get_storage_size()
+    new = (old_offset if offset is None else offset, old_size if size is None else size)
+    _patch_once(path, b"\x03\x01" + struct.pack("<QQ", old_offset, old_size), b"\x03\x01" + struct.pack("<QQ", *new))
+
+
+def rewrite_h5_shape(path: str, key: str, shape: tuple[int, ...]) -> None:
+    """Rewrites `key`'s dataspace: dimensions and maximum dimensions (as h5py writes both)."""
+    with h5py.File(path, "r") as f:
+        old = tuple(f[key].shape)
+    fmt = "<" + "Q" * 2 * len(old)
+    _patch_once(path, struct.pack(fmt, *old, *old), struct.pack(fmt, *shape, *shape))

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import json
 import os
 import zlib
 
+import h5py
 import jax
 import keras
 import numpy as np
@@ -82,11 +84,26 @@ def test_keras_written_orbax_and_h5_are_read_back_without_checksums(tmp_path):
     )
 
 
+def test_variable_length_strings_in_h5_are_skipped_and_named(tmp_path, capsys):
+    # Keras writes no such dataset as a weight; other writers (or hand edits) add them. Their
+    # stored bytes are heap references, not values: verify names them instead of a bare TypeError.
+    h5, saved = saved_zoo_h5(str(tmp_path / "m.weights.h5"), 0)
+    with h5py.File(h5, "r+") as f:
+        f["layers/embedding/vars/1"] = np.array(["a", "bc"], dtype=h5py.string_dtype())
+        f["notes"] = "written by hand"
+    report = verify(h5)
+    assert report.ok and report.skipped == ["layers/embedding/vars/1", "notes"]
+    assert report.arrays == len(saved) and report.bytes_read == sum(v.nbytes for v in saved.values())
+    text = str(report)
+    assert "2 variable-length dataset(s) skipped, not checked" in text
+    assert "  skipped: layers/embedding/vars/1 (variable-length data, not checked)" in text
+    assert main(["verify", h5, "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["skipped"] == ["layers/embedding/vars/1", "notes"]
+
+
 def test_missing_array_is_reported(tmp_path):
     dst, _ = _converted(tmp_path)
     # Drop one array from Orbax's tree metadata: Orbax no longer lists it.
-    import json
-
     meta_path = os.path.join(dst, "pytree", "_METADATA")
     meta = json.load(open(meta_path))
     key = "('trainable_variables', 'conv', 'bias')"

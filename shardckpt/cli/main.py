@@ -247,7 +247,7 @@ def _verify(args: argparse.Namespace) -> int:
     from shardckpt.progress import ByteProgress
 
     reader = open_reader(args.path)  # errors here are whole-checkpoint damage: one line, exit 1
-    total = sum(reader.spec(k).nbytes for k in reader.keys())
+    total = sum(s.nbytes for s in map(reader.spec, reader.keys()) if not s.dtype.hasobject)  # as verify reads
     reader.close()
     show = sys.stderr.isatty() and not args.quiet and not args.json
     with ByteProgress(total, f"verifying {os.path.basename(os.path.normpath(args.path))}", enabled=show) as bar:

@@ -95,11 +95,15 @@ class VerifyReport(ReadTally):
             tensorstore checked as it decoded them (Orbax steps written by
             shardckpt: `convert` and `OrbaxCheckpoint`; 0: none stored).
         damaged: One line per damaged array: key, what was expected, found.
+        skipped: Keys of datasets that hold no numbers (variable-length
+            strings in an h5 file, which Keras does not write as weights):
+            neither read back nor checksummed, and not counted in `arrays`.
     """
 
     checksummed: int = 0
     chunks_checksummed: int = 0
     damaged: list[str] = dataclasses.field(default_factory=list)
+    skipped: list[str] = dataclasses.field(default_factory=list)
 
     @property
     def ok(self) -> bool:
@@ -120,11 +124,15 @@ class VerifyReport(ReadTally):
         if self.chunks_checksummed:
             checks.append(f"{self.chunks_checksummed} chunks, crc32c verified by tensorstore")
         how = "; ".join(checks) or "no checksums stored; read back"
+        if self.skipped:
+            how += f"; {len(self.skipped)} variable-length dataset(s) skipped, not checked"
         head = (
             f"{'OK' if self.ok else 'DAMAGED'}: {self.arrays} arrays, {format_bytes(self.bytes_read)} "
             f"of {self.format} {self.path!r} ({how})"
         )
-        return "\n".join([head] + [f"  damaged: {d}" for d in self.damaged])
+        lines = [f"  damaged: {d}" for d in self.damaged]
+        lines += [f"  skipped: {k} (variable-length data, not checked)" for k in self.skipped]
+        return "\n".join([head] + lines)
 
 
 def verify(
@@ -142,7 +150,8 @@ def verify(
     report counts them. Other checkpoints (Keras-written Orbax steps, h5,
     safetensors) carry no checksums: each array is read back in full, which
     catches truncation and undecodable chunks. Every array is checked; all
-    damage is reported at once.
+    damage is reported at once. Variable-length datasets (strings) of an h5
+    file are skipped and listed in `report.skipped`.
 
     Example:
 
@@ -175,6 +184,9 @@ def verify(
             for key in natural_sorted(set(expected) - set(keys)):
                 report.damaged.append(f"{key}: listed in the checksums but missing from the checkpoint")
         for key in natural_sorted(keys):
+            if reader.spec(key).dtype.hasobject:  # heap references: no bytes of their own to check
+                report.skipped.append(key)
+                continue
             problem = _check_array(reader, key, (expected or {}).get(key), max_inflight_bytes, report, advance)
             if problem:
                 report.damaged.append(f"{key}: {problem}")

@@ -24,7 +24,7 @@ import numpy as np
 
 from shardckpt import storage
 from shardckpt.errors import CorruptCheckpointError, ShardckptError
-from shardckpt.formats import containers
+from shardckpt.formats import containers, h5_checks
 from shardckpt.formats.base import ArraySpec, Box, MappedReader
 
 _KERAS_WEIGHTS_MEMBER = "model.weights.h5"
@@ -52,16 +52,22 @@ class H5Reader(MappedReader):
     Args:
         path: A `.weights.h5` file or a `.keras` archive, local or a
             `gs://` / `s3://` URL (read by byte ranges, see `storage.ranged`).
+        shard: The file is one shard of Keras' sharded weights, whose `vars`
+            groups may continue in other shards: the caller checks their
+            numbering over all shards (`h5_checks.check_vars_numbering`).
 
     Raises:
         CheckpointNotFoundError: `path` does not exist.
-        CorruptCheckpointError: not a readable HDF5 file / zip archive, or a
-            dataset's bytes lie past the end of the file (truncated).
+        CorruptCheckpointError: not a readable HDF5 file / zip archive, or its
+            header is damaged (see `h5_checks`): a dataset's bytes lie past
+            the end of the file (truncated), its stored size is not its shape's,
+            two datasets share bytes, a `vars` group's members are not datasets
+            numbered `0..n-1`.
     """
 
     format = "h5"
 
-    def __init__(self, path: str | storage.Location) -> None:
+    def __init__(self, path: str | storage.Location, *, shard: bool = False) -> None:
         location = storage.parse(path)
         self.path = storage.shown(path, location)
         self._zip: zipfile.ZipFile | None = None
@@ -104,8 +110,12 @@ class H5Reader(MappedReader):
                 "truncated or damaged. Fix: re-create it from its source."
             ) from e
         self._datasets: dict[str, _Dataset] = {}
+        extents: list[h5_checks.Extent] = []
         try:
-            self._h5.visititems(lambda name, obj: self._add(name, obj, base, size))
+            self._h5.visit(lambda name: self._add(name, base, size, extents))
+            h5_checks.check_no_overlap(self.path, extents)
+            if not shard:
+                h5_checks.check_vars_numbering(self.path, self._datasets)
         except ShardckptError:  # typed already (a truncated array, a bucket's refusal)
             self.close()
             raise
@@ -129,7 +139,15 @@ class H5Reader(MappedReader):
         name_len, extra_len = fields[-2], fields[-1]
         return info.header_offset + _ZIP_LOCAL_HEADER.size + name_len + extra_len
 
-    def _add(self, name: str, obj: object, base: int, size: int) -> None:
+    def _add(self, name: str, base: int, size: int, extents: list[h5_checks.Extent]) -> None:
+        try:
+            obj = self._h5[name]
+        except _H5_ERRORS as e:  # HDF5 refuses a data address past the file's end here
+            raise CorruptCheckpointError(
+                f"The header of {name!r} in {self.path!r} is damaged: {type(e).__name__}: {e}. "
+                "Fix: re-create the file from its source (re-save the weights, or copy it again)."
+            ) from e
+        h5_checks.check_vars_member(self.path, name, isinstance(obj, h5py.Dataset))
         if not isinstance(obj, h5py.Dataset):
             return
         dtype = obj.dtype
@@ -138,14 +156,14 @@ class H5Reader(MappedReader):
         spec = ArraySpec(shape=tuple(int(n) for n in obj.shape), dtype=np.dtype(dtype))
         offset = None
         raw = obj.id.get_offset()
-        if base >= 0 and raw is not None and obj.chunks is None and obj.compression is None:
+        # Variable-length data (strings) holds heap references, not values:
+        # never served from bytes; h5py reads it, `verify` skips it.
+        plain = not spec.dtype.hasobject
+        if plain and base >= 0 and raw is not None and obj.chunks is None and obj.compression is None:
             offset = base + raw
-            if offset + spec.nbytes > size:
-                raise CorruptCheckpointError(
-                    f"Array {name!r} in {self.path!r} needs bytes {offset}..."
-                    f"{offset + spec.nbytes} but the file has {size}: it is "
-                    "truncated. Fix: re-copy or re-save the file."
-                )
+            extent = h5_checks.Extent(name, offset, spec.nbytes, int(obj.id.get_storage_size()))
+            h5_checks.check_extent(self.path, extent, size)
+            extents.append(extent)
         self._datasets[name] = _Dataset(obj, spec, offset)
 
     def keys(self) -> list[str]:

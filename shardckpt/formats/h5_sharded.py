@@ -13,7 +13,8 @@ single file (`layers/dense/vars/0`), and each key is served by the
 
 The index is checked completely when the reader opens, before any array is
 read: every shard path stays inside the index's folder, every shard exists,
-and every group lies in the file(s) the index names. A problem raises a typed
+every group lies in the file(s) the index names, and each `vars` group's
+datasets, over all shards, are numbered `0..n-1`. A problem raises a typed
 error naming the group and the file, so a load fails before it touches a
 variable.
 """
@@ -24,6 +25,7 @@ import numpy as np
 
 from shardckpt import storage
 from shardckpt.errors import CheckpointNotFoundError, CorruptCheckpointError
+from shardckpt.formats import h5_checks
 from shardckpt.formats.base import ArraySpec, Box, MappedReader
 from shardckpt.formats.h5 import H5Reader
 
@@ -55,6 +57,8 @@ class ShardedH5Reader(MappedReader):
                 for name in names:
                     shard = self._open(folder, group, name)
                     self._route(group, name, shard)
+            # Keras may continue a `vars` group in the next shard: numbered over all of them.
+            h5_checks.check_vars_numbering(self.path, self._where)
         except BaseException:
             self.close()
             raise
@@ -70,7 +74,7 @@ class ShardedH5Reader(MappedReader):
                 "index. Fix: re-save the weights, or correct the index."
             )
         try:
-            shard = H5Reader(full)
+            shard = H5Reader(full, shard=True)
         except CheckpointNotFoundError as e:
             raise CheckpointNotFoundError(
                 f"Shard {name!r} of {self.path!r} (holding group {group!r}) does not "
