@@ -226,6 +226,50 @@ def test_bytes_per_device_with_optimizer_slots():
         plan.bytes_per_device("shampoo")
 
 
+def _device_bytes(variables) -> int:
+    """Bytes of `variables` on the most loaded device: the addressable shards' own sizes."""
+    per_device: dict = {}
+    for v in variables:
+        for shard in v.value.addressable_shards:
+            per_device[shard.device] = per_device.get(shard.device, 0) + shard.data.nbytes
+    return max(per_device.values())
+
+
+def _built_under_plan(make_optimizer):
+    """A Dense stack and `make_optimizer()` built under its plan's distribution, and the plan."""
+    keras.backend.clear_session()
+    build = lambda: keras.Sequential(  # noqa: E731
+        [keras.Input((64,)), keras.layers.Dense(256), keras.layers.Dense(64)]
+    )
+    plan = auto_layout(build(), (1, 8))
+    keras.distribution.set_distribution(plan.distribution())
+    model = build()
+    model.compile(optimizer=make_optimizer(), loss="mse")
+    model.optimizer.build(model.trainable_variables)
+    return model, plan.bind(model)
+
+
+@pytest.mark.parametrize(
+    "make_optimizer",
+    [
+        lambda: keras.optimizers.Adam(gradient_accumulation_steps=2),
+        lambda: keras.optimizers.SGD(gradient_accumulation_steps=3),
+    ],
+    ids=["adam", "sgd"],
+)
+def test_bytes_per_device_counts_gradient_accumulators(make_optimizer):
+    """With gradient_accumulation_steps, Keras keeps one accumulator per trainable variable, sharded
+    like it: the estimate equals the bytes the built model and optimizer hold per device, less the
+    optimizer's scalars (was: accumulators left out, 50,304 estimated against 67,080 held for Adam)."""
+    model, plan = _built_under_plan(make_optimizer)
+    optimizer = model.optimizer
+    scalars = _device_bytes([v for v in optimizer.variables if not v.shape])
+    held = _device_bytes(model.variables + optimizer.variables)
+    assert plan.bytes_per_device(optimizer) == held - scalars
+    slots = 2 if isinstance(optimizer, keras.optimizers.Adam) else 0
+    assert plan.bytes_per_device(optimizer) == (2 + slots) * plan.bytes_per_device()
+
+
 def test_json_round_trip_explain_and_errors():
     model = models.build_transformer(models.SHAPES["encoder"], blocks=1)
     plan = auto_layout(model, ((2, 4), ("data", "model")))

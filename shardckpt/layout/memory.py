@@ -4,7 +4,9 @@ Keras optimizers create their slots with `add_variable_from_reference`,
 which copies the variable's shape and layout, so every slot costs the
 variable's bytes per device. The counts below are read from
 `keras/src/optimizers/*.py` (`build()`): e.g. Adam keeps momentum and
-velocity (2), plus a velocity maximum with `amsgrad`.
+velocity (2), plus a velocity maximum with `amsgrad`. Options of the base
+optimizer add one each: `use_ema` (a moving average of every variable) and
+`gradient_accumulation_steps` (a gradient accumulator per variable).
 """
 
 from __future__ import annotations
@@ -58,4 +60,6 @@ def slots_per_variable(optimizer: Any) -> int:
             slots += 1
         if getattr(optimizer, "use_ema", False):
             slots += 1  # the moving average of every variable
+        if getattr(optimizer, "gradient_accumulation_steps", None):
+            slots += 1  # `BaseOptimizer.build`: one accumulator per trainable variable
     return slots
