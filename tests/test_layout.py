@@ -254,19 +254,22 @@ def _built_under_plan(make_optimizer):
     [
         lambda: keras.optimizers.Adam(gradient_accumulation_steps=2),
         lambda: keras.optimizers.SGD(gradient_accumulation_steps=3),
+        lambda: keras.optimizers.LossScaleOptimizer(keras.optimizers.Adam(gradient_accumulation_steps=2)),
     ],
-    ids=["adam", "sgd"],
+    ids=["adam", "sgd", "loss-scaled-adam"],
 )
 def test_bytes_per_device_counts_gradient_accumulators(make_optimizer):
     """With gradient_accumulation_steps, Keras keeps one accumulator per trainable variable, sharded
     like it: the estimate equals the bytes the built model and optimizer hold per device, less the
-    optimizer's scalars (was: accumulators left out, 50,304 estimated against 67,080 held for Adam)."""
+    optimizer's scalars (was: accumulators left out, 50,304 estimated against 67,080 held for Adam).
+    A LossScaleOptimizer counts as the Adam it wraps (was: LayoutError "Unknown optimizer")."""
     model, plan = _built_under_plan(make_optimizer)
     optimizer = model.optimizer
     scalars = _device_bytes([v for v in optimizer.variables if not v.shape])
     held = _device_bytes(model.variables + optimizer.variables)
     assert plan.bytes_per_device(optimizer) == held - scalars
-    slots = 2 if isinstance(optimizer, keras.optimizers.Adam) else 0
+    inner = getattr(optimizer, "inner_optimizer", optimizer)
+    slots = 2 if isinstance(inner, keras.optimizers.Adam) else 0
     assert plan.bytes_per_device(optimizer) == (2 + slots) * plan.bytes_per_device()
 
 

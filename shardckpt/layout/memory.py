@@ -6,12 +6,16 @@ variable's bytes per device. The counts below are read from
 `keras/src/optimizers/*.py` (`build()`): e.g. Adam keeps momentum and
 velocity (2), plus a velocity maximum with `amsgrad`. Options of the base
 optimizer add one each: `use_ema` (a moving average of every variable) and
-`gradient_accumulation_steps` (a gradient accumulator per variable).
+`gradient_accumulation_steps` (a gradient accumulator per variable). A
+`LossScaleOptimizer` counts as the optimizer it wraps: the slots are the
+inner optimizer's, the wrapper adds two scalars.
 """
 
 from __future__ import annotations
 
 from typing import Any
+
+import keras
 
 from shardckpt.errors import LayoutError
 
@@ -34,7 +38,8 @@ def slots_per_variable(optimizer: Any) -> int:
     """Full-size slots per trainable variable for `optimizer`.
 
     Args:
-        optimizer: A name ("adam", "sgd", ...) or a `keras.optimizers.Optimizer`.
+        optimizer: A name ("adam", "sgd", ...) or a `keras.optimizers.Optimizer`
+            (a `LossScaleOptimizer`: the one it wraps).
 
     Returns:
         The slot count; options that add slots (SGD momentum, RMSprop
@@ -43,6 +48,8 @@ def slots_per_variable(optimizer: Any) -> int:
     Raises:
         LayoutError: The optimizer is not one whose slots are known.
     """
+    while isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
+        optimizer = optimizer.inner_optimizer
     name = optimizer.lower() if isinstance(optimizer, str) else type(optimizer).__name__.lower()
     if name not in _BASE_SLOTS:
         raise LayoutError(
