@@ -123,7 +123,9 @@ class LayoutPlan:
         Variables are matched by their structural key (their position in the
         model's layer tree), so generated layer names (`dense_2` where the
         plan has `dense`) do not matter; the returned plan holds `model`'s
-        paths, so its `layout_map()` and `distribution()` fit `model`.
+        paths, so its `layout_map()` and `distribution()` fit `model`, and
+        its trainable flags (which variables get optimizer slots in
+        `bytes_per_device`) as they are now.
 
         Args:
             model: The model to place.
@@ -140,6 +142,9 @@ class LayoutPlan:
         """
         unknown = self.unknown if unknown is None else unknown
         keys = structural_paths(model)
+        # Read now, not from the plan: a layer frozen (or unfrozen) since
+        # planning changes which variables an optimizer keeps slots for.
+        trainable = {id(v) for v in model.trainable_variables}
         placements: list[Placement] = []
         problems: list[str] = []
         for v in model.variables:
@@ -157,7 +162,7 @@ class LayoutPlan:
             elif found.shape != shape:
                 problems.append(f"{v.path} (structural key {key!r}): model shape {shape}, plan shape {found.shape}")
             else:
-                placements.append(dataclasses.replace(found, path=v.path, key=key))
+                placements.append(dataclasses.replace(found, path=v.path, key=key, trainable=id(v) in trainable))
         if problems:
             raise UnplannedVariableError(
                 f"The layout plan does not fit model {getattr(model, 'name', model)!r}: "
