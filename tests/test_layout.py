@@ -191,6 +191,30 @@ def test_rules_override_and_bad_rules():
     assert kernel.axes == (None, None) and kernel.source == "fallback" and "12" in kernel.reason
 
 
+def test_rules_that_place_nothing_warn_once_and_are_listed_as_problems():
+    """A rule matching no variable (a typo) and one every match of which an earlier rule takes (wrong
+    order) change nothing: each warns once by name, and plan.problems, validate() and explain() list
+    them, also after bind() and a JSON round trip (was: ignored without a word, validate() == [])."""
+    keras.backend.clear_session()
+    model = keras.Sequential([keras.Input((64,)), keras.layers.Dense(256), keras.layers.Dense(64)])
+    rules = {r".*kernel": (None, M), r".*dense/kernel": (M, None), r".*embedings": (None, M), r".*bias": (None,)}
+    with pytest.warns(UserWarning) as caught:
+        plan = auto_layout(model, (1, 8), rules=rules)
+    lines = [str(w.message) for w in caught if "layout rule" in str(w.message)]
+    assert len(lines) == 2
+    assert lines[0].startswith("layout rule '.*dense/kernel' never applies") and "'.*kernel'" in lines[0]
+    assert lines[1].startswith("layout rule '.*embedings' matches no variable path")
+    assert plan.problems == tuple(lines)
+    assert plan.validate(model) == lines
+    text = str(plan.explain())
+    assert "problem: layout rule '.*dense/kernel' never applies" in text and "'.*embedings'" in text
+    assert LayoutPlan.from_json(plan.to_json()).bind(model).problems == plan.problems
+    with pytest.warns(UserWarning, match="matches no variable") as caught:
+        auto_layout(model, devices=8, rules={r".*embedings": (None, M)})  # several meshes planned, one warning
+    assert sum("layout rule" in str(w.message) for w in caught) == 1
+    assert auto_layout(model, (1, 8), rules={r".*kernel": (None, M)}).problems == ()
+
+
 def test_layout_map_exact_keys_and_distribution():
     keras.backend.clear_session()
     inputs = keras.Input((16,))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from collections.abc import Sequence
 from typing import Any, Literal
 
@@ -19,7 +20,7 @@ from shardckpt.layout.fsdp import fsdp_axes
 from shardckpt.layout.lora import lora_triples, place_lora
 from shardckpt.layout.mesh import resolve_mesh
 from shardckpt.layout.plan import Axis, LayoutPlan, Placement
-from shardckpt.layout.rules import RulesLike, match_rule, normalize_rules
+from shardckpt.layout.rules import RulesLike, match_rule, normalize_rules, rule_problems
 from shardckpt.layout.trace import trace_model
 from shardckpt.structure import lora_off, structural_paths
 from shardckpt.types import Mesh, Model
@@ -136,6 +137,8 @@ def auto_layout(
             "devices=8. Received: mesh=None, devices=None"
         )
     ctx = Context(model, normalize_rules(rules))
+    for line in ctx.rule_problems:
+        warnings.warn(line, stacklevel=2)
     if mesh is None or (isinstance(mesh, str) and mesh == "auto"):
 
         def plan_for(candidate: Any, batch: str) -> tuple[LayoutPlan, int]:
@@ -178,6 +181,8 @@ class Context:
         self.keys = structural_paths(model)
         self.trainable = {id(v) for v in model.trainable_variables}
         self.rules = rules
+        # The same for every candidate mesh: matching looks at paths only.
+        self.rule_problems = rule_problems(rules, [v.path for v in self.variables])
         self._decisions: dict[int, dict[int, Decision]] = {}
 
     def gathered(self, n: int) -> int:
@@ -246,7 +251,7 @@ def plan_on(
                     gathered.append(p.key)
     return LayoutPlan(
         device_mesh, placements, model_axis=model_axis, batch_axis=batch_axis, unknown=unknown, notes=notes, fsdp=fsdp,
-        gathered_outputs=gathered,
+        gathered_outputs=gathered, problems=ctx.rule_problems,
     )
 
 
