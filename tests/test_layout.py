@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import re
+import warnings
 
 import jax
 import keras
@@ -213,6 +214,27 @@ def test_rules_that_place_nothing_warn_once_and_are_listed_as_problems():
         auto_layout(model, devices=8, rules={r".*embedings": (None, M)})  # several meshes planned, one warning
     assert sum("layout rule" in str(w.message) for w in caught) == 1
     assert auto_layout(model, (1, 8), rules={r".*kernel": (None, M)}).problems == ()
+
+
+def test_mostly_replicated_on_a_given_model_axis_warns_once_naming_the_largest():
+    """Widths 90 and 30 divide by no model axis of 8: on the (1, 8) mesh the user gave, all bytes stay
+    replicated, and one warning names the largest variables and why (was: silent). Not on (4, 2), where
+    they split, nor with mesh="auto", which weighs this itself."""
+    keras.backend.clear_session()
+    model = keras.Sequential([keras.Input((30,)), keras.layers.Dense(90), keras.layers.Dense(30)])
+    kernel = model.layers[0].kernel.path
+    with pytest.warns(UserWarning, match="replicated on every device") as caught:
+        plan = auto_layout(model, (1, 8))
+    assert plan.sharded_fraction() == 0.0
+    lines = [str(w.message) for w in caught if "replicated on every device" in str(w.message)]
+    assert len(lines) == 1
+    assert lines[0].startswith("100% of parameter bytes stay replicated on every device although the mesh splits model "
+                               "axis 'model' 8 ways. Largest: ")
+    assert f"{kernel} (30, 90) (10,800 bytes): [fallback] {plan[kernel].reason}" in lines[0]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert auto_layout(model, (4, 2)).sharded_fraction() > 0.5
+        auto_layout(model, devices=8)
 
 
 def test_layout_map_exact_keys_and_distribution():
