@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import re
+import warnings
 
 import jax
 import keras
@@ -191,6 +192,51 @@ def test_rules_override_and_bad_rules():
     assert kernel.axes == (None, None) and kernel.source == "fallback" and "12" in kernel.reason
 
 
+def test_rules_that_place_nothing_warn_once_and_are_listed_as_problems():
+    """A rule matching no variable (a typo) and one every match of which an earlier rule takes (wrong
+    order) change nothing: each warns once by name, and plan.problems, validate() and explain() list
+    them, also after bind() and a JSON round trip (was: ignored without a word, validate() == [])."""
+    keras.backend.clear_session()
+    model = keras.Sequential([keras.Input((64,)), keras.layers.Dense(256), keras.layers.Dense(64)])
+    rules = {r".*kernel": (None, M), r".*dense/kernel": (M, None), r".*embedings": (None, M), r".*bias": (None,)}
+    with pytest.warns(UserWarning) as caught:
+        plan = auto_layout(model, (1, 8), rules=rules)
+    lines = [str(w.message) for w in caught if "layout rule" in str(w.message)]
+    assert len(lines) == 2
+    assert lines[0].startswith("layout rule '.*dense/kernel' never applies") and "'.*kernel'" in lines[0]
+    assert lines[1].startswith("layout rule '.*embedings' matches no variable path")
+    assert plan.problems == tuple(lines)
+    assert plan.validate(model) == lines
+    text = str(plan.explain())
+    assert "problem: layout rule '.*dense/kernel' never applies" in text and "'.*embedings'" in text
+    assert LayoutPlan.from_json(plan.to_json()).bind(model).problems == plan.problems
+    with pytest.warns(UserWarning, match="matches no variable") as caught:
+        auto_layout(model, devices=8, rules={r".*embedings": (None, M)})  # several meshes planned, one warning
+    assert sum("layout rule" in str(w.message) for w in caught) == 1
+    assert auto_layout(model, (1, 8), rules={r".*kernel": (None, M)}).problems == ()
+
+
+def test_mostly_replicated_on_a_given_model_axis_warns_once_naming_the_largest():
+    """Widths 90 and 30 divide by no model axis of 8: on the (1, 8) mesh the user gave, all bytes stay
+    replicated, and one warning names the largest variables and why (was: silent). Not on (4, 2), where
+    they split, nor with mesh="auto", which weighs this itself."""
+    keras.backend.clear_session()
+    model = keras.Sequential([keras.Input((30,)), keras.layers.Dense(90), keras.layers.Dense(30)])
+    kernel = model.layers[0].kernel.path
+    with pytest.warns(UserWarning, match="replicated on every device") as caught:
+        plan = auto_layout(model, (1, 8))
+    assert plan.sharded_fraction() == 0.0
+    lines = [str(w.message) for w in caught if "replicated on every device" in str(w.message)]
+    assert len(lines) == 1
+    assert lines[0].startswith("100% of parameter bytes stay replicated on every device although the mesh splits model "
+                               "axis 'model' 8 ways. Largest: ")
+    assert f"{kernel} (30, 90) (10,800 bytes): [fallback] {plan[kernel].reason}" in lines[0]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert auto_layout(model, (4, 2)).sharded_fraction() > 0.5
+        auto_layout(model, devices=8)
+
+
 def test_layout_map_exact_keys_and_distribution():
     keras.backend.clear_session()
     inputs = keras.Input((16,))
@@ -224,6 +270,73 @@ def test_bytes_per_device_with_optimizer_slots():
     assert plan.bytes_per_device("sgd") == weights
     with pytest.raises(LayoutError, match="Unknown optimizer"):
         plan.bytes_per_device("shampoo")
+
+
+def _device_bytes(variables) -> int:
+    """Bytes of `variables` on the most loaded device: the addressable shards' own sizes."""
+    per_device: dict = {}
+    for v in variables:
+        for shard in v.value.addressable_shards:
+            per_device[shard.device] = per_device.get(shard.device, 0) + shard.data.nbytes
+    return max(per_device.values())
+
+
+def _built_under_plan(make_optimizer):
+    """A Dense stack and `make_optimizer()` built under its plan's distribution, and the plan."""
+    keras.backend.clear_session()
+    build = lambda: keras.Sequential(  # noqa: E731
+        [keras.Input((64,)), keras.layers.Dense(256), keras.layers.Dense(64)]
+    )
+    plan = auto_layout(build(), (1, 8))
+    keras.distribution.set_distribution(plan.distribution())
+    model = build()
+    model.compile(optimizer=make_optimizer(), loss="mse")
+    model.optimizer.build(model.trainable_variables)
+    return model, plan.bind(model)
+
+
+@pytest.mark.parametrize(
+    "make_optimizer",
+    [
+        lambda: keras.optimizers.Adam(gradient_accumulation_steps=2),
+        lambda: keras.optimizers.SGD(gradient_accumulation_steps=3),
+        lambda: keras.optimizers.LossScaleOptimizer(keras.optimizers.Adam(gradient_accumulation_steps=2)),
+    ],
+    ids=["adam", "sgd", "loss-scaled-adam"],
+)
+def test_bytes_per_device_counts_gradient_accumulators(make_optimizer):
+    """With gradient_accumulation_steps, Keras keeps one accumulator per trainable variable, sharded
+    like it: the estimate equals the bytes the built model and optimizer hold per device, less the
+    optimizer's scalars (was: accumulators left out, 50,304 estimated against 67,080 held for Adam).
+    A LossScaleOptimizer counts as the Adam it wraps (was: LayoutError "Unknown optimizer")."""
+    model, plan = _built_under_plan(make_optimizer)
+    optimizer = model.optimizer
+    scalars = _device_bytes([v for v in optimizer.variables if not v.shape])
+    held = _device_bytes(model.variables + optimizer.variables)
+    assert plan.bytes_per_device(optimizer) == held - scalars
+    inner = getattr(optimizer, "inner_optimizer", optimizer)
+    slots = 2 if isinstance(inner, keras.optimizers.Adam) else 0
+    assert plan.bytes_per_device(optimizer) == (2 + slots) * plan.bytes_per_device()
+
+
+def test_bind_reads_the_trainable_flags_of_the_model_as_they_are_now():
+    """A layer frozen after planning gets no Adam slots: bind() takes the live flags, and the estimate
+    equals the bytes the built model and optimizer hold per device (was: the plan's flags kept,
+    50,304 estimated against 33,672 held)."""
+    keras.backend.clear_session()
+    model = keras.Sequential([keras.Input((64,)), keras.layers.Dense(256), keras.layers.Dense(64)])
+    plan = auto_layout(model, (1, 8))
+    keras.distribution.set_distribution(plan.distribution())
+    model = keras.Sequential([keras.Input((64,)), keras.layers.Dense(256), keras.layers.Dense(64)])
+    model.layers[0].trainable = False
+    bound = plan.bind(model)
+    assert [p.trainable for p in bound.placements] == [False, False, True, True]
+    model.compile(optimizer="adam", loss="mse")
+    model.optimizer.build(model.trainable_variables)
+    scalars = _device_bytes([v for v in model.optimizer.variables if not v.shape])
+    assert bound.bytes_per_device("adam") == _device_bytes(model.variables + model.optimizer.variables) - scalars
+    model.layers[0].trainable = True
+    assert [p.trainable for p in plan.bind(model).placements] == [True] * 4
 
 
 def test_json_round_trip_explain_and_errors():

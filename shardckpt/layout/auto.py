@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from collections.abc import Sequence
 from typing import Any, Literal
 
@@ -19,7 +20,7 @@ from shardckpt.layout.fsdp import fsdp_axes
 from shardckpt.layout.lora import lora_triples, place_lora
 from shardckpt.layout.mesh import resolve_mesh
 from shardckpt.layout.plan import Axis, LayoutPlan, Placement
-from shardckpt.layout.rules import RulesLike, match_rule, normalize_rules
+from shardckpt.layout.rules import RulesLike, match_rule, normalize_rules, rule_problems
 from shardckpt.layout.trace import trace_model
 from shardckpt.structure import lora_off, structural_paths
 from shardckpt.types import Mesh, Model
@@ -136,6 +137,8 @@ def auto_layout(
             "devices=8. Received: mesh=None, devices=None"
         )
     ctx = Context(model, normalize_rules(rules))
+    for line in ctx.rule_problems:
+        warnings.warn(line, stacklevel=2)
     if mesh is None or (isinstance(mesh, str) and mesh == "auto"):
 
         def plan_for(candidate: Any, batch: str) -> tuple[LayoutPlan, int]:
@@ -147,7 +150,39 @@ def auto_layout(
             unknown=unknown, device_memory=device_memory, optimizer=optimizer,
         )
     device_mesh, batch_axis = resolve_mesh(mesh, model_axis=model_axis, batch_axis=batch_axis, devices=pool)
-    return plan_on(ctx, device_mesh, model_axis=model_axis, batch_axis=batch_axis, fsdp=fsdp, unknown=unknown)
+    plan = plan_on(ctx, device_mesh, model_axis=model_axis, batch_axis=batch_axis, fsdp=fsdp, unknown=unknown)
+    _warn_if_mostly_replicated(plan)
+    return plan
+
+
+# Above this share of parameter bytes left whole on every device, a mesh the
+# user gave a model axis mostly buys collectives, not memory.
+MOSTLY_REPLICATED = 0.5
+
+
+def _warn_if_mostly_replicated(plan: LayoutPlan) -> None:
+    """Warns once when most parameter bytes stay replicated on a mesh the user gave a model axis.
+
+    Only for a mesh the user chose (`mesh="auto"` weighs this itself) whose
+    model axis spans more than one device; names the largest replicated
+    variables and why each stayed whole (no dimension divides, a rule).
+    """
+    n = plan.split_factor((plan.model_axis,))
+    total = sum(p.nbytes for p in plan.placements)
+    whole = sorted((p for p in plan.placements if plan.split_factor(p.axes) == 1), key=lambda p: -p.nbytes)
+    share = sum(p.nbytes for p in whole) / total if total else 0.0
+    if n <= 1 or share <= MOSTLY_REPLICATED:
+        return
+    largest = "; ".join(
+        f"{p.path} {p.shape} ({p.nbytes:,} bytes): {p.reason if p.source == 'auto' else f'[{p.source}] {p.reason}'}"
+        for p in whole[:3]
+    )
+    warnings.warn(
+        f"{share:.0%} of parameter bytes stay replicated on every device although the mesh splits "
+        f"model axis {plan.model_axis!r} {n} ways. Largest: {largest}. Fix: a model axis that divides "
+        "these dimensions (mesh='auto' picks one), rules= for them, or fsdp=True.",
+        stacklevel=3,
+    )
 
 
 def _device_pool(devices: int | Sequence[Any] | None) -> list[Any] | None:
@@ -178,6 +213,8 @@ class Context:
         self.keys = structural_paths(model)
         self.trainable = {id(v) for v in model.trainable_variables}
         self.rules = rules
+        # The same for every candidate mesh: matching looks at paths only.
+        self.rule_problems = rule_problems(rules, [v.path for v in self.variables])
         self._decisions: dict[int, dict[int, Decision]] = {}
 
     def gathered(self, n: int) -> int:
@@ -246,7 +283,7 @@ def plan_on(
                     gathered.append(p.key)
     return LayoutPlan(
         device_mesh, placements, model_axis=model_axis, batch_axis=batch_axis, unknown=unknown, notes=notes, fsdp=fsdp,
-        gathered_outputs=gathered,
+        gathered_outputs=gathered, problems=ctx.rule_problems,
     )
 
 

@@ -175,5 +175,5 @@ def choose_mesh(
     chosen = best.plan
     return LayoutPlan(
         chosen.mesh, chosen.placements, model_axis=model_axis, batch_axis=batch_axis, unknown=unknown,
-        notes=lines, fsdp=fsdp, gathered_outputs=chosen.gathered_outputs,
+        notes=lines, fsdp=fsdp, gathered_outputs=chosen.gathered_outputs, problems=chosen.problems,
     )

@@ -4,12 +4,18 @@ Keras optimizers create their slots with `add_variable_from_reference`,
 which copies the variable's shape and layout, so every slot costs the
 variable's bytes per device. The counts below are read from
 `keras/src/optimizers/*.py` (`build()`): e.g. Adam keeps momentum and
-velocity (2), plus a velocity maximum with `amsgrad`.
+velocity (2), plus a velocity maximum with `amsgrad`. Options of the base
+optimizer add one each: `use_ema` (a moving average of every variable) and
+`gradient_accumulation_steps` (a gradient accumulator per variable). A
+`LossScaleOptimizer` counts as the optimizer it wraps: the slots are the
+inner optimizer's, the wrapper adds two scalars.
 """
 
 from __future__ import annotations
 
 from typing import Any
+
+import keras
 
 from shardckpt.errors import LayoutError
 
@@ -32,7 +38,8 @@ def slots_per_variable(optimizer: Any) -> int:
     """Full-size slots per trainable variable for `optimizer`.
 
     Args:
-        optimizer: A name ("adam", "sgd", ...) or a `keras.optimizers.Optimizer`.
+        optimizer: A name ("adam", "sgd", ...) or a `keras.optimizers.Optimizer`
+            (a `LossScaleOptimizer`: the one it wraps).
 
     Returns:
         The slot count; options that add slots (SGD momentum, RMSprop
@@ -41,6 +48,8 @@ def slots_per_variable(optimizer: Any) -> int:
     Raises:
         LayoutError: The optimizer is not one whose slots are known.
     """
+    while isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
+        optimizer = optimizer.inner_optimizer
     name = optimizer.lower() if isinstance(optimizer, str) else type(optimizer).__name__.lower()
     if name not in _BASE_SLOTS:
         raise LayoutError(
@@ -58,4 +67,6 @@ def slots_per_variable(optimizer: Any) -> int:
             slots += 1
         if getattr(optimizer, "use_ema", False):
             slots += 1  # the moving average of every variable
+        if getattr(optimizer, "gradient_accumulation_steps", None):
+            slots += 1  # `BaseOptimizer.build`: one accumulator per trainable variable
     return slots

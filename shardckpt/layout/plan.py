@@ -76,6 +76,9 @@ class LayoutPlan:
             owns each (`<layer path>/output`, Keras' activation layouts) to
             batch-only, so the lookup is gathered once and the rest of the
             model sees whole rows.
+        problems: Lines about what the user asked for that the plan could
+            not honour (a layout rule that places no variable), shown by
+            `validate()` and `explain()`.
     """
 
     def __init__(
@@ -89,6 +92,7 @@ class LayoutPlan:
         notes: Sequence[str] = (),
         fsdp: bool = False,
         gathered_outputs: Sequence[str] = (),
+        problems: Sequence[str] = (),
     ) -> None:
         if unknown not in UNKNOWN_CHOICES:
             raise LayoutError(f"unknown must be None or 'replicate'. Received: unknown={unknown!r}")
@@ -100,6 +104,7 @@ class LayoutPlan:
         self.notes = tuple(notes)
         self.fsdp = fsdp
         self.gathered_outputs = tuple(gathered_outputs)
+        self.problems = tuple(problems)
         self._by_path = {p.path: p for p in self.placements}
         self._by_key = {p.key: p for p in self.placements if p.key}
         # Optimizer slots are named "<optimizer>/<variable path with / -> _>_<slot>"
@@ -123,7 +128,9 @@ class LayoutPlan:
         Variables are matched by their structural key (their position in the
         model's layer tree), so generated layer names (`dense_2` where the
         plan has `dense`) do not matter; the returned plan holds `model`'s
-        paths, so its `layout_map()` and `distribution()` fit `model`.
+        paths, so its `layout_map()` and `distribution()` fit `model`, and
+        its trainable flags (which variables get optimizer slots in
+        `bytes_per_device`) as they are now.
 
         Args:
             model: The model to place.
@@ -140,6 +147,9 @@ class LayoutPlan:
         """
         unknown = self.unknown if unknown is None else unknown
         keys = structural_paths(model)
+        # Read now, not from the plan: a layer frozen (or unfrozen) since
+        # planning changes which variables an optimizer keeps slots for.
+        trainable = {id(v) for v in model.trainable_variables}
         placements: list[Placement] = []
         problems: list[str] = []
         for v in model.variables:
@@ -157,7 +167,7 @@ class LayoutPlan:
             elif found.shape != shape:
                 problems.append(f"{v.path} (structural key {key!r}): model shape {shape}, plan shape {found.shape}")
             else:
-                placements.append(dataclasses.replace(found, path=v.path, key=key))
+                placements.append(dataclasses.replace(found, path=v.path, key=key, trainable=id(v) in trainable))
         if problems:
             raise UnplannedVariableError(
                 f"The layout plan does not fit model {getattr(model, 'name', model)!r}: "
@@ -171,6 +181,7 @@ class LayoutPlan:
         return LayoutPlan(
             self.mesh, placements, model_axis=self.model_axis, batch_axis=self.batch_axis,
             unknown=unknown, notes=self.notes, fsdp=self.fsdp, gathered_outputs=self.gathered_outputs,
+            problems=self.problems,
         )
 
     def slot_axes(self, variable: Any) -> tuple[Axis, ...] | None:
@@ -338,9 +349,11 @@ class LayoutPlan:
 
         Checks every placement (axes are mesh axes, one per dimension, each
         dividing its dimension, no axis used twice) and, given `model`, that
-        every model variable has a placement of its shape and nothing extra.
+        every model variable has a placement of its shape and nothing extra;
+        lists `problems` found while planning (layout rules that place no
+        variable).
         """
-        problems = []
+        problems = list(self.problems)
         sizes = dict(zip(self.mesh.axis_names, self.mesh.shape))
         seen: set[str] = set()
         for p in self.placements:
@@ -392,6 +405,7 @@ class LayoutPlan:
                 "fsdp": self.fsdp,
                 "notes": list(self.notes),
                 "gathered_outputs": list(self.gathered_outputs),
+                "problems": list(self.problems),
                 "placements": [
                     {**dataclasses.asdict(p), "shape": list(p.shape), "axes": [axis_json(a) for a in p.axes]}
                     for p in self.placements
@@ -432,7 +446,7 @@ class LayoutPlan:
         return cls(
             mesh, placements, model_axis=data["model_axis"], batch_axis=data["batch_axis"],
             unknown=data.get("unknown"), notes=data.get("notes", ()), fsdp=data.get("fsdp", False),
-            gathered_outputs=data.get("gathered_outputs", ()),
+            gathered_outputs=data.get("gathered_outputs", ()), problems=data.get("problems", ()),
         )
 
     def __eq__(self, other: object) -> bool:

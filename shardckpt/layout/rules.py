@@ -8,7 +8,7 @@ plan; a variable no rule matches keeps its automatic placement.
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, TypeAlias
 
 from keras import distribution as kd
@@ -75,3 +75,41 @@ def match_rule(rules: list[tuple[re.Pattern, Axes]], path: str) -> tuple[str, Ax
         if regex.fullmatch(path):
             return regex.pattern, axes
     return None
+
+
+def rule_problems(rules: list[tuple[re.Pattern, Axes]], paths: Sequence[str]) -> list[str]:
+    """Rules that place no variable of `paths`, one line each (empty: every rule places one).
+
+    A rule that matches no path, and one whose every match an earlier rule
+    takes (first match wins), change nothing: most likely a typo or rules in
+    the wrong order, which would otherwise leave the automatic placement in
+    force without a word.
+    """
+    matched: list[list[str]] = [[] for _ in rules]
+    won = [False] * len(rules)
+    taken_by: list[str | None] = [None] * len(rules)
+    for path in paths:
+        first = None
+        for i, (regex, _) in enumerate(rules):
+            if regex.fullmatch(path):
+                matched[i].append(path)
+                if first is None:
+                    first = i
+                    won[i] = True
+                elif taken_by[i] is None:
+                    taken_by[i] = rules[first][0].pattern
+    problems = []
+    for i, (regex, _) in enumerate(rules):
+        if not matched[i]:
+            example = f" (e.g. {paths[0]!r})" if paths else ""
+            problems.append(
+                f"layout rule {regex.pattern!r} matches no variable path{example}: it places nothing "
+                "(rules match the whole path, re.fullmatch). Fix: correct the pattern or drop it."
+            )
+        elif not won[i]:
+            problems.append(
+                f"layout rule {regex.pattern!r} never applies: every variable it matches ({len(matched[i])}, "
+                f"e.g. {matched[i][0]!r}) is placed by an earlier rule ({taken_by[i]!r}; the first match wins). "
+                "Fix: put it before that rule or narrow the earlier one."
+            )
+    return problems

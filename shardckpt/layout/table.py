@@ -30,7 +30,7 @@ class ExplainTable(Table):
 
 
 def explain_table(plan: Any) -> ExplainTable:
-    """`LayoutPlan.explain()`: path, shape, dtype, axes, bytes per device, why; notes as the caption."""
+    """`LayoutPlan.explain()`: path, shape, dtype, axes, bytes per device, why; notes and problems as the caption."""
     table = ExplainTable(
         title=(
             f"Layout plan: mesh {dict(zip(plan.mesh.axis_names, plan.mesh.shape))}, "
@@ -38,7 +38,7 @@ def explain_table(plan: Any) -> ExplainTable:
             f"{plan.sharded_fraction():.1%} of parameter bytes split, balance "
             f"{plan.balance():.2f}" + (", FSDP" if plan.fsdp else "")
         ),
-        caption="\n".join(plan.notes) or None,
+        caption="\n".join([*plan.notes, *(f"problem: {line}" for line in plan.problems)]) or None,
     )
     for column in ("path", "shape", "dtype", "axes", "bytes/device", "why"):
         table.add_column(column, overflow="fold", justify="right" if column == "bytes/device" else "left")
