@@ -20,7 +20,8 @@ matching):
   h5 key naming (`restore.keys.h5_keys`) and export's converter recording
   use too;
 - `explicit_names(model)`: the names a user gave (the ones Keras did not
-  generate), which match by name, never by position;
+  generate), which match by name, never by position; `is_explicitly_named(obj)`
+  for one object;
 - `slot_references(model)`: each optimizer slot and the variable it was made
   from.
 
@@ -42,6 +43,7 @@ from shardckpt import _keras
 __all__ = [
     "RecordingStore",
     "explicit_names",
+    "is_explicitly_named",
     "lora_layers",
     "lora_off",
     "reference_prefixes",
@@ -209,15 +211,22 @@ def explicit_names(model: Any) -> frozenset[str]:
         The explicit names of its layers, the model, its optimizer and
         metrics, and its variables.
     """
-    out: set[str] = set()
-    for obj in _named_objects(model):
-        name = getattr(obj, "name", None)
-        if not isinstance(name, str) or not name:
-            continue
-        base = _keras.auto_name_base(type(obj))
-        if not re.fullmatch(rf"{re.escape(base)}(?:_\d+)?", name):
-            out.add(name)
-    return frozenset(out)
+    return frozenset(obj.name for obj in _named_objects(model) if is_explicitly_named(obj))
+
+
+def is_explicitly_named(obj: Any) -> bool:
+    """Whether `obj` (a layer, model, optimizer, metric or variable) has a name a user gave.
+
+    Keras keeps no record of it (`Operation.__init__` replaces a missing
+    name by `auto_name(class name)` and forgets): a name that is not the
+    generated form for `obj`'s class (`dense`, `dense_<n>` for a `Dense`) was
+    given. See `explicit_names` for the one ambiguous case.
+    """
+    name = getattr(obj, "name", None)
+    if not isinstance(name, str) or not name:
+        return False
+    base = _keras.auto_name_base(type(obj))
+    return re.fullmatch(rf"{re.escape(base)}(?:_\d+)?", name) is None
 
 
 def slot_references(model: Any) -> dict[int, Any]:

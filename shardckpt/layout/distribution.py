@@ -9,9 +9,16 @@ names unnamed layers by a process-wide counter: `mixtral_sparse_moe_block_2`
 where the plan has `mixtral_sparse_moe_block`) and replicates it without a
 word. This distribution resolves a variable the way `LayoutPlan.bind` pairs
 keys: by its path without Keras' generated counters (the layer classes
-along the path and the variable's name), then its shape, then, where
-placements of that pattern and shape differ, its exact path or the order in
-which Keras creates them (the order of the planned model). A layer's
+along the path, the names a user gave, whole, and the variable's name),
+then its shape. Where placements of that pattern and shape differ (two
+same-shape layers of one class, split differently), the counterpart is the
+planned variable of the same rank: at each level of the path, the layer's
+rank by generated counter among its parent's layers of its class (Keras
+numbers them in construction order, in every build); for a layer built
+with no parent open (a functional model's), the order in which the rebuild
+creates them. When that order contradicts the counters (a layer built
+before one constructed earlier), the counterpart is not known: the
+distribution warns once, naming the variables. A layer's
 variable it cannot place is an `UnplannedVariableError`, never replicated;
 optimizer slots follow their variable (Keras passes the variable's layout)
 and metric variables are replicated, as Keras does. The state of a random
@@ -27,6 +34,8 @@ where values are created while a model is built.
 from __future__ import annotations
 
 import re
+import warnings
+from collections.abc import Collection, Sequence
 from typing import TYPE_CHECKING, Any
 
 from keras import distribution as kd
@@ -36,6 +45,7 @@ from shardckpt import _keras
 from shardckpt.errors import UnplannedVariableError
 from shardckpt.layout.lora import lora_layout
 from shardckpt.layout.placement import Axis, Placement
+from shardckpt.structure import is_explicitly_named
 
 if TYPE_CHECKING:
     from shardckpt.layout.plan import LayoutPlan
@@ -52,13 +62,83 @@ _COUNTERS = re.compile(r"_(\d+)(?=/|$)")
 _REPLICATED_STATE: tuple[type, ...] = (random.SeedGenerator,)
 
 
-def generated_pattern(path: str) -> str:
-    """`path` without Keras' uniquifying counters: the same for every build of a model."""
-    return _COUNTERS.sub("", path)
+_COUNTER = re.compile(r"_(\d+)$")
+
+
+def generated_pattern(path: str, explicit: Collection[str] = ()) -> str:
+    """`path` without Keras' uniquifying counters: the same for every build of a model.
+
+    Args:
+        path: A variable path (names joined by "/").
+        explicit: Names a user gave (`structure.is_explicitly_named`): a
+            counter in them is part of the name (`proj_1` stays `proj_1`).
+    """
+    return "/".join(part if part in explicit else _COUNTER.sub("", part) for part in path.split("/"))
+
+
+def _counter(name: str) -> int:
+    """The generated counter of a name (`dense_3`: 3; `dense`: 0, Keras' first)."""
+    found = _COUNTER.search(name)
+    return int(found.group(1)) if found else 0
 
 
 def _creation_order(path: str) -> tuple[int, ...]:
     return tuple(int(n) for n in _COUNTERS.findall(path))
+
+
+def _plan_ranks(placements: Sequence[Placement]) -> dict[str, tuple[tuple[int, int], ...]]:
+    """`{path: ((rank, siblings) per layer level)}`: each level's name ranked by counter
+    among the names of the same pattern under the same parent path in the plan."""
+    siblings: dict[tuple[str, str], set[str]] = {}
+    for p in placements:
+        parts = p.path.split("/")
+        for i in range(len(parts) - 1):
+            siblings.setdefault(("/".join(parts[:i]), _COUNTER.sub("", parts[i])), set()).add(parts[i])
+    ordered = {group: sorted(names, key=_counter) for group, names in siblings.items()}
+    out = {}
+    for p in placements:
+        parts = p.path.split("/")
+        ranks = []
+        for i in range(len(parts) - 1):
+            names = ordered[("/".join(parts[:i]), _COUNTER.sub("", parts[i]))]
+            ranks.append((names.index(parts[i]), len(names)))
+        out[p.path] = tuple(ranks)
+    return out
+
+
+def _layer_chain(parts: list[str], callers: list[Any]) -> list[Any]:
+    """The layer object of each name of a variable's path, None where not known.
+
+    The open name scopes give the outer layers; a sublayer built by Keras
+    tracing its parent's `call` gets its variables initialised after its own
+    scope closed, so the rest is found by name among each layer's direct
+    sublayers.
+    """
+    chain: list[Any] = [None] * (len(parts) - 1)
+    for caller in callers:
+        name = getattr(caller, "name", None)
+        if name in parts[:-1]:
+            chain[parts.index(name)] = caller
+    for i in range(1, len(chain)):
+        flatten = getattr(chain[i - 1], "_flatten_layers", None)
+        if chain[i] is None and flatten is not None:
+            chain[i] = next((c for c in flatten(include_self=False, recursive=False) if c.name == parts[i]), None)
+    return chain
+
+
+def _rank_under_parent(parent: Any, layer: Any) -> tuple[int, int] | None:
+    """`(rank, count)` of `layer` among `parent`'s direct sublayers of its generated name, by counter."""
+    flatten = getattr(parent, "_flatten_layers", None)
+    if flatten is None:
+        return None
+    base = _COUNTER.sub("", layer.name)
+    same = [
+        c for c in flatten(include_self=False, recursive=False)
+        if not is_explicitly_named(c) and _COUNTER.sub("", c.name) == base
+    ]
+    same.sort(key=lambda c: _counter(c.name))
+    index = next((i for i, c in enumerate(same) if c is layer), None)
+    return None if index is None else (index, len(same))
 
 
 class PlannedDistribution(kd.ModelParallel):
@@ -92,9 +172,12 @@ class PlannedDistribution(kd.ModelParallel):
         }
         # LoRA factors `enable_lora` may create later (`layout.lora`): split with their base weight.
         self._lora = {generated_pattern(path): axes for path, axes in lora_layout(plan.placements)}
-        # Variables already placed per (pattern, shape): the next one of a
-        # group whose placements differ takes the next placement.
-        self._taken: dict[tuple[str, tuple[int, ...]], int] = {}
+        self._ranks = _plan_ranks(plan.placements)
+        # Per group of placements that differ and that structure cannot tell
+        # apart (layers built with no parent open): the counters of the
+        # variables placed so far in this build, in the order they came.
+        self._arrivals: dict[tuple[Any, ...], list[tuple[int, ...]]] = {}
+        self._warned = False
 
     def for_model(self, model: Any) -> PlannedDistribution:
         """This distribution with its plan bound to `model` (`LayoutPlan.bind`: exact by structure).
@@ -133,17 +216,12 @@ class PlannedDistribution(kd.ModelParallel):
         if any(isinstance(c, optimizers.Optimizer | metrics.Metric) for c in callers):
             # Not the model's: slots follow their variable, the rest is replicated.
             return self.plan.axes_for(variable, unknown="replicate")
-        exact = self.plan.placement(variable.path)
         pattern = generated_pattern(variable.path)
-        candidates = [p for p in self._by_pattern.get(pattern, ()) if p.shape == shape]
+        candidates = self._candidates(variable, callers)
         if candidates:
             if len({p.axes for p in candidates}) == 1:
                 return candidates[0].axes
-            if exact is not None and exact.shape == shape:
-                return exact.axes
-            index = self._taken.get((pattern, shape), 0)
-            self._taken[(pattern, shape)] = index + 1
-            return candidates[index % len(candidates)].axes
+            return self._counterpart(variable, callers, candidates).axes
         lora = self._lora.get(pattern)
         if lora is not None and len(lora) == len(shape):
             return lora
@@ -159,4 +237,68 @@ class PlannedDistribution(kd.ModelParallel):
             "replicate it on every device. Fix: plan this model with shardckpt.auto_layout(model, "
             "mesh) and set that plan's distribution, or make the plan with unknown='replicate'. "
             f"Received: variable={variable.path!r}"
+        )
+
+    def _candidates(self, variable: Any, callers: list[Any]) -> list[Placement]:
+        """Placements of the variable's pattern and shape whose user-given names are its own."""
+        parts = variable.path.split("/")
+        chain = _layer_chain(parts, callers)
+        explicit = [i for i, layer in enumerate(chain) if layer is not None and is_explicitly_named(layer)]
+        # The variable's own name: `kernel` is given, `variable_3` (an unnamed weight) is not.
+        if is_explicitly_named(variable):
+            explicit.append(len(parts) - 1)
+        shape = tuple(int(d) for d in variable.shape)
+        return [
+            p for p in self._by_pattern.get(generated_pattern(variable.path), ())
+            if p.shape == shape and all(p.path.split("/")[i] == parts[i] for i in explicit)
+        ]
+
+    def _counterpart(self, variable: Any, callers: list[Any], candidates: list[Placement]) -> Placement:
+        """The planned counterpart among same-pattern placements that differ (see the module docstring)."""
+        parts = variable.path.split("/")
+        chain = _layer_chain(parts, callers)
+        unranked: list[int] = []
+        ranked: list[tuple[int, int]] = []
+        for i in range(len(parts) - 1):
+            if chain[i] is not None and is_explicitly_named(chain[i]):
+                continue  # matched by name already
+            parent, layer = (chain[i - 1], chain[i]) if i > 0 else (None, None)
+            rank = _rank_under_parent(parent, layer) if parent is not None and layer is not None else None
+            if rank is None:
+                unranked.append(i)
+                continue
+            ranked.append(rank)
+            candidates = [p for p in candidates if self._ranks[p.path][i] == rank]
+        if len({p.axes for p in candidates}) == 1:
+            return candidates[0]
+        if not candidates:
+            self._warn(variable, "the plan has no variable of its rank under its parent")
+            return self._by_pattern[generated_pattern(variable.path)][0]
+        # Left: levels built with no parent open. Keras numbers layers as they
+        # are constructed; a rebuild that builds them in that order meets them
+        # in the plan's order.
+        group = (generated_pattern(variable.path), tuple(variable.shape), tuple(ranked))
+        seen = self._arrivals.setdefault(group, [])
+        order = tuple(_counter(parts[i]) for i in unranked)
+        if seen and order <= seen[-1]:
+            self._warn(variable, "it was built before a layer constructed earlier (the build order "
+                       "is not the construction order)")
+        index = len(seen)
+        seen.append(order)
+        if len(seen) == len(candidates):
+            seen.clear()  # a whole instance placed; the next build starts again
+        return candidates[index % len(candidates)]
+
+    def _warn(self, variable: Any, why: str) -> None:
+        if self._warned:
+            return
+        self._warned = True
+        warnings.warn(
+            f"plan.distribution() cannot tell which planned variable {variable.path!r} corresponds "
+            f"to: {why}, and same-shape variables of its pattern are placed differently in the plan. "
+            "It and others like it may get another's layout. Fix: build the model under "
+            "shardckpt.lazy_init() and load it with shardckpt.load_sharded(..., layout=plan), or "
+            "place it with shardckpt.parallelize(model, plan.bind(model)) (both match by structure, "
+            f"exactly). Received: variable={variable.path!r}",
+            stacklevel=4,
         )
