@@ -95,15 +95,21 @@ class VerifyReport(ReadTally):
             tensorstore checked as it decoded them (Orbax steps written by
             shardckpt: `convert` and `OrbaxCheckpoint`; 0: none stored).
         damaged: One line per damaged array: key, what was expected, found.
+        skipped: Given an Orbax root: one line per step folder newer than
+            the step verified that is not committed (a save killed before
+            its commit), passed over, not verified. The newest save is not
+            restorable, so the report is not `ok`.
     """
 
     checksummed: int = 0
     chunks_checksummed: int = 0
     damaged: list[str] = dataclasses.field(default_factory=list)
+    skipped: list[str] = dataclasses.field(default_factory=list)
 
     @property
     def ok(self) -> bool:
-        return not self.damaged
+        """Nothing damaged and no newer step passed over."""
+        return not self.damaged and not self.skipped
 
     def raise_if_damaged(self) -> None:
         """Raises `ChecksumMismatchError` listing every damaged array."""
@@ -120,11 +126,11 @@ class VerifyReport(ReadTally):
         if self.chunks_checksummed:
             checks.append(f"{self.chunks_checksummed} chunks, crc32c verified by tensorstore")
         how = "; ".join(checks) or "no checksums stored; read back"
-        head = (
-            f"{'OK' if self.ok else 'DAMAGED'}: {self.arrays} arrays, {format_bytes(self.bytes_read)} "
-            f"of {self.format} {self.path!r} ({how})"
+        state = "DAMAGED" if self.damaged else "NEWER STEP NOT COMMITTED" if self.skipped else "OK"
+        head = f"{state}: {self.arrays} arrays, {format_bytes(self.bytes_read)} of {self.format} {self.path!r} ({how})"
+        return "\n".join(
+            [head] + [f"  damaged: {d}" for d in self.damaged] + [f"  not committed, not verified: {s}" for s in self.skipped]
         )
-        return "\n".join([head] + [f"  damaged: {d}" for d in self.damaged])
 
 
 def verify(
@@ -135,6 +141,9 @@ def verify(
 ) -> VerifyReport:
     """Re-reads every array of a checkpoint and checks it.
 
+    Given an Orbax root, its latest committed step is verified, and step
+    folders newer than it that are not committed (a save killed before its
+    commit) are named in `report.skipped` (the report is then not `ok`).
     Arrays of a checkpoint written by `shardckpt.convert` are checked against
     the shapes, dtypes and CRC-32 checksums stored at conversion. Orbax steps
     written by shardckpt (`convert`, `OrbaxCheckpoint`) also carry a `crc32c`
@@ -158,7 +167,8 @@ def verify(
         advance: Called with the bytes of each piece read (progress bars).
 
     Returns:
-        A `VerifyReport`; `report.damaged` names each damaged array.
+        A `VerifyReport`; `report.damaged` names each damaged array,
+        `report.skipped` each newer step that is not committed.
 
     Raises:
         CheckpointNotFoundError, UnknownFormatError: nothing readable at `path`.
@@ -166,9 +176,12 @@ def verify(
             (no array can be located).
     """
     max_inflight_bytes = budgets.resolve(max_inflight_bytes)
-    reader = open_reader(storage.parse(path, what="path"), cache_bytes=budgets.chunk_cache_bytes(max_inflight_bytes))
+    location = storage.parse(path, what="path")
+    reader = open_reader(location, cache_bytes=budgets.chunk_cache_bytes(max_inflight_bytes))
     try:
         report = VerifyReport(path=reader.path, format=reader.format)
+        if reader.format == "orbax" and reader.path != location.url:  # a root: its latest committed step
+            report.skipped = [f"{location.join(name).url} ({why})" for name, why in ondisk.newer_uncommitted(location)]
         expected = read_checksums(reader.path) if reader.format == "orbax" else None
         keys = reader.keys()
         if expected is not None:
