@@ -19,6 +19,7 @@ import numpy as np
 from shardckpt import storage
 from shardckpt.errors import CheckpointNotFoundError, CorruptCheckpointError
 from shardckpt.formats.base import DTYPES, ArraySpec, Box, MappedReader
+from shardckpt.progress import some
 
 _MAX_HEADER = 100 * 1024 * 1024  # the reference implementation's own limit
 
@@ -92,8 +93,9 @@ class SafetensorsReader(MappedReader):
             keys to files in the same folder.
 
     Raises:
-        CheckpointNotFoundError: a file does not exist.
-        CorruptCheckpointError: a header is invalid or a file is truncated.
+        CheckpointNotFoundError: `path` does not exist.
+        CorruptCheckpointError: a header is invalid, a file is truncated, or
+            a file the index lists does not exist.
     """
 
     format = "safetensors"
@@ -119,7 +121,7 @@ class SafetensorsReader(MappedReader):
                 ) from e
             folder = location.parent
             for key, name in weight_map.items():
-                file = self._open(folder.join(name))
+                file = self._open_listed(folder.join(name), name, [k for k, n in weight_map.items() if n == name])
                 if key not in file.entries:
                     raise CorruptCheckpointError(
                         f"Index {self.path!r} puts {key!r} in {name!r}, which has no "
@@ -129,6 +131,17 @@ class SafetensorsReader(MappedReader):
         else:
             file = self._open(location, self.path)
             self._where = {k: file for k in file.entries}
+
+    def _open_listed(self, location: storage.Location, name: str, keys: list[str]) -> _File:
+        """Opens a file the index lists; its absence is damage to the set, named with the index."""
+        try:
+            return self._open(location)
+        except CheckpointNotFoundError as e:  # (a missing bucket is `BucketNotFoundError`, raised as is)
+            raise CorruptCheckpointError(
+                f"The index {self.path!r} puts {len(keys)} array(s) ({some(keys, 4)}) in {name!r}, which does "
+                f"not exist at {location.url!r}. Fix: copy (or upload) every .safetensors file the index lists "
+                "beside it, or download the set again."
+            ) from e
 
     def _open(self, location: storage.Location, path: str | None = None) -> _File:
         path = location.url if path is None else path
