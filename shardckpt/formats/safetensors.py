@@ -17,7 +17,7 @@ import json
 import numpy as np
 
 from shardckpt import storage
-from shardckpt.errors import CheckpointNotFoundError, CorruptCheckpointError
+from shardckpt.errors import CheckpointNotFoundError, CorruptCheckpointError, UnknownFormatError
 from shardckpt.formats.base import DTYPES, ArraySpec, Box, MappedReader
 from shardckpt.progress import some
 
@@ -56,6 +56,13 @@ class _File:
         data_start = 8 + n
         end_of_data = data_start
         for key, info in header.items():
+            if isinstance(info, dict) and isinstance(info.get("dtype"), str) and info["dtype"] not in DTYPES:
+                raise UnknownFormatError(
+                    f"Array {key!r} of {path!r} has safetensors dtype {info['dtype']!r}, which shardckpt does not "
+                    f"read (it reads {', '.join(DTYPES)}). Fix: convert that tensor to one of these dtypes "
+                    f"(for example with the safetensors package), or leave it out of the file. "
+                    f"Received: dtype={info['dtype']!r}"
+                )
             try:
                 dtype = DTYPES[info["dtype"]]
                 shape = tuple(int(d) for d in info["shape"])
@@ -96,6 +103,8 @@ class SafetensorsReader(MappedReader):
         CheckpointNotFoundError: `path` does not exist.
         CorruptCheckpointError: a header is invalid, a file is truncated, or
             a file the index lists does not exist.
+        UnknownFormatError: an array's dtype is not one shardckpt reads
+            (`formats.base.DTYPES`).
     """
 
     format = "safetensors"
