@@ -53,8 +53,9 @@ def test_inspect_orbax_root_step_and_half_written_steps(tmp_path, capsys):
     ]
     assert summary[3].startswith("epoch 1 batch ") and "(epoch complete: True)" in summary[3]
     assert summary[4] == "user metadata: {'note': 'hello'}"
-    rest = json.loads(summary[5].removeprefix("metadata: "))
-    assert rest["step"] == 1 and "keras" in rest["versions"] and len(summary) == 6
+    # The rest as JSON, but for the values over LONGEST_VALUE characters (the host RNG's state).
+    assert summary[5].startswith('metadata: {"format": "shardckpt.training/1", "step": 1, ') and len(summary) == 6
+    assert '"versions": {"keras": ' in summary[5] and ' characters; --json shows it whole)' in summary[5]
     assert str(info).splitlines()[1 : 1 + len(summary)] == [f"  {line}" for line in summary]
     # The CLI prints the same lines above its table.
     assert cli.main(["inspect", str(tmp_path)]) == 0
@@ -80,3 +81,30 @@ def test_inspect_weights_h5_and_missing_path(tmp_path):
     assert info.total_bytes == sum(int(np.prod(w.shape)) * np.dtype(w.dtype).itemsize for w in model.weights)
     with pytest.raises(errors.CheckpointNotFoundError):
         inspect(str(tmp_path / "nothing_here"))
+
+
+def test_long_metadata_values_are_cut_in_the_text_and_whole_in_json(tmp_path, capsys):
+    """A config pasted into the user metadata: `inspect` prints the first characters of a value
+    over 400 (`info.LONGEST_VALUE`) and its length, each shorter value as before; `--json` and
+    `info.metadata` keep it whole."""
+    model = _dense_pair_with_bfloat16_head()
+    config, table = "x" * 5000, list(range(2000))
+    ckpt = OrbaxCheckpoint(str(tmp_path), metadata={"run": "exp-7", "config": config, "nested": {"table": table},
+                                                    "edge": "y" * 398})
+    model.fit(np.ones((8, 5), "float32"), np.ones((8, 2), "float32"), epochs=1, verbose=0, callbacks=[ckpt])
+    ckpt.wait_until_finished()
+    info = inspect(str(tmp_path))
+    assert info.metadata["user"]["config"] == config and info.metadata["user"]["nested"] == {"table": table}
+    user = next(line for line in info.summary() if line.startswith("user metadata: "))
+    short_table = repr({"table": table})[:200]
+    assert user == (
+        f"user metadata: {{'run': 'exp-7', 'config': '{'x' * 199}... (5,002 characters; --json shows it whole), "
+        f"'nested': {short_table}... ({len(repr({'table': table})):,} characters; --json shows it whole), "
+        f"'edge': '{'y' * 398}'}}"
+    )
+    assert all(len(line) < 2000 for line in info.summary())
+    assert cli.main(["inspect", str(tmp_path)]) == 0
+    printed = capsys.readouterr().out
+    assert user in printed.splitlines() and config not in printed
+    assert cli.main(["inspect", str(tmp_path), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["metadata"]["user"] == info.metadata["user"]

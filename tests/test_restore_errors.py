@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 
@@ -12,6 +13,7 @@ import safetensors.numpy as stnp
 
 import shardckpt
 from shardckpt import errors
+from shardckpt.cli import main
 from tests.zoo import build_zoo, randomize, zoo_layout_map
 
 
@@ -70,6 +72,25 @@ def test_corrupt_safetensors_header(tmp_path):
     bad.write_bytes((20).to_bytes(8, "little") + b"{not json at all!!!}" + b"\0" * 64)
     with pytest.raises(errors.CorruptCheckpointError, match="not valid JSON"):
         shardckpt.load_sharded(_lazy(), bad)
+
+
+@pytest.mark.parametrize("dtype", ["C64", "F8_E8M0", "F4"])
+def test_safetensors_dtype_not_read_is_unknown_format_naming_the_tensor(tmp_path, capsys, dtype):
+    """A dtype of the safetensors spec that shardckpt has no numpy type for: not "damaged", but named."""
+    header = json.dumps({"ok": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]},
+                         "odd": {"dtype": dtype, "shape": [2], "data_offsets": [8, 24]}}).encode()
+    path = tmp_path / "odd.safetensors"
+    path.write_bytes(len(header).to_bytes(8, "little") + header + b"\0" * 24)
+    message = (f"Array 'odd' of '{path}' has safetensors dtype '{dtype}', which shardckpt does not read (it reads "
+               "F64, F32, F16, BF16, F8_E4M3, F8_E5M2, I64, I32, I16, I8, U64, U32, U16, U8, BOOL). Fix: convert that "
+               "tensor to one of these dtypes (for example with the safetensors package), or leave it out of the "
+               f"file. Received: dtype='{dtype}'")
+    for call in (shardckpt.inspect, lambda p: shardckpt.load_sharded(_lazy(), p)):
+        with pytest.raises(errors.UnknownFormatError) as e:
+            call(str(path))
+        assert str(e.value) == message
+    assert main(["inspect", str(path)]) == 1
+    assert message in capsys.readouterr().err
 
 
 def test_shape_mismatch_lists_every_variable(files):

@@ -98,3 +98,41 @@ def test_no_s3_credentials_says_where_they_are_looked_for(denying_server, monkey
         shardckpt.inspect("s3://private-bucket/ck")
     assert isinstance(e.value, PermissionError)
     assert "s3://private-bucket/ck" in str(e.value) and "AWS_ACCESS_KEY_ID" in str(e.value)
+
+
+def test_an_object_the_checkpoint_lists_missing_in_a_bucket_is_damage_naming_it(bucket, tmp_path):
+    """A 404 for a file an index names (or an Orbax data object) is `CorruptCheckpointError`
+    naming the object and the fix, never "check the URL" as for a wrong path."""
+    import json
+
+    import numpy as np
+    from safetensors.numpy import save_file
+
+    from shardckpt import storage
+
+    save_file({"x": np.ones((4, 4), "float32")}, str(tmp_path / "a.safetensors"))
+    index = {"metadata": {}, "weight_map": {"x": "a.safetensors", "y": "b.safetensors", "z": "b.safetensors"}}
+    storage.write_bytes(storage.parse(f"{bucket}/st/a.safetensors"), (tmp_path / "a.safetensors").read_bytes())
+    storage.write_bytes(storage.parse(f"{bucket}/st/m.safetensors.index.json"), json.dumps(index).encode())
+    url = f"{bucket}/st/m.safetensors.index.json"
+    for call in (shardckpt.inspect, shardckpt.verify):
+        with pytest.raises(errors.CorruptCheckpointError) as e:
+            call(url)
+        assert str(e.value) == (
+            f"The index {url!r} puts 2 array(s) (y, z) in 'b.safetensors', which does not exist at "
+            f"'{bucket}/st/b.safetensors'. Fix: copy (or upload) every .safetensors file the index lists beside "
+            "it, or download the set again.")
+
+    # An Orbax step whose data objects are gone (its b-tree with them): damage naming a lost object.
+    model = build_zoo()
+    src = str(tmp_path / "m.weights.h5")
+    model.save_weights(src)
+    dst = f"{bucket}/orbax"
+    shardckpt.convert(src, dst, model=model)
+    for key in storage.list_keys(storage.parse(dst)):
+        if key.startswith("pytree/d/"):
+            storage.delete_object(storage.parse(dst).join(key))
+    lost = rf"; the object '{dst}/pytree/d/[0-9a-f]+' does not exist \(deleted, or not copied with the rest of the step\)"
+    for call in (shardckpt.verify, lambda url: shardckpt.load_sharded(model, url)):
+        with pytest.raises(errors.CorruptCheckpointError, match=rf"of '{dst}/pytree' .*{lost}.*Fix: restore from another step"):
+            call(dst)

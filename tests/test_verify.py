@@ -190,3 +190,58 @@ def test_converted_chunks_are_counted_beside_the_array_checksums(tmp_path):
     report = verify(dst)
     assert report.checksummed == report.arrays == report.chunks_checksummed == len(expected) + 1
     assert f"crc32 checksums of {report.arrays}; {report.arrays} chunks, crc32c verified by tensorstore" in str(report)
+
+
+def test_a_root_whose_newest_save_is_uncommitted_names_it(tmp_path, caplog, capsys):
+    """A save killed before its commit leaves a newer step folder that is passed over:
+    verify of the root names it and exits 1; restore_latest and load_sharded warn once."""
+    import shutil
+
+    from shardckpt.training import OrbaxCheckpoint
+    from tests.zoo import small_regressor
+
+    model = small_regressor(3, width=16)
+    root = tmp_path / "ckpts"
+    ckpt = OrbaxCheckpoint(str(root), max_to_keep=None)
+    model.fit(np.ones((16, 6), "float32"), np.ones((16, 1), "float32"), epochs=2, verbose=0, callbacks=[ckpt])
+    ckpt.wait_until_finished()
+    # Orbax's temporary folder of a killed save, and an integer folder killed before its metadata.
+    shutil.copytree(root / "1", root / "2.orbax-checkpoint-tmp-123")
+    shutil.copytree(root / "1", root / "3")
+    os.remove(root / "3" / "_CHECKPOINT_METADATA")
+    os.makedirs(root / "0.shardckpt-deleting-ab12")  # an older step being deleted: not a lost save
+
+    with caplog.at_level("WARNING", logger="shardckpt"):
+        report = verify(str(root))
+    assert report.path == str(root / "1") and not report.damaged and not report.ok
+    assert report.newer_uncommitted == [
+        f"{root}/2.orbax-checkpoint-tmp-123 (a step whose save was interrupted)",
+        f"{root}/3 (a step without its _CHECKPOINT_METADATA (a save or delete of it was interrupted, or damage))",
+    ]
+    assert str(report).splitlines()[0].startswith("NEWER STEP NOT COMMITTED: 18 arrays")
+    assert str(report).splitlines()[1:] == [f"  not committed, not verified: {s}" for s in report.newer_uncommitted]
+    capsys.readouterr()
+    assert main(["verify", str(root), "--quiet"]) == 1
+    out = capsys.readouterr().out
+    assert f"not committed, not verified: {root}/3 " in out and "Fix: if a save is still running" in out
+    assert verify(str(root / "1")).ok and main(["verify", str(root / "1"), "--quiet"]) == 0  # a step: as before
+    warned = [r.getMessage() for r in caplog.records if "passed over" in r.getMessage()]
+    assert warned == [
+        f"{str(root)!r}: using step 1, the latest committed one; passed over 2 newer step folder(s) that are not "
+        "committed: 2.orbax-checkpoint-tmp-123 (a step whose save was interrupted); 3 (a step without its "
+        "_CHECKPOINT_METADATA (a save or delete of it was interrupted, or damage)). A save of them was "
+        "interrupted (or is still running): what they hold is not restored. Fix: if a save is running, let it "
+        "finish and load again; else the run resumes from step 1 (OrbaxCheckpoint removes such folders when it "
+        "starts)."
+    ]
+
+    # restore_latest and load_sharded (each on its own copy: said once per root) warn once, naming the step.
+    for name, load in (("a", shardckpt.restore_latest), ("b", shardckpt.load_sharded)):
+        copy = tmp_path / name
+        shutil.copytree(root, copy)
+        caplog.clear()
+        with caplog.at_level("WARNING", logger="shardckpt"):
+            load(model, str(copy))
+        warned = [r.getMessage() for r in caplog.records if "passed over" in r.getMessage()]
+        assert len(warned) == 1 and warned[0].startswith(f"{str(copy)!r}: using step 1, the latest committed one;")
+        assert "2.orbax-checkpoint-tmp-123 (a step whose save was interrupted); 3 (" in warned[0]

@@ -256,8 +256,11 @@ def _verify(args: argparse.Namespace) -> int:
         print(json.dumps(dataclasses.asdict(report) | {"ok": report.ok}, indent=2))
     else:
         print(report)
-        if not report.ok:
+        if report.damaged:
             print("Fix: re-create the checkpoint from its source (re-convert, or restore another step).")
+        elif report.newer_uncommitted:
+            print("Fix: if a save is still running, let it finish and verify again; else that save was lost "
+                  "and a resume starts from the step verified (OrbaxCheckpoint removes the uncommitted folders).")
     return 0 if report.ok else 1
 
 

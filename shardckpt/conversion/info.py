@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+from collections.abc import Callable
 from typing import Any
 
 from shardckpt import storage
@@ -87,13 +88,13 @@ class CheckpointInfo:
                 f"(epoch complete: {meta.get('epoch_complete')}), logs {meta.get('logs')}"
             )
             if meta.get("user") is not None:
-                lines.append(f"user metadata: {meta['user']}")
+                lines.append(f"user metadata: {_brief(meta['user'], repr)}")
             shown = {"epoch", "batch", "epoch_complete", "logs", "user"}
             rest = {k: v for k, v in meta.items() if k not in shown}
             if rest:  # versions, layout, save settings: for whoever debugs a resume
-                lines.append(f"metadata: {json.dumps(rest, default=str)}")
+                lines.append(f"metadata: {_brief(rest, lambda v: json.dumps(v, default=str))}")
         if self.iterator_state is not None:
-            lines.append(f"data iterator: {self.iterator_state}")
+            lines.append(f"data iterator: {_brief(self.iterator_state, repr)}")
         return lines
 
     def __str__(self) -> str:
@@ -104,6 +105,31 @@ class CheckpointInfo:
             lines.append(f"  {a.key:<{width}}  {str(a.shape):<18} {a.dtype:<9} {a.nbytes:>12,}")
         lines.append(f"  {len(self.arrays)} arrays, {self.total_bytes:,} bytes")
         return "\n".join(lines)
+
+
+LONGEST_VALUE = 400
+"""Characters of one metadata value `CheckpointInfo.summary` prints whole: a longer one (a
+config pasted into the user metadata, an iterator's state) is cut so the lines stay readable.
+`CheckpointInfo.metadata` and `shardckpt inspect --json` keep every value whole."""
+
+
+def _brief(value: Any, text: Callable[[Any], str]) -> str:
+    """`text(value)` with each dict value or list item longer than `LONGEST_VALUE` cut.
+
+    `text` is `repr` or `json.dumps`: a dict's or list's shorter entries read
+    exactly as `text` of the whole would write them.
+    """
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{text(k)}: {_cut(text(v))}" for k, v in value.items()) + "}"
+    if isinstance(value, list):
+        return "[" + ", ".join(_cut(text(v)) for v in value) + "]"
+    return _cut(text(value))
+
+
+def _cut(text: str) -> str:
+    if len(text) <= LONGEST_VALUE:
+        return text
+    return f"{text[: LONGEST_VALUE // 2]}... ({len(text):,} characters; --json shows it whole)"
 
 
 def inspect(path: str | os.PathLike) -> CheckpointInfo:

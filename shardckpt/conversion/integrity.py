@@ -98,16 +98,22 @@ class VerifyReport(ReadTally):
         skipped: Keys of datasets that hold no numbers (variable-length
             strings in an h5 file, which Keras does not write as weights):
             neither read back nor checksummed, and not counted in `arrays`.
+        newer_uncommitted: Given an Orbax root: one line per step folder
+            newer than the step verified that is not committed (a save
+            killed before its commit), passed over, not verified. The newest
+            save is not restorable, so the report is not `ok`.
     """
 
     checksummed: int = 0
     chunks_checksummed: int = 0
     damaged: list[str] = dataclasses.field(default_factory=list)
     skipped: list[str] = dataclasses.field(default_factory=list)
+    newer_uncommitted: list[str] = dataclasses.field(default_factory=list)
 
     @property
     def ok(self) -> bool:
-        return not self.damaged
+        """Nothing damaged and no newer step passed over."""
+        return not self.damaged and not self.newer_uncommitted
 
     def raise_if_damaged(self) -> None:
         """Raises `ChecksumMismatchError` listing every damaged array."""
@@ -126,11 +132,10 @@ class VerifyReport(ReadTally):
         how = "; ".join(checks) or "no checksums stored; read back"
         if self.skipped:
             how += f"; {len(self.skipped)} variable-length dataset(s) skipped, not checked"
-        head = (
-            f"{'OK' if self.ok else 'DAMAGED'}: {self.arrays} arrays, {format_bytes(self.bytes_read)} "
-            f"of {self.format} {self.path!r} ({how})"
-        )
+        state = "DAMAGED" if self.damaged else "NEWER STEP NOT COMMITTED" if self.newer_uncommitted else "OK"
+        head = f"{state}: {self.arrays} arrays, {format_bytes(self.bytes_read)} of {self.format} {self.path!r} ({how})"
         lines = [f"  damaged: {d}" for d in self.damaged]
+        lines += [f"  not committed, not verified: {s}" for s in self.newer_uncommitted]
         lines += [f"  skipped: {k} (variable-length data, not checked)" for k in self.skipped]
         return "\n".join([head] + lines)
 
@@ -143,6 +148,9 @@ def verify(
 ) -> VerifyReport:
     """Re-reads every array of a checkpoint and checks it.
 
+    Given an Orbax root, its latest committed step is verified, and step
+    folders newer than it that are not committed (a save killed before its
+    commit) are named in `report.newer_uncommitted` (the report is then not `ok`).
     Arrays of a checkpoint written by `shardckpt.convert` are checked against
     the shapes, dtypes and CRC-32 checksums stored at conversion. Orbax steps
     written by shardckpt (`convert`, `OrbaxCheckpoint`) also carry a `crc32c`
@@ -167,7 +175,8 @@ def verify(
         advance: Called with the bytes of each piece read (progress bars).
 
     Returns:
-        A `VerifyReport`; `report.damaged` names each damaged array.
+        A `VerifyReport`; `report.damaged` names each damaged array,
+        `report.newer_uncommitted` each newer step that is not committed.
 
     Raises:
         CheckpointNotFoundError, UnknownFormatError: nothing readable at `path`.
@@ -175,9 +184,12 @@ def verify(
             (no array can be located).
     """
     max_inflight_bytes = budgets.resolve(max_inflight_bytes)
-    reader = open_reader(storage.parse(path, what="path"), cache_bytes=budgets.chunk_cache_bytes(max_inflight_bytes))
+    location = storage.parse(path, what="path")
+    reader = open_reader(location, cache_bytes=budgets.chunk_cache_bytes(max_inflight_bytes))
     try:
         report = VerifyReport(path=reader.path, format=reader.format)
+        if reader.format == "orbax" and reader.path != location.url:  # a root: its latest committed step
+            report.newer_uncommitted = [f"{location.join(name).url} ({why})" for name, why in ondisk.newer_uncommitted(location)]
         expected = read_checksums(reader.path) if reader.format == "orbax" else None
         keys = reader.keys()
         if expected is not None:

@@ -17,8 +17,9 @@ import json
 import numpy as np
 
 from shardckpt import storage
-from shardckpt.errors import CheckpointNotFoundError, CorruptCheckpointError
+from shardckpt.errors import CheckpointNotFoundError, CorruptCheckpointError, UnknownFormatError
 from shardckpt.formats.base import DTYPES, ArraySpec, Box, MappedReader
+from shardckpt.progress import some
 
 _MAX_HEADER = 100 * 1024 * 1024  # the reference implementation's own limit
 
@@ -55,6 +56,13 @@ class _File:
         data_start = 8 + n
         end_of_data = data_start
         for key, info in header.items():
+            if isinstance(info, dict) and isinstance(info.get("dtype"), str) and info["dtype"] not in DTYPES:
+                raise UnknownFormatError(
+                    f"Array {key!r} of {path!r} has safetensors dtype {info['dtype']!r}, which shardckpt does not "
+                    f"read (it reads {', '.join(DTYPES)}). Fix: convert that tensor to one of these dtypes "
+                    f"(for example with the safetensors package), or leave it out of the file. "
+                    f"Received: dtype={info['dtype']!r}"
+                )
             try:
                 dtype = DTYPES[info["dtype"]]
                 shape = tuple(int(d) for d in info["shape"])
@@ -92,8 +100,11 @@ class SafetensorsReader(MappedReader):
             keys to files in the same folder.
 
     Raises:
-        CheckpointNotFoundError: a file does not exist.
-        CorruptCheckpointError: a header is invalid or a file is truncated.
+        CheckpointNotFoundError: `path` does not exist.
+        CorruptCheckpointError: a header is invalid, a file is truncated, or
+            a file the index lists does not exist.
+        UnknownFormatError: an array's dtype is not one shardckpt reads
+            (`formats.base.DTYPES`).
     """
 
     format = "safetensors"
@@ -119,7 +130,7 @@ class SafetensorsReader(MappedReader):
                 ) from e
             folder = location.parent
             for key, name in weight_map.items():
-                file = self._open(folder.join(name))
+                file = self._open_listed(folder.join(name), name, [k for k, n in weight_map.items() if n == name])
                 if key not in file.entries:
                     raise CorruptCheckpointError(
                         f"Index {self.path!r} puts {key!r} in {name!r}, which has no "
@@ -129,6 +140,17 @@ class SafetensorsReader(MappedReader):
         else:
             file = self._open(location, self.path)
             self._where = {k: file for k in file.entries}
+
+    def _open_listed(self, location: storage.Location, name: str, keys: list[str]) -> _File:
+        """Opens a file the index lists; its absence is damage to the set, named with the index."""
+        try:
+            return self._open(location)
+        except CheckpointNotFoundError as e:  # (a missing bucket is `BucketNotFoundError`, raised as is)
+            raise CorruptCheckpointError(
+                f"The index {self.path!r} puts {len(keys)} array(s) ({some(keys, 4)}) in {name!r}, which does "
+                f"not exist at {location.url!r}. Fix: copy (or upload) every .safetensors file the index lists "
+                "beside it, or download the set again."
+            ) from e
 
     def _open(self, location: storage.Location, path: str | None = None) -> _File:
         path = location.url if path is None else path

@@ -208,7 +208,9 @@ class ObjectStore:
             The typed error (to `raise ... from error`), or `error` itself when
             it is no storage failure.
         """
-        text = str(error)
+        # Without the request's spec that tensorstore appends: its settings
+        # ("aws_credentials", "bucket") would match the patterns below.
+        text = re.sub(r"\s*\[tensorstore_spec='.*?'\]", "", str(error), flags=re.S)
         url = location.url
         cloud = self.cloud
         if isinstance(error, TimeoutError) or re.search(r"retry attempts failed|CURL error|curl_code", text):

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import os
 from collections.abc import Sequence
 from typing import Any
@@ -38,6 +39,8 @@ from orbax.checkpoint import type_handlers
 from shardckpt import storage
 from shardckpt.errors import CheckpointNotFoundError, CorruptCheckpointError, IncompleteCheckpointError
 from shardckpt.storage import commit
+
+_log = logging.getLogger("shardckpt")
 
 TMP_MARK = ".orbax-checkpoint-tmp"
 """In the name of a step folder Orbax has not committed (yet, or ever)."""
@@ -299,12 +302,53 @@ def _latest(listing: _Listing) -> str:
     location = listing.location
     steps, found = _scan(listing)
     if steps:
+        _warn_newer(location.url, steps[-1], _newer(steps[-1], found))
         return location.join(str(steps[-1])).url
     if found:
         raise _only_leftovers(location.url, found)
     if not storage.isdir(location):
         raise CheckpointNotFoundError(f"No committed Orbax step under {location.url!r}: it does not exist.")
     raise CheckpointNotFoundError(f"No committed Orbax step under {location.url!r}.")
+
+
+def newer_uncommitted(root: str | storage.Location) -> list[tuple[str, str]]:
+    """The step folders newer than the latest committed step that are not committed (name, why).
+
+    What a save killed before its commit left (or one still running): the
+    latest committed step is older than the newest save. Folders being
+    deleted are left out (their step was meant to go). [] when the root
+    holds no committed step (`latest_step` raises then).
+    """
+    steps, found = _scan(root)
+    return _newer(steps[-1], found) if steps else []
+
+
+def _newer(step: int, found: list[tuple[str, str]]) -> list[tuple[str, str]]:
+    """The leftovers in `found` whose step number is above `step`, oldest first."""
+    newer = []
+    for name, why in found:
+        number = name.split(".", 1)[0]
+        if DELETING_MARK not in name and number.isdigit() and int(number) > step:
+            newer.append((int(number), name, why))
+    return [(name, why) for _, name, why in sorted(newer)]
+
+
+_warned_newer: set[tuple[str, tuple[str, ...]]] = set()
+"""(root, folder names) already warned about: a load opens its reader more than once, one line is enough."""
+
+
+def _warn_newer(root: str, step: int, newer: list[tuple[str, str]]) -> None:
+    """Says once per root and set of folders that the newer, uncommitted steps were passed over."""
+    key = (root, tuple(name for name, _ in newer))
+    if not newer or key in _warned_newer:
+        return
+    _warned_newer.add(key)
+    _log.warning(
+        "%r: using step %d, the latest committed one; passed over %d newer step folder(s) that are not "
+        "committed: %s. A save of them was interrupted (or is still running): what they hold is not restored. "
+        "Fix: if a save is running, let it finish and load again; else the run resumes from step %d "
+        "(OrbaxCheckpoint removes such folders when it starts).",
+        root, step, len(newer), "; ".join(f"{name} ({why})" for name, why in newer), step)
 
 
 def _only_leftovers(root: str, found: list[tuple[str, str]]) -> IncompleteCheckpointError:

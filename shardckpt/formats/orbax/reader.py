@@ -37,6 +37,7 @@ step that is there now.
 from __future__ import annotations
 
 import math
+import re
 import threading
 import uuid
 
@@ -46,7 +47,12 @@ from orbax.checkpoint import type_handlers
 
 from shardckpt import storage
 from shardckpt.budget import CHUNK_CACHE_BYTES
-from shardckpt.errors import ChecksumMismatchError, CorruptCheckpointError, ObjectChangedError
+from shardckpt.errors import (
+    CheckpointNotFoundError,
+    ChecksumMismatchError,
+    CorruptCheckpointError,
+    ObjectChangedError,
+)
 from shardckpt.formats.base import ArraySpec, Box, ChunkedReader
 from shardckpt.formats.orbax import ondisk
 from shardckpt.natsort import natural_sorted
@@ -56,6 +62,19 @@ _MANIFEST = "manifest.ocdbt"
 
 _DIGEST_MISMATCH = "Digest mismatch"
 """tensorstore's DATA_LOSS message when a `crc32c` codec's checksum fails."""
+
+
+def _lost(error: BaseException, tree: storage.Location) -> str:
+    """"; the object ... does not exist" when `error` is a 404 in the bucket of `tree`, else ""."""
+    text = str(error)
+    if not tree.is_remote or not re.search(r"NOT_FOUND|response code: 404|NoSuchKey", text):
+        return ""
+    # tensorstore names the object by URL (gcs) or by its key in the bucket (s3).
+    found = re.search(r"Byte range \[[^)]*\) of \"?((?:gs|s3)://[^\s\"]+|[^\s\"]+)", text)
+    if found is None:
+        return "; an object it names does not exist (deleted, or not copied with the rest of the step)"
+    url = found.group(1) if "://" in found.group(1) else f"{tree.scheme}://{tree.bucket}/{found.group(1)}"
+    return f"; the object {url!r} does not exist (deleted, or not copied with the rest of the step)"
 
 
 class OrbaxReader(ChunkedReader):
@@ -111,8 +130,8 @@ class OrbaxReader(ChunkedReader):
             try:
                 store = future.result()
             except ValueError as e:
-                typed = storage.translate(e, self._tree)
-                if typed is not e:  # a bucket refused or lost the request: not damage
+                typed = self._not_damage(e)
+                if typed is not None:
                     raise typed from e
                 failed[key] = e
                 continue
@@ -124,7 +143,7 @@ class OrbaxReader(ChunkedReader):
             raise CorruptCheckpointError(
                 f"{len(lost)} array(s) of {self.tree_dir!r} cannot be opened although "
                 f"the checkpoint lists them: {', '.join(repr(k) for k in lost)}; its data "
-                f"files are damaged ({failed[lost[0]]}). Fix: restore from another step."
+                f"files are damaged ({failed[lost[0]]}{_lost(failed[lost[0]], self._tree)}). Fix: restore from another step."
             ) from failed[lost[0]]
 
     def _recorded_arrays(self) -> tuple[dict[str, str], bool]:
@@ -184,6 +203,18 @@ class OrbaxReader(ChunkedReader):
                 url=location.url, expected=expected, found=found,
             )
 
+    def _not_damage(self, error: ValueError) -> BaseException | None:
+        """The typed error of a request a bucket refused or lost; None when `error` is damage.
+
+        A 404 inside the tree (a data object its OCDBT index names, an array's
+        `zarr.json`) is a lost part of the step, not a wrong URL: the tree's
+        `_METADATA` and manifest were read already. It is damage (`_lost`).
+        """
+        typed = storage.translate(error, self._tree)
+        if typed is error or isinstance(typed, CheckpointNotFoundError):
+            return None
+        return typed
+
     def _check_index(self) -> None:
         # Lists the OCDBT b-tree (from the pinned manifest): when no array can
         # be located because the index itself is damaged, every array is
@@ -194,14 +225,14 @@ class OrbaxReader(ChunkedReader):
             spec = {"driver": "ocdbt", "base": storage.kvstore(self._tree), "manifest": self._manifest}
             ts.KvStore.open(spec, context=self._context).result().list().result()
         except ValueError as e:
-            typed = storage.translate(e, self._tree)
-            if typed is not e:
+            typed = self._not_damage(e)
+            if typed is not None:
                 raise typed from e
             arrays = natural_sorted(self._names)
             raise CorruptCheckpointError(
                 f"The index of {self.tree_dir!r} ({_MANIFEST} and its b-tree) is damaged, so none "
                 f"of its {len(arrays)} array(s) can be located: {', '.join(repr(k) for k in arrays)} "
-                f"({e}). Fix: restore from another step."
+                f"({e}{_lost(e, self._tree)}). Fix: restore from another step."
             ) from e
 
     def _store(self, key: str) -> ts.TensorStore:
@@ -233,11 +264,11 @@ class OrbaxReader(ChunkedReader):
         try:
             return future.result()
         except ValueError as e:
-            typed = storage.translate(e, self._tree)
-            if typed is not e:  # a bucket refused or lost the request: not damage
+            typed = self._not_damage(e)
+            if typed is not None:
                 raise typed from e
             raise CorruptCheckpointError(
-                f"Array {key!r} of {self.tree_dir!r} cannot be opened: {e}. Fix: "
+                f"Array {key!r} of {self.tree_dir!r} cannot be opened: {e}{_lost(e, self._tree)}. Fix: "
                 "restore from another step."
             ) from e
 
@@ -322,8 +353,8 @@ class OrbaxReader(ChunkedReader):
         return np.asarray(data, order="C")
 
     def _read_error(self, key: str, error: ValueError) -> BaseException:
-        typed = storage.translate(error, self._tree)
-        if typed is not error:  # a bucket refused or lost the request: not damage
+        typed = self._not_damage(error)
+        if typed is not None:
             return typed
         if _DIGEST_MISMATCH in str(error):
             # The chunk's stored crc32c (shardckpt's writers store one per
@@ -334,7 +365,7 @@ class OrbaxReader(ChunkedReader):
                 "re-create the checkpoint from its source."
             )
         return CorruptCheckpointError(
-            f"Reading array {key!r} of {self.tree_dir!r} failed: {error}. The chunk "
+            f"Reading array {key!r} of {self.tree_dir!r} failed: {error}{_lost(error, self._tree)}. The chunk "
             "data is damaged. Fix: restore from another step."
         )
 
