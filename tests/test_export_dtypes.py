@@ -68,6 +68,16 @@ def test_a_float16_export_that_overflows_names_the_variable_once(fmt, tmp_path, 
         assert stored.dtype == np.float16 and np.isinf(stored).sum() == 4
 
 
+@pytest.mark.parametrize("fmt", ["safetensors", "keras-hub", "orbax"])
+def test_export_report_lists_each_cast_variable(fmt, tmp_path):
+    """`ExportReport.casts` names every variable `dtype=` casts (as `ConvertReport.casts`), and none without it."""
+    model = _mlp()
+    report = shardckpt.export(model, tmp_path / "cast", format=fmt, dtype="bfloat16")
+    assert sorted(report.casts) == sorted(f"{v.path}: float32 -> bfloat16" for v in model.weights)
+    assert "\n  cast: " in str(report)
+    assert shardckpt.export(model, tmp_path / "own", format=fmt).casts == []
+
+
 def test_a_float16_export_within_range_says_nothing(tmp_path, caplog):
     caplog.set_level(logging.WARNING, logger="shardckpt")
     model = _mlp()

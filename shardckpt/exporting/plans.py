@@ -32,6 +32,24 @@ class Plan:
     index: str | None = None
     small_files: Callable[[str], None] | None = None
 
+    def casts(self) -> list[str]:
+        """"path: from -> to" for each variable whose stored tensors take another dtype than its own.
+
+        One line per variable, in write order: a variable stored as several
+        tensors (a fused projection split) or written twice is listed once.
+        """
+        out: list[str] = []
+        seen: set[int] = set()
+        for variable, remap in self.writes:
+            keys = [k for k in remap.sources() if k in self.specs]
+            if not keys or id(variable) in seen:
+                continue
+            seen.add(id(variable))
+            own, stored = np.dtype(variable.dtype), np.dtype(self.specs[keys[0]].dtype)
+            if own != stored:
+                out.append(f"{variable.path}: {own} -> {stored}")
+        return out
+
 
 def max_shard_bytes(max_shard_size: Any) -> int | None:
     """`max_shard_size` in bytes: a number is GB (keras-hub's and Keras' unit), or "5GB", "500MB"."""
