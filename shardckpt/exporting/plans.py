@@ -128,6 +128,8 @@ def _with_stored_dtype(config: dict[str, Any], specs: dict[str, ArraySpec], name
     """
     import logging
 
+    import jax
+
     from shardckpt import dtypes
 
     by_dtype: collections.Counter[str] = collections.Counter()
@@ -137,7 +139,9 @@ def _with_stored_dtype(config: dict[str, Any], specs: dict[str, ArraySpec], name
     if not by_dtype:
         return config
     [(stored, _)] = by_dtype.most_common(1)
-    if len(by_dtype) > 1:  # keras-hub backbones hold one float dtype; a hand-made mix is loaded in one
+    # keras-hub backbones hold one float dtype; a hand-made mix is loaded in one. Every process plans
+    # the same specs: one says it.
+    if len(by_dtype) > 1 and jax.process_index() == 0:
         logging.getLogger("shardckpt").warning(
             "%s: its tensors are stored in %s; config.json says dtype=%s (the most bytes), which "
             "transformers casts every weight to by default. Fix: export with dtype=... to store one dtype.",
