@@ -210,7 +210,9 @@ def export(
             step of the weights, as Keras' `load_weights(dir)` reads; one
             process) or "peft" (a LoRA model's factors alone as a PEFT
             adapter folder: `adapter_config.json`, `adapter_model.safetensors`;
-            `export.peft`). A task's head goes to "hf" under its Hugging
+            `export.peft`: trainable variables other than the factors go
+            in too, a non-trainable one never, even if changed while
+            frozen). A task's head goes to "hf" under its Hugging
             Face head class (`export.hf_heads`); a LoRA layer is stored
             merged, without factors, in every format but "peft".
         max_shard_size: Split weights into files of at most this size: a
