@@ -95,6 +95,10 @@ class CheckpointMismatchError(ShardckptError, ValueError):
         missing: Model variable paths with no array in the checkpoint.
         unexpected: Checkpoint keys that match no model variable.
         mismatched: One line per variable whose shape or dtype is wrong.
+        names: Where every layer of the model has a name the user gave
+            (`structure.explicit_names`): the layer names only the
+            checkpoint's keys hold, and those only the model's hold. None
+            where some name was generated.
     """
 
     def __init__(
@@ -107,14 +111,18 @@ class CheckpointMismatchError(ShardckptError, ValueError):
         fmt: str = "",
         fix: str | None = None,
         note: str = "",
+        names: tuple[Sequence[str], Sequence[str]] | None = None,
     ) -> None:
         """Args: the checkpoint `path`, the problems, the checkpoint's format
-        (`LoadReport.format`: selects the advice), optionally the whole fix, and
-        a `note` said before the problems."""
+        (`LoadReport.format`: selects the advice), optionally the whole fix, a
+        `note` said before the problems, and `names` (see Attributes): with
+        them, a path-keyed format's advice names the differing layer names
+        instead of asking to name the layers."""
         self.path = path
         self.missing = list(missing)
         self.unexpected = list(unexpected)
         self.mismatched = list(mismatched)
+        self.names = None if names is None else (list(names[0]), list(names[1]))
         total = len(self.missing) + len(self.unexpected) + len(self.mismatched)
         lines = [f"A total of {total} problem(s) between the model and checkpoint {path!r}:"]
         if note:
@@ -145,7 +153,10 @@ def _mismatch_fix(error: CheckpointMismatchError, fmt: str) -> str:
             "(config.json with the safetensors files it was saved with)."
         )
     fixes = []
-    if (error.missing or error.unexpected) and fmt in _PATH_KEYED:
+    if (error.missing or error.unexpected) and fmt in _PATH_KEYED and error.names is not None:
+        # Every layer is named already: naming them is no fix, the names that differ are.
+        fixes += [_renaming_fix(*error.names)] if any(error.names) else []
+    elif (error.missing or error.unexpected) and fmt in _PATH_KEYED:
         fixes.append(
             "name the model and its layers (name=...), or call keras.backend.clear_session() "
             f"before building: {fmt} keys are variable paths, and auto-generated names "
@@ -163,6 +174,21 @@ def _mismatch_fix(error: CheckpointMismatchError, fmt: str) -> str:
             "initializer's under lazy_init(); keys the model lacks are ignored)"
         )
     return "; or ".join(fixes) + "."
+
+
+def _renaming_fix(in_checkpoint: Sequence[str], in_model: Sequence[str]) -> str:
+    """Advice for a model whose layers are all named, where the names differ from the checkpoint's."""
+    from shardckpt.progress import some  # a sibling module; imported here as only this advice needs it
+
+    differ = []
+    if in_checkpoint:
+        differ.append(f"the checkpoint names layers the model lacks ({some(list(in_checkpoint), 4)})")
+    if in_model:
+        differ.append(f"the model names layers the checkpoint lacks ({some(list(in_model), 4)})")
+    return (
+        "rename the model's layers (name=...) to the names the checkpoint was saved with: every layer "
+        f"is named already, and {' and '.join(differ)}"
+    )
 
 
 class LayoutError(ShardckptError, ValueError):

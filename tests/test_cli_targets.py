@@ -88,6 +88,31 @@ def test_convert_a_keras_hub_preset_folder_to_every_other_target(preset, tmp_pat
         np.testing.assert_array_equal(np.asarray(v.value), values[v.path], err_msg=v.path)
 
 
+@pytest.mark.parametrize("target", ["orbax", "hf", "keras-hub", "safetensors"])
+def test_convert_dtype_lists_each_cast_in_text_and_json(preset, tmp_path, target):
+    """`--dtype` lists every array it casts under "cast", in the text and in --json, for every
+    target: the orbax one by source key, the others (exported) by variable path."""
+    folder, values = preset
+    out = str(tmp_path / "text")
+    code, stdout, err = _run(["convert", folder, out, "--to", target, "--dtype", "bfloat16", "--quiet"])
+    assert code == 0, err
+    cast_lines = [line for line in stdout.splitlines() if line.startswith("  cast: ")]
+    assert len(cast_lines) == 1, stdout
+    assert "float32 -> bfloat16" in cast_lines[0] and f"({len(values)} total)" in cast_lines[0], stdout
+    keras.distribution.set_distribution(None)
+    code, stdout, err = _run(["convert", folder, str(tmp_path / "json"), "--to", target, "--dtype", "bfloat16",
+                              "--quiet", "--json"])
+    assert code == 0, err
+    casts = json.loads(stdout)["casts"]
+    named = sorted(c.split(": ")[0] for c in casts)
+    assert all(c.endswith(": float32 -> bfloat16") for c in casts), casts
+    if target == "orbax":  # source keys of the preset's model.weights.h5
+        assert len(named) == len(values)
+    else:
+        assert named == sorted(values)
+    keras.distribution.set_distribution(None)
+
+
 @pytest.mark.parametrize("source", ["preset folder", "weights file and --model"])
 def test_max_inflight_mb_bounds_the_models_load_too(preset, tmp_path, source):
     """`--max-inflight-mb` reaches the load of the model, not only the writing: the report the

@@ -68,6 +68,16 @@ def test_a_float16_export_that_overflows_names_the_variable_once(fmt, tmp_path, 
         assert stored.dtype == np.float16 and np.isinf(stored).sum() == 4
 
 
+@pytest.mark.parametrize("fmt", ["safetensors", "keras-hub", "orbax"])
+def test_export_report_lists_each_cast_variable(fmt, tmp_path):
+    """`ExportReport.casts` names every variable `dtype=` casts (as `ConvertReport.casts`), and none without it."""
+    model = _mlp()
+    report = shardckpt.export(model, tmp_path / "cast", format=fmt, dtype="bfloat16")
+    assert sorted(report.casts) == sorted(f"{v.path}: float32 -> bfloat16" for v in model.weights)
+    assert "\n  cast: " in str(report)
+    assert shardckpt.export(model, tmp_path / "own", format=fmt).casts == []
+
+
 def test_a_float16_export_within_range_says_nothing(tmp_path, caplog):
     caplog.set_level(logging.WARNING, logger="shardckpt")
     model = _mlp()
@@ -113,3 +123,34 @@ def test_hf_config_dtype_is_the_stored_dtype(policy, dtype, stored, tmp_path):
     assert loaded.dtype == getattr(torch, stored)
     got = loaded.embed_tokens.weight.detach().float().numpy()
     np.testing.assert_array_equal(got, tensors["model.embed_tokens.weight"].astype(np.float32))
+
+
+def test_hf_export_of_mixed_float_dtypes_names_the_most_bytes_dtype_and_warns_once(tmp_path, caplog):
+    """A hand-made mix (one bfloat16 norm in a float32 Llama): each tensor is stored in its own dtype,
+    config.json names the dtype of the most bytes (float32), one warning names both, and transformers
+    loads the folder in float32, the bfloat16 norm widened exactly."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    caplog.set_level(logging.WARNING, logger="shardckpt")
+    policies = keras.dtype_policies.DTypePolicyMap(default_policy="float32")
+    policies["sequence_output_layernorm"] = "bfloat16"
+    backbone = keras_hub.models.Llama3Backbone(**ARGS, dtype=policies)
+    norm = backbone.get_layer("sequence_output_layernorm").scale
+    assert norm.dtype == "bfloat16"
+    norm.assign(np.linspace(0.5, 2.0, norm.shape[0]).astype("float32"))
+    report = shardckpt.export(backbone, tmp_path / "hf")
+    assert report.casts == []
+    tensors = load_file(str(tmp_path / "hf" / "model.safetensors"))
+    assert str(tensors["model.norm.weight"].dtype) == "bfloat16"
+    assert {str(t.dtype) for k, t in tensors.items() if k != "model.norm.weight"} == {"float32"}
+    with open(tmp_path / "hf" / "config.json") as f:
+        config = json.load(f)
+    assert config["dtype"] == "float32" and config["torch_dtype"] == "float32"
+    said = [r.getMessage() for r in caplog.records if r.name == "shardckpt" and "config.json says" in r.getMessage()]
+    assert said == ["Llama3Backbone: its tensors are stored in bfloat16, float32; config.json says dtype=float32 "
+                    "(the most bytes), which transformers casts every weight to by default. Fix: export with "
+                    "dtype=... to store one dtype."]
+    loaded = transformers.AutoModel.from_pretrained(tmp_path / "hf")
+    assert loaded.dtype == torch.float32 and loaded.norm.weight.dtype == torch.float32
+    np.testing.assert_array_equal(loaded.norm.weight.detach().numpy(), tensors["model.norm.weight"].astype(np.float32))
+    np.testing.assert_array_equal(loaded.embed_tokens.weight.detach().numpy(), tensors["model.embed_tokens.weight"])

@@ -47,3 +47,12 @@ def test_two_processes_write_half_each_and_equal_the_single_process_export(tmp_p
         written = [r[fmt]["written"] for r in results]
         assert sum(written) == total, (fmt, written)  # every byte written once, by one process
         assert all(0.3 * total < w < 0.7 * total for w in written), (fmt, written)
+
+
+def test_a_mixed_dtype_hf_export_warns_once_from_two_processes(tmp_path):
+    """The config-dtype warning of a mixed-dtype Hugging Face export (every process plans it) is said by process 0 alone."""
+    run_pair("_export_mixed_worker.py", str(tmp_path), timeout=300)
+    said = [json.loads((tmp_path / f"mixed{i}.json").read_text()) for i in range(2)]
+    assert [len(s) for s in said] == [1, 0], said
+    assert "config.json says dtype=float32 (the most bytes)" in said[0][0]
+    assert json.loads((tmp_path / "mp_mixed" / "config.json").read_text())["dtype"] == "float32"

@@ -263,3 +263,36 @@ def test_a_trained_lora_kernel_is_refused_by_name(tmp_path):
     with pytest.raises(UnsupportedModelError, match=re.escape(layers[0]._kernel.path) + r".*format='hf'"):
         shardckpt.export(task, tmp_path / "adapter", format="peft")
     assert not (tmp_path / "adapter").exists()
+
+
+def test_a_variable_changed_while_frozen_is_left_out_until_its_layer_is_made_trainable(tmp_path):
+    """Frozen variables are never compared with a base: the final norm (frozen by enable_lora) changed
+    while frozen is not in the adapter; made trainable, it goes to modules_to_save, and PEFT reproduces
+    the keras-hub logits."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    peft = pytest.importorskip("peft")
+    task = _task("llama3")
+    shardckpt.export(task, tmp_path / "base")
+    _lora(task)
+    norm = task.backbone.get_layer("sequence_output_layernorm")
+    assert not norm.trainable  # enable_lora froze it
+    norm.scale.assign(np.linspace(0.5, 2.0, norm.scale.shape[0]).astype("float32"))  # changed while frozen
+    shardckpt.export(task, tmp_path / "frozen", format="peft")
+    with open(tmp_path / "frozen" / "adapter_config.json") as f:
+        assert json.load(f)["modules_to_save"] is None
+    assert not any("norm" in k for k in load_file(str(tmp_path / "frozen" / "adapter_model.safetensors")))
+
+    norm.trainable = True  # the README's way to put it in the adapter
+    shardckpt.export(task, tmp_path / "adapter", format="peft")
+    with open(tmp_path / "adapter" / "adapter_config.json") as f:
+        config = json.load(f)
+    tensors = load_file(str(tmp_path / "adapter" / "adapter_model.safetensors"))
+    assert config["modules_to_save"] == ["model.norm"], config["modules_to_save"]
+    np.testing.assert_array_equal(tensors["base_model.model.model.norm.weight"], np.asarray(norm.scale))
+    want = _keras_logits(task)
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "base"), attn_implementation="eager")
+    adapted = peft.PeftModel.from_pretrained(model, str(tmp_path / "adapter")).eval()
+    with torch.no_grad():
+        got = adapted(input_ids=torch.tensor(TOKENS, dtype=torch.long)).logits.numpy()
+    np.testing.assert_allclose(got, want, atol=1e-4, rtol=0)

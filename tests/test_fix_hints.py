@@ -120,6 +120,33 @@ def test_path_keyed_hint_clear_session_or_named_layers_works(tmp_path):
         np.testing.assert_array_equal(value, _values(named)[key], err_msg=key)
 
 
+def _named(first: str, second: str) -> keras.Model:
+    """A model whose layers (and itself) all carry names the user gave."""
+    return keras.Sequential([keras.Input((4,)), keras.layers.Dense(8, name=first), keras.layers.Dense(2, name=second)],
+                            name="tiny")
+
+
+@pytest.mark.parametrize("fmt", ["safetensors", "orbax"])
+def test_path_keyed_hint_names_the_differing_names_when_every_layer_is_named(tmp_path, fmt):
+    """Every layer named already: "name the model and its layers" is no fix; the advice names the
+    layer names only the checkpoint has and those only the model has, and renaming works."""
+    src = _named("encoder", "head")
+    shardckpt.export(src, tmp_path / "out", format=fmt)
+    path = str(tmp_path / "out" / "model.safetensors") if fmt == "safetensors" else str(tmp_path / "out")
+    with pytest.raises(errors.CheckpointMismatchError) as e:
+        shardckpt.load_sharded(_named("enc", "head"), path)
+    fix = _fix(e.value)
+    assert "name the model and its layers" not in fix and "clear_session" not in fix
+    assert "the checkpoint names layers the model lacks (encoder)" in fix
+    assert "the model names layers the checkpoint lacks (enc)" in fix
+    assert e.value.names == (["encoder"], ["enc"])
+
+    model = _named("encoder", "head")  # the hint, followed
+    shardckpt.load_sharded(model, path)
+    for key, value in _values(model).items():
+        np.testing.assert_array_equal(value, _values(src)[key], err_msg=key)
+
+
 def test_missing_hugging_face_tensor_gets_advice_for_hf_folders(tmp_path):
     pytest.importorskip("keras_hub")
     from tests.hf_fixtures import make_folder

@@ -44,7 +44,7 @@ from shardckpt.exporting.pieces import write_value
 from shardckpt.formats import h5_writer, registry, safetensors_writer
 from shardckpt.formats.mapped_writer import MappedFiles
 from shardckpt.formats.orbax.ondisk import COMMIT_MARKER
-from shardckpt.progress import ByteProgress
+from shardckpt.progress import ByteProgress, key_lines
 from shardckpt.storage import commit
 from shardckpt.types import DType, Model
 
@@ -71,6 +71,8 @@ class ExportReport:
             `shardckpt.convert` loaded it (`to="hf"`, "keras-hub",
             "safetensors"): its `LoadReport`, the budget it ran with
             included. None from `export` itself.
+        casts: "variable path: from -> to" for each variable stored in
+            another dtype than its own (`dtype=`), as `ConvertReport.casts`.
     """
 
     path: str
@@ -82,18 +84,20 @@ class ExportReport:
     seconds: float
     process_index: int
     load: LoadReport | None = None
+    casts: list[str] = dataclasses.field(default_factory=list)
 
     def __str__(self) -> str:
-        text = (
+        text = [
             f"exported {self.arrays} arrays ({self.bytes_total / 1e6:.1f} MB, this process wrote "
-            f"{self.bytes_written / 1e6:.1f} MB) as {self.format} to {self.path} in {self.seconds:.2f} s"
-        )
+            f"{self.bytes_written / 1e6:.1f} MB) as {self.format} to {self.path} in {self.seconds:.2f} s",
+            *key_lines((("cast", self.casts),)),
+        ]
         if self.load is None:
-            return text
+            return "\n".join(text)
         lines = [str(self.load)]
         if self.load.transfer != "ring":  # the ring's line names the budget already
             lines.append(f"Host-memory budget of the load: {self.load.budget}.")
-        return "\n".join([*lines, text])
+        return "\n".join([*lines, *text])
 
 
 def _barrier(name: str) -> None:
@@ -159,14 +163,14 @@ def _export_orbax(model: Any, dst: str, *, format: str, dtype: Any, shard: int |
     _check_destination(dst, overwrite)
     stage = commit.begin(dst, overwrite=overwrite, marker=COMMIT_MARKER, shared=True, who="export")
     try:
-        arrays, total, marker = export_orbax(model, stage.location.path, dtype=dtype,
-                                             budget=_budget.Budget(_budget.resolve(max_inflight_bytes)))
+        arrays, total, marker, casts = export_orbax(model, stage.location.path, dtype=dtype,
+                                                    budget=_budget.Budget(_budget.resolve(max_inflight_bytes)))
         stage.commit(marker)
     except BaseException:
         stage.discard()
         raise
     return ExportReport(path=dst, format=format, files=[], arrays=arrays, bytes_total=total, bytes_written=total,
-                        seconds=time.perf_counter() - start, process_index=0)
+                        seconds=time.perf_counter() - start, process_index=0, casts=casts)
 
 
 def export(
@@ -206,7 +210,9 @@ def export(
             step of the weights, as Keras' `load_weights(dir)` reads; one
             process) or "peft" (a LoRA model's factors alone as a PEFT
             adapter folder: `adapter_config.json`, `adapter_model.safetensors`;
-            `export.peft`). A task's head goes to "hf" under its Hugging
+            `export.peft`: trainable variables other than the factors go
+            in too, a non-trainable one never, even if changed while
+            frozen). A task's head goes to "hf" under its Hugging
             Face head class (`export.hf_heads`); a LoRA layer is stored
             merged, without factors, in every format but "peft".
         max_shard_size: Split weights into files of at most this size: a
@@ -317,7 +323,7 @@ def _export_files(planner: Callable[[Any, Any, int | None], plans.Plan], model: 
     _barrier(f"shardckpt-export-committed:{dst}")
     return ExportReport(
         path=dst, format=format, files=sorted(plan.files), arrays=len(plan.specs), bytes_total=total,
-        bytes_written=written, seconds=time.perf_counter() - start, process_index=process,
+        bytes_written=written, seconds=time.perf_counter() - start, process_index=process, casts=plan.casts(),
     )
 
 

@@ -25,8 +25,12 @@ from shardckpt.formats.orbax import writer as orbax_writer
 from shardckpt.restore.keys import state_keys
 
 
-def export_orbax(model: Any, partial: str, *, dtype: Any, budget: Budget) -> tuple[int, int, bytes]:
-    """Writes the step into the (empty) stage folder `partial`; returns (arrays, bytes, commit marker)."""
+def export_orbax(model: Any, partial: str, *, dtype: Any, budget: Budget) -> tuple[int, int, bytes, list[str]]:
+    """Writes the step into the (empty) stage folder `partial`.
+
+    Returns:
+        (arrays, bytes, commit marker, casts): casts as `ExportReport.casts`.
+    """
     import jax
 
     if jax.process_count() > 1:
@@ -48,11 +52,13 @@ def export_orbax(model: Any, partial: str, *, dtype: Any, budget: Budget) -> tup
         keys[k] = v
     getters = value_getters(model)
     writer = orbax_writer.OrbaxStepWriter(partial, compression="none", chunk_byte_size=None)
-    arrays, values = [], []
+    arrays, values, casts = [], [], []
     for key, variable in keys.items():
         value = value_of(variable, getters)
         own = np.dtype(value.dtype)
         stored = np.dtype(dtype) if dtype is not None and dtypes.is_float(own) else own
+        if stored != own:
+            casts.append(f"{variable.path}: {own} -> {stored}")
         write_shape = value.sharding.shard_shape(value.shape) if hasattr(value, "sharding") else value.shape
         arrays.append((key, tuple(value.shape), stored, tuple(write_shape)))
         values.append((value, stored))
@@ -74,4 +80,4 @@ def export_orbax(model: Any, partial: str, *, dtype: Any, budget: Budget) -> tup
     if said:
         logging.getLogger("shardckpt").warning("%s", said)
     marker = writer.finish(custom_metadata={"exported_by": "shardckpt.export"})
-    return len(arrays), total, marker
+    return len(arrays), total, marker, casts

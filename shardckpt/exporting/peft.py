@@ -35,7 +35,9 @@ What PEFT cannot express is refused, naming the variables: a trained
 LoRA base kernel, a LoRA module's other parameters, a module holding part
 of a LoRA module's tensor, a tied embedding (PEFT would change the input
 embedding and leave the tied output one), a variable with no Hugging
-Face tensor.
+Face tensor. A non-trainable variable is never in the adapter, even one
+changed while frozen (nothing here knows its base value): its layer must
+be made trainable before the export to go to `modules_to_save`.
 
 Each element of A' and B' is a strided position of a factor
 (`hf_remap.Strided`), so each device's piece of a factor is written where

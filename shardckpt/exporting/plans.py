@@ -32,6 +32,24 @@ class Plan:
     index: str | None = None
     small_files: Callable[[str], None] | None = None
 
+    def casts(self) -> list[str]:
+        """"path: from -> to" for each variable whose stored tensors take another dtype than its own.
+
+        One line per variable, in write order: a variable stored as several
+        tensors (a fused projection split) or written twice is listed once.
+        """
+        out: list[str] = []
+        seen: set[int] = set()
+        for variable, remap in self.writes:
+            keys = [k for k in remap.sources() if k in self.specs]
+            if not keys or id(variable) in seen:
+                continue
+            seen.add(id(variable))
+            own, stored = np.dtype(variable.dtype), np.dtype(self.specs[keys[0]].dtype)
+            if own != stored:
+                out.append(f"{variable.path}: {own} -> {stored}")
+        return out
+
 
 def max_shard_bytes(max_shard_size: Any) -> int | None:
     """`max_shard_size` in bytes: a number is GB (keras-hub's and Keras' unit), or "5GB", "500MB"."""
@@ -110,6 +128,8 @@ def _with_stored_dtype(config: dict[str, Any], specs: dict[str, ArraySpec], name
     """
     import logging
 
+    import jax
+
     from shardckpt import dtypes
 
     by_dtype: collections.Counter[str] = collections.Counter()
@@ -119,7 +139,9 @@ def _with_stored_dtype(config: dict[str, Any], specs: dict[str, ArraySpec], name
     if not by_dtype:
         return config
     [(stored, _)] = by_dtype.most_common(1)
-    if len(by_dtype) > 1:  # keras-hub backbones hold one float dtype; a hand-made mix is loaded in one
+    # keras-hub backbones hold one float dtype; a hand-made mix is loaded in one. Every process plans
+    # the same specs: one says it.
+    if len(by_dtype) > 1 and jax.process_index() == 0:
         logging.getLogger("shardckpt").warning(
             "%s: its tensors are stored in %s; config.json says dtype=%s (the most bytes), which "
             "transformers casts every weight to by default. Fix: export with dtype=... to store one dtype.",

@@ -236,6 +236,31 @@ def _owner_stem(slot_key: str, stems: Collection[str]) -> str | None:
     return next((stem for stem in reference_prefixes(parts[2]) if stem in stems), None)
 
 
+def _differing_names(
+    wanted: dict[str, Any], stored: Iterable[str], found: KeyMatch, explicit: Collection[str]
+) -> tuple[list[str], list[str]] | None:
+    """(layer names only the checkpoint's unexpected keys hold, those only the model's missing
+    variables hold), where every layer of the model has a name the user gave; else None.
+
+    Layer names are the parts of a variable path before its variable's own
+    name; a state-tree key (Orbax) is read without its collection.
+    """
+    weights = [v for k, v in wanted.items() if is_variable(v) and not is_optional_key(k, found.format)]
+    layers = [v.path.split("/")[:-1] for v in weights]
+    if not layers or not all(parts and all(p in explicit for p in parts) for parts in layers):
+        return None
+    state_keyed = FORMATS[found.format].keys == "state" if found.format in FORMATS else False
+
+    def parts(key: str) -> list[str]:
+        return (key.split("/", 1)[-1] if state_keyed else key).split("/")[:-1]
+
+    ours = {p for path in layers for p in path}
+    theirs = {p for key in stored if not is_optional_key(key, found.format) for p in parts(key)}
+    only_theirs = {p for key in found.unexpected for p in parts(key)} - ours
+    only_ours = {p for _, v in found.missing for p in v.path.split("/")[:-1]} - theirs
+    return natural_sorted(only_theirs), natural_sorted(only_ours)
+
+
 def align_generated_names(wanted: dict[str, Any], reader: Reader, explicit: Collection[str]) -> dict[str, Any]:
     """Renames the model's keys whose generated names differ from the checkpoint's.
 
@@ -364,6 +389,8 @@ class KeyMatch:
         format: The checkpoint's format (`Reader.format`), for the error's advice.
         fix: Advice replacing the format's generic one (see `CheckpointMismatchError`).
         note: A line said before the problems.
+        names: `CheckpointMismatchError.names`: set where keys are missing
+            or unexpected and every layer of the model is named by the user.
     """
 
     pairs: list[tuple[str, Any]] = dataclasses.field(default_factory=list)
@@ -375,6 +402,7 @@ class KeyMatch:
     format: str = ""
     fix: str | None = None
     note: str = ""
+    names: tuple[list[str], list[str]] | None = None
 
     def missing_lines(self) -> list[str]:
         """`missing` as `CheckpointMismatchError` lists it."""
@@ -396,6 +424,7 @@ class KeyMatch:
                 fmt=self.format,
                 fix=self.fix,
                 note=self.note,
+                names=self.names,
             )
 
 
@@ -409,7 +438,8 @@ def match(wanted: dict[str, Any], reader: Reader, *, explicit: Collection[str]) 
     `explicit` (`structure.explicit_names(model)`) match by name only.
     """
     fmt = reader.format
-    stored = set(reader.keys())
+    stored_keys = list(reader.keys())
+    stored = set(stored_keys)
     # Each variable's key as the model names it (its collection: trainable now or not).
     model_keys = {id(v): k for k, v in reversed(list(wanted.items()))}
     wanted = align_optimizer_keys(wanted, stored)
@@ -458,6 +488,8 @@ def match(wanted: dict[str, Any], reader: Reader, *, explicit: Collection[str]) 
         result.skipped = natural_sorted([*result.skipped, *unread.skipped])
         if unread.unexpected:
             result.fix = unread.fix
+    if result.missing or result.unexpected:
+        result.names = _differing_names(wanted, stored_keys, result, explicit)
     if fmt == "orbax":
         _follow_trainability(result, model_keys, reader.keys())
     if result.unexpected or result.skipped:  # (Orbax: scales are non-trainable variables)
