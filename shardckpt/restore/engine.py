@@ -35,7 +35,7 @@ from shardckpt.restore import hostmem, pipeline
 from shardckpt.restore import keys as naming
 from shardckpt.restore.strategies import Budget, Job, load_variable
 from shardckpt.restore.targets import TargetLayout, check_mesh, resolve_layout, warn_unmatched_keys
-from shardckpt.structure import explicit_names, slot_references
+from shardckpt.structure import explicit_names, finalize_loaded, slot_references
 from shardckpt.types import Layout, Model, PlanLike
 
 # Reads run on one thread per usable core: numpy copies, h5 page faults and
@@ -142,7 +142,9 @@ def load_sharded(
 
     Works on models built under `shardckpt.lazy_init()` (variables get their
     first value) and on models built normally (values are replaced variable by
-    variable). All checks (keys, shapes, dtypes, divisibility) run before any
+    variable). Afterwards, as Keras' `load_weights`, layers that define
+    `finalize_state()` (an adapted `Normalization`) recompute the state they
+    derive from their loaded variables. All checks (keys, shapes, dtypes, divisibility) run before any
     variable is touched, so a failing call leaves the model as it was.
 
     Example:
@@ -297,6 +299,9 @@ def load(
             else:  # a LoRA factor beside a merged kernel: zero, as Keras' load_own_variables sets it
                 variable.assign(np.zeros(variable.shape, variable.dtype))
                 report.lora_zeroed.append(variable.path)
+        # As Keras' load_weights does: layers holding state derived from their
+        # variables (an adapted Normalization's mean / variance) recompute it.
+        finalize_loaded(model, [job.variable for job in jobs] + [variable for variable, _ in to_init])
     finally:
         reader.close()
     report.seconds = time.perf_counter() - start
