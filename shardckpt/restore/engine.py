@@ -337,7 +337,8 @@ def say_fallbacks(report: LoadReport) -> None:
     kept = [p for p in missing if p not in initialized]
     said = []
     if fresh:
-        said.append(f"{len(fresh)} variable(s) the checkpoint lacks got their initializer's values ({some(fresh)})")
+        # (their initializer's, or what their layer's build assigned: `lazy.original_initializer`)
+        said.append(f"{len(fresh)} variable(s) the checkpoint lacks got the values a build gives ({some(fresh)})")
     if kept:
         said.append(f"{len(kept)} variable(s) the checkpoint lacks keep their current values ({some(kept)})")
     if report.unexpected:
