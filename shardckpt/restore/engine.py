@@ -142,10 +142,11 @@ def load_sharded(
 
     Works on models built under `shardckpt.lazy_init()` (variables get their
     first value) and on models built normally (values are replaced variable by
-    variable). Afterwards, as Keras' `load_weights`, layers that define
+    variable). Afterwards, as after Keras' `load_weights`, layers that define
     `finalize_state()` (an adapted `Normalization`) recompute the state they
-    derive from their loaded variables. All checks (keys, shapes, dtypes, divisibility) run before any
-    variable is touched, so a failing call leaves the model as it was.
+    derive from their loaded variables. All checks (keys, shapes, dtypes,
+    divisibility) run before any variable is touched, so a failing call
+    leaves the model as it was.
 
     Example:
 
