@@ -23,7 +23,9 @@ matching):
   generate), which match by name, never by position; `is_explicitly_named(obj)`
   for one object;
 - `slot_references(model)`: each optimizer slot and the variable it was made
-  from.
+  from;
+- `finalize_loaded(model, variables)`: the `finalize_state()` Keras' own
+  loading runs on layers that derive state from their loaded variables.
 
 A variable the walk does not reach (none in Keras' built-in layers; a
 custom layer may skip some in `save_own_variables`) gets the key
@@ -35,8 +37,10 @@ from __future__ import annotations
 
 import contextlib
 import re
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from typing import Any
+
+import keras
 
 from shardckpt import _keras
 
@@ -44,6 +48,7 @@ __all__ = [
     "RecordingStore",
     "explicit_names",
     "is_explicitly_named",
+    "finalize_loaded",
     "lora_layers",
     "lora_off",
     "reference_prefixes",
@@ -128,6 +133,43 @@ def lora_layers(model: Any) -> list[tuple[Any, Any, str, tuple[Any, Any]]]:
                 out.append((layer, getattr(layer, base), merged, (getattr(layer, a), getattr(layer, b))))
                 break
     return out
+
+
+def finalize_loaded(model: Any, variables: Iterable[Any]) -> list[Any]:
+    """Calls `finalize_state()` on each layer of `model` that derives state from `variables`.
+
+    Some layers keep state computed from their variables outside them: an
+    adapted `keras.layers.Normalization` holds its `mean` and `variance` as
+    tensors reshaped and cast from its `adapt_mean` / `adapt_variance`
+    variables. Keras' own loading recomputes them (those layers' overridden
+    `load_own_variables` calls `finalize_state()`); a load that assigns the
+    variables directly must do the same, or the layer computes with the values
+    it was built with (zeros and ones, or nothing at all under `lazy_init`).
+
+    Only layers whose class defines its own `finalize_state` are called, and
+    only those owning (themselves or through their sublayers) one of
+    `variables`: a layer none of whose values changed keeps its state.
+    Sublayers are finalized before the layers holding them.
+
+    Args:
+        model: A Keras model (or layer).
+        variables: The variables that just got new values.
+
+    Returns:
+        The layers finalized, in the order they were.
+    """
+    changed = {id(v) for v in variables}
+    base = getattr(keras.layers.Layer, "finalize_state", None)
+    done = []
+    # `_flatten_layers` lists a layer before its sublayers: reversed, a
+    # container's finalize_state sees its sublayers' state already final.
+    for layer in reversed(list(getattr(model, "_flatten_layers", list)())):
+        own = getattr(type(layer), "finalize_state", None)
+        if own is None or own is base or not any(id(v) in changed for v in layer.variables):
+            continue
+        layer.finalize_state()
+        done.append(layer)
+    return done
 
 
 def structural_paths(model: Any) -> dict[int, str]:

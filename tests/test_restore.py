@@ -221,8 +221,8 @@ def test_strict_false_warns_once_naming_what_it_initialised_kept_and_left_unread
         report = shardckpt.load_sharded(model, path, strict=False)
     said = [(r.levelno, r.getMessage()) for r in caplog.records if r.name == "shardckpt"]
     assert said == [(logging.WARNING, (
-        f"load_sharded(strict=False) of {path!r}: 1 variable(s) the checkpoint lacks got their initializer's "
-        f"values ({dropped}); 1 stored array(s) the model has no variable for were not loaded (extra/kernel). "
+        f"load_sharded(strict=False) of {path!r}: 1 variable(s) the checkpoint lacks got the values a build "
+        f"gives ({dropped}); 1 stored array(s) the model has no variable for were not loaded (extra/kernel). "
         "The model differs from the checkpoint there. Fix: load into the architecture that wrote the "
         "checkpoint; strict=True (the default) refuses such a load and lists each difference."
     ))]

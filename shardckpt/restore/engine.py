@@ -35,7 +35,7 @@ from shardckpt.restore import hostmem, pipeline, slots
 from shardckpt.restore import keys as naming
 from shardckpt.restore.strategies import Budget, Job, load_variable
 from shardckpt.restore.targets import TargetLayout, check_mesh, resolve_layout, warn_unmatched_keys
-from shardckpt.structure import explicit_names, slot_references
+from shardckpt.structure import explicit_names, finalize_loaded, slot_references
 from shardckpt.types import Layout, Model, PlanLike
 
 # Reads run on one thread per usable core: numpy copies, h5 page faults and
@@ -150,8 +150,11 @@ def load_sharded(
 
     Works on models built under `shardckpt.lazy_init()` (variables get their
     first value) and on models built normally (values are replaced variable by
-    variable). All checks (keys, shapes, dtypes, divisibility) run before any
-    variable is touched, so a failing call leaves the model as it was.
+    variable). Afterwards, as after Keras' `load_weights`, layers that define
+    `finalize_state()` (an adapted `Normalization`) recompute the state they
+    derive from their loaded variables. All checks (keys, shapes, dtypes,
+    divisibility) run before any variable is touched, so a failing call
+    leaves the model as it was.
 
     Example:
 
@@ -306,8 +309,11 @@ def load(
             else:  # a LoRA factor beside a merged kernel: zero, as Keras' load_own_variables sets it
                 variable.assign(np.zeros(variable.shape, variable.dtype))
                 report.lora_zeroed.append(variable.path)
-        # Last: a slot follows its variable's final sharding.
+        # A slot follows its variable's final sharding.
         report.slots_moved = slots.follow_variables(model, references, {id(job.variable) for job in jobs})
+        # As Keras' load_weights does: layers holding state derived from their
+        # variables (an adapted Normalization's mean / variance) recompute it.
+        finalize_loaded(model, [job.variable for job in jobs] + [variable for variable, _ in to_init])
     finally:
         reader.close()
     report.seconds = time.perf_counter() - start
@@ -343,7 +349,8 @@ def say_fallbacks(report: LoadReport) -> None:
     kept = [p for p in missing if p not in initialized]
     said = []
     if fresh:
-        said.append(f"{len(fresh)} variable(s) the checkpoint lacks got their initializer's values ({some(fresh)})")
+        # (their initializer's, or what their layer's build assigned: `lazy.original_initializer`)
+        said.append(f"{len(fresh)} variable(s) the checkpoint lacks got the values a build gives ({some(fresh)})")
     if kept:
         said.append(f"{len(kept)} variable(s) the checkpoint lacks keep their current values ({some(kept)})")
     if report.unexpected:
