@@ -130,7 +130,11 @@ class CheckpointMismatchError(ShardckptError, ValueError):
         lines += [f"  missing from checkpoint: {p}" for p in self.missing]
         lines += [f"  not in the model: {k}" for k in self.unexpected]
         lines += [f"  mismatch: {m}" for m in self.mismatched]
-        lines.append("Fix: " + (fix if fix is not None else _mismatch_fix(self, fmt)))
+        if fix is None:
+            fix = _mismatch_fix(self, fmt)
+        elif self.names is not None and any(self.names) and fmt in _PATH_KEYED:
+            fix = _renaming_fix(*self.names) + "; or " + fix  # the names that differ come first
+        lines.append("Fix: " + fix)
         super().__init__("\n".join(lines))
 
 

@@ -140,6 +140,12 @@ def test_path_keyed_hint_names_the_differing_names_when_every_layer_is_named(tmp
     assert "the checkpoint names layers the model lacks (encoder)" in fix
     assert "the model names layers the checkpoint lacks (enc)" in fix
     assert e.value.names == (["encoder"], ["enc"])
+    # strict=False would fill only the head (18 of 58 values): refused, with the same names first.
+    with pytest.raises(errors.CheckpointMismatchError) as e:
+        shardckpt.load_sharded(_named("enc", "head"), path, strict=False)
+    fix = _fix(e.value)
+    assert fix.startswith("rename the model's layers") and "the checkpoint names layers the model lacks (encoder)" in fix
+    assert "strict=False is for a few differing variables" in fix and e.value.names == (["encoder"], ["enc"])
 
     model = _named("encoder", "head")  # the hint, followed
     shardckpt.load_sharded(model, path)

@@ -475,6 +475,7 @@ def _refuse_little(model: Any, found: naming.KeyMatch, path: str) -> None:
             "configuration), or check the path; strict=False is for a few differing variables, "
             "not for most of the model."
         ),
+        names=found.names,
     )
 
 
