@@ -286,6 +286,8 @@ class OrbaxCheckpoint(BestTracking):
         self._count = BatchCount.start(self.params, self._model)
         self._count.total = fitstate.batches_at_start(self._model, self._count.total)
         self._started = False  # on_epoch_begin not yet called in this fit
+        # The preemption step this fit resumed from while no save of this fit superseded it.
+        self._resumed_preemption_step: int | None = None
         self._adopted: fitstate.Resumed | None = None  # another callback's resume this one went on from
         self._schedule.begin()
         self._warned_monitor = False
@@ -401,6 +403,7 @@ class OrbaxCheckpoint(BestTracking):
         _keras.set_initial_epoch(self._model, self._previous_initial_epoch)
         try:
             if self._writer is not None:
+                self._drop_resumed_preemption_step(self._writer)
                 self._writer.end()
             saving.sync("shardckpt_checkpoint_cleanup")
         finally:
@@ -408,12 +411,29 @@ class OrbaxCheckpoint(BestTracking):
 
     # ---- saving ------------------------------------------------------------
 
+    def _drop_resumed_preemption_step(self, writer: saving.StepWriter) -> None:
+        """Deletes the preemption step this fit resumed from, at the end of a fit that saved nothing.
+
+        A preemption step is a resume point only (`retention`): once the fit
+        it let go on has ended, it is neither the best (`save_best_only`
+        skipped every save of the rest of the run) nor the run's end, and
+        `restore_latest` would pick it over the steps the run meant to keep.
+        A fit preempted again keeps its own, newer preemption step.
+        """
+        step = self._resumed_preemption_step
+        self._resumed_preemption_step = None
+        if step is None or self.preempted_step is not None:
+            return
+        writer.delete(step)
+        self._say(logging.INFO, f"step {step}, saved on a preemption notice and resumed from, is deleted: the "
+                                "resumed fit ended without a newer step.")
+
     def _save_for_preemption(self, logs: dict | None) -> None:
         """Saves the state after this batch, waits for the commit, stops fit."""
         step = self._schedule.step_now(self._count)
         if not self._schedule.holds(step):
-            # (A scheduled save of this very batch already holds the state.)
-            self._save(step, logs, epoch_complete=self._count.epoch_complete)
+            # (A scheduled save of this very batch already holds the state, and stays a regular step.)
+            self._save(step, logs, epoch_complete=self._count.epoch_complete, preemption=True)
         assert self._writer is not None  # set in on_train_begin
         self._writer.wait()
         saving.sync("shardckpt_preemption_save")
@@ -421,14 +441,18 @@ class OrbaxCheckpoint(BestTracking):
         self._model.stop_training = True
         self._say(logging.WARNING, f"preemption notice: step {step} committed to {self.directory}; fit stops.")
 
-    def _save(self, step: int, logs: dict | None, *, epoch_complete: bool) -> None:
+    def _save(self, step: int, logs: dict | None, *, epoch_complete: bool, preemption: bool = False) -> None:
+        """Saves `step`; `preemption`: on a preemption notice alone (a transient step, see `retention`)."""
+        # Any save supersedes (or, under the same number, replaces) the preemption step resumed from.
+        self._resumed_preemption_step = None
         writer = self._writer
         assert writer is not None  # set in on_train_begin
         start = time.perf_counter()
         writer.finish_pending(waiting_for=step)
         if self._schedule.claim(step):
             writer.delete(step)
-        self._check_monitor_for_keep_best(logs, self.keep_best)
+        if not preemption:  # (never ranked: its monitor value does not matter)
+            self._check_monitor_for_keep_best(logs, self.keep_best)
         model = self.model  # Callback.model syncs the JAX state into the variables
         tree, choice = self._snapshots.take(model, weights_only=self.save_weights_only)
         logs = dict(logs or {})
@@ -436,7 +460,7 @@ class OrbaxCheckpoint(BestTracking):
         # Counters are read now: training moves them on while the save runs.
         meta = self._contents.step_metadata(
             self._count, step, epoch_complete=epoch_complete, save_freq=self.save_freq, monitor=self.monitor,
-            weights_only=self.save_weights_only, snapshot=choice.mode)
+            weights_only=self.save_weights_only, snapshot=choice.mode, preemption=preemption)
         items = self._contents.items(tree, self._data.states(self._count.fit_batches))
         last_write_s = writer.writes_s[-1] if writer.writes_s else None  # read before this save's write ends
         writer.save(step, items, meta, logs, user, self.best,
@@ -459,6 +483,8 @@ class OrbaxCheckpoint(BestTracking):
         for step in point.newer:  # the resumed run writes them again, bit-identical
             self._writer.delete(step)
         info = self._resume.restore(self.model, point, tracker=self._data.tracker, data_iterator=self.data_iterator)
+        if info is not None and info.metadata.get("preemption"):
+            self._resumed_preemption_step = info.step
         if info is not None and info.epoch is not None:  # (None: a step Keras wrote, weights only)
             _keras.set_initial_epoch(self._model, info.next_epoch)
             self._schedule.resumed(info)

@@ -47,11 +47,12 @@ class StepContents:
         return self.metadata(epoch, logs) if callable(self.metadata) else self.metadata
 
     def step_metadata(self, count: BatchCount, step: int, *, epoch_complete: bool, save_freq: str | int,
-                      monitor: str, weights_only: bool, snapshot: str | None) -> dict[str, Any]:
+                      monitor: str, weights_only: bool, snapshot: str | None,
+                      preemption: bool = False) -> dict[str, Any]:
         """The metadata item read now (see `metadata.step_metadata`)."""
         return metadata_lib.step_metadata(
             count, step, epoch_complete=epoch_complete, save_freq=save_freq, monitor=monitor,
-            weights_only=weights_only, layout=self._layout, snapshot=snapshot)
+            weights_only=weights_only, layout=self._layout, snapshot=snapshot, preemption=preemption)
 
     def items(self, tree: dict[str, Any], iterator_states: list[Any] | None) -> dict[str, Any]:
         """The step's items (see `saving.payload`)."""

@@ -90,13 +90,18 @@ def layout_of(model: Any) -> dict[str, Any]:
 
 
 def step_metadata(count: BatchCount, step: int, *, epoch_complete: bool, save_freq: str | int, monitor: str,
-                  weights_only: bool, layout: dict[str, Any], snapshot: str | None) -> dict[str, Any]:
-    """The metadata item without logs, user metadata and best value (see `complete`)."""
+                  weights_only: bool, layout: dict[str, Any], snapshot: str | None,
+                  preemption: bool = False) -> dict[str, Any]:
+    """The metadata item without logs, user metadata and best value (see `complete`).
+
+    `preemption`: saved on a preemption notice alone (`retention.PREEMPTION_METRIC`).
+    """
     return {
         "format": FORMAT,
         "step": int(step),
         "epoch": int(count.epoch),
         "epoch_complete": epoch_complete,
+        "preemption": preemption,
         "batch": int(count.steps_per_epoch if epoch_complete and count.steps_per_epoch else count.in_epoch),
         "steps_per_epoch": count.steps_per_epoch,
         "total_batches": int(count.total),
@@ -117,12 +122,15 @@ def complete(payload: dict[str, Any], meta: dict[str, Any], logs: dict[str, Any]
 
     Returns:
         The numeric logs, which Orbax stores as the step's metrics (BestN ranks
-        steps by them), and whether the step holds a whole epoch
-        (`retention.EPOCH_COMPLETE_METRIC`).
+        steps by them), whether the step holds a whole epoch
+        (`retention.EPOCH_COMPLETE_METRIC`) and, on a preemption step alone,
+        `retention.PREEMPTION_METRIC`.
     """
     logs_json = json_logs(logs)
     meta = dict(meta, logs=logs_json, user=jsonable(user), best=None if best is None else json_number(best))
     payload[METADATA_ITEM] = meta
     metrics = {k: v for k, v in logs_json.items() if isinstance(v, float)}
     metrics[retention.EPOCH_COMPLETE_METRIC] = 1.0 if meta["epoch_complete"] else 0.0
+    if meta.get("preemption"):
+        metrics[retention.PREEMPTION_METRIC] = 1.0
     return metrics

@@ -4,14 +4,28 @@ Keras' checkpoint callbacks warn "Can save best model only with <monitor>
 available, skipping." when the logs of a save lack the monitored value. The
 same happens here for `keep_best`, which would otherwise rank steps by a value
 that never comes (e.g. `val_loss` at a mid-epoch save), and the warning names
-the keys the logs did hold. It is given once per `fit`.
+the keys the logs did hold. A value that is there but NaN or infinite is
+warned about the same way for `keep_best` (such a step is never ranked among
+the best, `retention.BestFinite`). One warning per `fit`, for either.
 """
 
 from __future__ import annotations
 
+import math
 import warnings
+from typing import Any
+
+import numpy as np
 
 from shardckpt._keras import MonitorCallback
+
+
+def _finite(value: Any) -> bool:
+    """Whether a log value (Python, NumPy or JAX scalar) is a finite number."""
+    try:
+        return math.isfinite(float(np.asarray(value)))
+    except (TypeError, ValueError):
+        return False
 
 
 class BestTracking(MonitorCallback):
@@ -34,9 +48,24 @@ class BestTracking(MonitorCallback):
         return True
 
     def _check_monitor_for_keep_best(self, logs: dict | None, keep_best: int | None) -> None:
-        if keep_best is not None and self.monitor not in (logs or {}):
+        if keep_best is None:
+            return
+        if self.monitor not in (logs or {}):
             self._warn_monitor_missing(logs, f"keep_best={keep_best} ranks steps by it; a step without it "
                                              "is never kept as one of the best")
+        elif not _finite((logs or {})[self.monitor]):
+            self._warn_monitor_not_finite((logs or {})[self.monitor], f"keep_best={keep_best}")
+
+    def _warn_monitor_not_finite(self, value: Any, who: str) -> None:
+        if self._warned_monitor:
+            return
+        self._warned_monitor = True
+        warnings.warn(
+            f"{self.monitor} is {value!r} at this save: {who} ranks steps by it, and a step without a finite "
+            f"value is never kept as one of the best (only max_to_keep or keep_period keep it). Fix: find "
+            f"why {self.monitor} is not finite (keras.callbacks.TerminateOnNaN stops fit at the first NaN "
+            "loss). Said once per fit.",
+            stacklevel=4)
 
     def _warn_monitor_missing(self, logs: dict | None, consequence: str) -> None:
         if self._warned_monitor:
