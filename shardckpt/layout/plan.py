@@ -242,6 +242,13 @@ class LayoutPlan:
         with it when they are created (`layout.lora`). The layer outputs of
         `gathered_outputs` get an activation layout (batch axis only) under
         `<layer path>/output`, the key Keras' `Layer.__call__` looks up.
+
+        Exact keys fit the variable paths of the model planned (or bound).
+        A model built anew gets other generated names (`dense_3` for
+        `dense`), which these keys do not match, and Keras' `ModelParallel`
+        replicates a variable no key matches without a word: for a model
+        built after the plan, use `distribution()`, which places it by
+        structure and refuses what it does not know.
         """
         layout_map = kd.LayoutMap(self.mesh)
         for p in self.placements:
