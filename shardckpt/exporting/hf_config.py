@@ -20,10 +20,10 @@ gemma` for a Gemma 2 backbone) is not used.
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Mapping
 from typing import Any
 
+from shardckpt import userwarn
 from shardckpt.errors import UnsupportedModelError
 from shardckpt.formats import hf_carried
 
@@ -253,13 +253,12 @@ def hf_config(backbone: Any, converter: Any, model_types: list[str]) -> dict[str
         own = _differences(converter, found, keras, own=True)
         if own:
             keys = hf_carried.carried(found.get("model_type"))
-            warnings.warn(
+            userwarn.warn(
                 f"{name}: config.json holds {_listed(own, keys)}, as transformers and "
                 "shardckpt.from_preset read it; keras-hub's own from_preset (0.32) leaves "
                 f"{', '.join(sorted({keys.get(k, k) for k in own}))} unread and would build "
                 + ", ".join(f"{k}={got!r}" for k, (_, got) in sorted(own.items()))
-                + " from this folder.",
-                stacklevel=4,
+                + " from this folder."
             )
         return found
     differences = [d for d in (_differences(converter, hf, keras) for hf in tried) if d]

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import warnings
 from collections.abc import Sequence
 from typing import Any, Literal
 
@@ -11,6 +10,7 @@ import jax
 import jax.numpy as jnp
 import keras
 
+from shardckpt import userwarn
 from shardckpt.errors import LayoutError
 from shardckpt.layout.analyze import plan_splits
 from shardckpt.layout.choose import choose_mesh
@@ -138,7 +138,7 @@ def auto_layout(
         )
     ctx = Context(model, normalize_rules(rules))
     for line in ctx.rule_problems:
-        warnings.warn(line, stacklevel=2)
+        userwarn.warn(line)
     if mesh is None or (isinstance(mesh, str) and mesh == "auto"):
 
         def plan_for(candidate: Any, batch: str) -> tuple[LayoutPlan, int]:
@@ -177,11 +177,10 @@ def _warn_if_mostly_replicated(plan: LayoutPlan) -> None:
         f"{p.path} {p.shape} ({p.nbytes:,} bytes): {p.reason if p.source == 'auto' else f'[{p.source}] {p.reason}'}"
         for p in whole[:3]
     )
-    warnings.warn(
+    userwarn.warn(
         f"{share:.0%} of parameter bytes stay replicated on every device although the mesh splits "
         f"model axis {plan.model_axis!r} {n} ways. Largest: {largest}. Fix: a model axis that divides "
-        "these dimensions (mesh='auto' picks one), rules= for them, or fsdp=True.",
-        stacklevel=3,
+        "these dimensions (mesh='auto' picks one), rules= for them, or fsdp=True."
     )
 
 

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -19,6 +18,7 @@ import keras
 import numpy as np
 from keras import distribution as kd
 
+from shardckpt import userwarn
 from shardckpt.layout.plan import LayoutPlan
 
 # The most loaded device within this of a perfect split counts as balanced.
@@ -150,7 +150,7 @@ def choose_mesh(
             f"smallest per-device state is {smallest.state:,} bytes. The shape with the fewest bytes is "
             "chosen; it will not fit. Fix: use more devices, fsdp=True, or a smaller model."
         )
-        warnings.warn(message, stacklevel=3)
+        userwarn.warn(message)
         lines.append(message)
         fitting = [smallest]
     pool = [c for c in fitting if c.clean] or fitting

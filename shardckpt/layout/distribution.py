@@ -34,14 +34,13 @@ where values are created while a model is built.
 from __future__ import annotations
 
 import re
-import warnings
 from collections.abc import Collection, Sequence
 from typing import TYPE_CHECKING, Any
 
 from keras import distribution as kd
 from keras import metrics, optimizers, random
 
-from shardckpt import _keras
+from shardckpt import _keras, userwarn
 from shardckpt.errors import UnplannedVariableError
 from shardckpt.layout.lora import lora_layout
 from shardckpt.layout.placement import Axis, Placement
@@ -293,12 +292,11 @@ class PlannedDistribution(kd.ModelParallel):
         if self._warned:
             return
         self._warned = True
-        warnings.warn(
+        userwarn.warn(
             f"plan.distribution() cannot tell which planned variable {variable.path!r} corresponds "
             f"to: {why}, and same-shape variables of its pattern are placed differently in the plan. "
             "It and others like it may get another's layout. Fix: build the model under "
             "shardckpt.lazy_init() and load it with shardckpt.load_sharded(..., layout=plan), or "
             "place it with shardckpt.parallelize(model, plan.bind(model)) (both match by structure, "
-            f"exactly). Received: variable={variable.path!r}",
-            stacklevel=4,
+            f"exactly). Received: variable={variable.path!r}"
         )

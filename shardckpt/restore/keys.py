@@ -51,14 +51,13 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import re
-import warnings
 from collections.abc import Collection, Iterable, Iterator
 from typing import Any
 
 import keras
 import numpy as np
 
-from shardckpt import _keras, state
+from shardckpt import _keras, state, userwarn
 from shardckpt.errors import CheckpointMismatchError
 from shardckpt.formats.base import Reader, RemappedReader
 from shardckpt.formats.registry import FORMATS
@@ -550,10 +549,9 @@ def _follow_trainability(result: KeyMatch, model_keys: dict[int, str], stored: I
             f"frozen now, trainable in the checkpoint: {some(natural_sorted(frozen))}; their "
             f"{len(dropped)} stored optimizer slot(s) are skipped"
         )
-    warnings.warn(
+    userwarn.warn(
         "Variables changed their trainable flag since the checkpoint was saved (enable_lora, "
-        "layer.trainable = ...); their values load by path. " + "; ".join(said) + ".",
-        stacklevel=4,
+        "layer.trainable = ...); their values load by path. " + "; ".join(said) + "."
     )
 
 

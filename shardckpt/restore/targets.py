@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import dataclasses
 import re
-import warnings
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -19,7 +18,7 @@ import jax
 import numpy as np
 from keras import distribution as kd
 
-from shardckpt import _keras
+from shardckpt import _keras, userwarn
 from shardckpt.errors import LayoutError, MeshMismatchError
 from shardckpt.progress import some
 from shardckpt.structure import lora_factor_paths
@@ -183,12 +182,11 @@ def warn_unmatched_keys(layout: Layout, model: Any) -> list[str]:
     ]
     if unmatched and tuple(unmatched) not in _warned_unmatched:
         _warned_unmatched.add(tuple(unmatched))
-        warnings.warn(
+        userwarn.warn(
             f"LayoutMap key(s) {some([repr(k) for k in unmatched])} match no variable of model {model.name!r}: Keras matches a key against "
             f"the whole variable path (re.fullmatch), and replicates the variables it meant on every device. "
             f"This model's paths look like {paths[0]!r}. Fix: write the whole path, or a pattern such as "
-            f"'.*{unmatched[0]}'.",
-            stacklevel=4,  # load_sharded -> load -> here: the caller of load_sharded
+            f"'.*{unmatched[0]}'."
         )
     return unmatched
 

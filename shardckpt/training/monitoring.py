@@ -12,11 +12,11 @@ the best, `retention.BestFinite`). One warning per `fit`, for either.
 from __future__ import annotations
 
 import math
-import warnings
 from typing import Any
 
 import numpy as np
 
+from shardckpt import userwarn
 from shardckpt._keras import MonitorCallback
 
 
@@ -60,19 +60,17 @@ class BestTracking(MonitorCallback):
         if self._warned_monitor:
             return
         self._warned_monitor = True
-        warnings.warn(
+        userwarn.warn(
             f"{self.monitor} is {value!r} at this save: {who} ranks steps by it, and a step without a finite "
             f"value is never kept as one of the best (only max_to_keep or keep_period keep it). Fix: find "
             f"why {self.monitor} is not finite (keras.callbacks.TerminateOnNaN stops fit at the first NaN "
-            "loss). Said once per fit.",
-            stacklevel=4)
+            "loss). Said once per fit.")
 
     def _warn_monitor_missing(self, logs: dict | None, consequence: str) -> None:
         if self._warned_monitor:
             return
         self._warned_monitor = True
-        warnings.warn(
+        userwarn.warn(
             f"Can save best model only with {self.monitor} available: the logs at this save hold "
             f"{sorted(logs or {})}, and {consequence}. Fix: monitor one of those keys, or save when it is "
-            "there (validation metrics exist at epoch ends: save_freq='epoch'). Said once per fit.",
-            stacklevel=4)
+            "there (validation metrics exist at epoch ends: save_freq='epoch'). Said once per fit.")
