@@ -75,3 +75,19 @@ def test_adafactor_state_is_refused_by_name_before_training_and_weights_only_res
             assert slot.value.sharding == variable.value.sharding, slot.path
         else:
             assert set(slot.value.sharding.spec) <= {None}, slot.path
+
+
+@pytest.mark.parametrize("optimizer", ["adafactor", "muon", keras.optimizers.Adafactor(), keras.optimizers.Muon()])
+def test_estimates_refuse_adafactor_and_muon_saying_what_keras_builds_and_the_bounds(optimizer):
+    """`bytes_per_device` cannot count Adafactor's replicated factors or Muon's per-variable velocities
+    from a slot count: it refuses, saying what Keras builds and which known optimizer brackets it (was:
+    "Unknown optimizer ... use one of [...]"); the bound it names is accepted."""
+    model = keras.Sequential([keras.Input((64,)), keras.layers.Dense(256), keras.layers.Dense(64)])
+    plan = shardckpt.auto_layout(model, (1, 8))
+    with pytest.raises(errors.LayoutError) as raised:
+        plan.bytes_per_device(optimizer)
+    message = str(raised.value)
+    assert "Unknown optimizer" not in message and "addressable shards" in message
+    lower, upper = ("rmsprop", "rmsprop") if "adafactor" in message.split(":")[0] else ("lion", "adam")
+    assert ("factored" in message) == (lower == "rmsprop")
+    assert plan.bytes_per_device() < plan.bytes_per_device(lower) <= plan.bytes_per_device(upper)
