@@ -195,6 +195,16 @@ def _renaming_fix(in_checkpoint: Sequence[str], in_model: Sequence[str]) -> str:
     )
 
 
+class DuplicateStateKeyError(ShardckptError, ValueError):
+    """Two variables of a model's state share a path, the key a state-tree
+    (Orbax) checkpoint stores each under: one would overwrite the other.
+
+    Keras' `Model.get_state_tree()` refuses the same. Keras' `Adafactor`
+    is the common case: it names its factored slots after the variable's
+    short name (`kernel`), not its path.
+    """
+
+
 class LayoutError(ShardckptError, ValueError):
     """A layout request is invalid: an unknown mesh axis, a rule whose axes do
     not fit the variable, a plan that does not match the model or devices."""

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from shardckpt.errors import DuplicateStateKeyError
+
 FULL_COLLECTIONS = (
     "trainable_variables",
     "non_trainable_variables",
@@ -40,3 +42,49 @@ def collections(model: Any, *, weights_only: bool = False) -> dict[str, list[Any
         out["optimizer_variables"] = list(optimizer.variables) if optimizer is not None else []
         out["metrics_variables"] = list(getattr(model, "metrics_variables", []) or [])
     return out
+
+
+def check_unique_paths(groups: dict[str, list[Any]], optimizer: Any = None) -> None:
+    """Refuses state a state-tree checkpoint cannot hold: two variables of one collection at one path.
+
+    The tree keys each variable by `variable.path`, so the second of two
+    variables at one path would overwrite the first (Keras'
+    `Model.get_state_tree()` refuses them too). In the optimizer's
+    collection it is the optimizer's doing, not the model's: Keras'
+    `Adafactor` names each factored slot after its variable's short name
+    (`adafactor/kernel` for the row and the column factor of every kernel,
+    `bias` for the placeholders of every 1-D variable).
+
+    Args:
+        groups: `{collection: [variables]}` (`collections`).
+        optimizer: The model's optimizer, named in the message.
+
+    Raises:
+        DuplicateStateKeyError: naming the path, the shapes found there, and the fix.
+    """
+    for name, variables in groups.items():
+        seen: dict[str, list[Any]] = {}
+        for variable in variables:
+            seen.setdefault(variable.path, []).append(variable)
+        twice = {path: found for path, found in seen.items() if len(found) > 1}
+        if not twice:
+            continue
+        path, found = next(iter(twice.items()))
+        shapes = ", ".join(str(tuple(v.shape)) for v in found)
+        where = f"{len(found)} variables of collection {name!r} share the path {path!r} (shapes {shapes})"
+        more = f"; {len(twice) - 1} other path(s) are shared as well" if len(twice) > 1 else ""
+        if name == "optimizer_variables":
+            raise DuplicateStateKeyError(
+                f"{where}{more}: a state-tree checkpoint keys every variable by its path, as Keras' "
+                f"model.get_state_tree() does, and cannot hold them. Optimizer "
+                f"{getattr(optimizer, 'name', optimizer)!r} ({type(optimizer).__name__}) names these slots "
+                "after the variable's short name, not its path (Keras' Adafactor does so for its factored "
+                "slots). Fix: save_weights_only=True (the optimizer starts afresh on resume), save the "
+                "whole state with model.save('model.keras') (it keys optimizer variables by position; "
+                "shardckpt.load_sharded reads it), or use an optimizer that names its slots by variable "
+                f"path (Adam, Lion, Lamb, ...). Received: path={path!r}"
+            )
+        raise DuplicateStateKeyError(
+            f"{where}{more}: a state-tree checkpoint keys every variable by its path and cannot hold "
+            f"them. Fix: give unique names to your layers (and other objects). Received: path={path!r}"
+        )

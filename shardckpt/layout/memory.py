@@ -33,6 +33,25 @@ _BASE_SLOTS = {
     "rmsprop": 1,
 }
 
+# Optimizers whose slots are not a whole number of copies of every variable
+# (`build()` in keras/src/optimizers/): the estimate refuses them, saying what
+# Keras builds and which known optimizer brackets it.
+_NOT_PER_VARIABLE = {
+    "adafactor": (
+        "beside a full-size velocity sharded like each variable, it keeps the second moments of a "
+        "variable of 2 or more dimensions factored (shapes var.shape[:-1] and "
+        "var.shape[:-2] + var.shape[-1:]), made with no layout, so replicated on every device. Fix: "
+        "estimate with 'rmsprop' (the velocity alone) and add the factors' bytes by hand, or build the "
+        "optimizer under the plan's distribution and sum its variables' addressable shards."
+    ),
+    "muon": (
+        "it keeps a momentum for every variable and a velocity only for those it updates with AdamW "
+        "(not 2-D, embeddings, exclude_layers). Fix: estimate with 'lion' (momentum alone) and 'adam' "
+        "(momentum and velocity for all) for the bounds, or build the optimizer under the plan's "
+        "distribution and sum its variables' addressable shards."
+    ),
+}
+
 
 def slots_per_variable(optimizer: Any) -> int:
     """Full-size slots per trainable variable for `optimizer`.
@@ -51,6 +70,11 @@ def slots_per_variable(optimizer: Any) -> int:
     while isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
         optimizer = optimizer.inner_optimizer
     name = optimizer.lower() if isinstance(optimizer, str) else type(optimizer).__name__.lower()
+    if name in _NOT_PER_VARIABLE:
+        raise LayoutError(
+            f"Optimizer {name!r} keeps no fixed number of full-size slots per variable: "
+            f"{_NOT_PER_VARIABLE[name]} Received: optimizer={optimizer!r}"
+        )
     if name not in _BASE_SLOTS:
         raise LayoutError(
             f"Unknown optimizer {optimizer!r}: its slot count is not known. Fix: use one of "

@@ -28,6 +28,8 @@ import numpy as np
 from shardckpt import _keras, storage
 from shardckpt.errors import ConfigurationError, StepExistsError
 from shardckpt.formats.orbax import ondisk
+from shardckpt.state import check_unique_paths
+from shardckpt.state import collections as state_collections
 from shardckpt.training import fitstate, hostrng, options, quiet, resume_point, saving
 from shardckpt.training import snapshot as snapshot_lib
 from shardckpt.training.contents import StepContents
@@ -305,6 +307,10 @@ class OrbaxCheckpoint(BestTracking):
                                          background=self.save_on_background, context=self._contents.context,
                                          waits_s=self._times.waits, writes_s=self._times.writes)
         self._contents.begin(self.model, weights_only=self.save_weights_only)
+        # Refused before the first step rather than at the first save (the snapshot checks too):
+        # fit has built the optimizer, and Adafactor's factored slots share paths.
+        groups = state_collections(self._model, weights_only=self.save_weights_only)
+        check_unique_paths(groups, getattr(self._model, "optimizer", None))
         if self.resume:
             self._refuse_a_second_resume()
             self._restore_at_start(tracked)

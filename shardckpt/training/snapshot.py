@@ -47,7 +47,7 @@ import jax.numpy as jnp
 
 from shardckpt import threads
 from shardckpt.progress import format_bytes
-from shardckpt.state import collections
+from shardckpt.state import check_unique_paths, collections
 
 MODES = ("auto", "device", "host")
 DEFAULT_BUDGET_BYTES = 256 * 2**20
@@ -304,6 +304,8 @@ def snapshot_state(
         "host", and why).
     """
     groups = collections(model, weights_only=weights_only)
+    # Before any copy: a clash of keys would fail the nesting after the device copy was made.
+    check_unique_paths(groups, getattr(model, "optimizer", None))
     variables = [v for group in groups.values() for v in group]
     values = [v.value for v in variables]
     used = choose(values, mode, budget_bytes)

@@ -1,0 +1,93 @@
+"""Optimizers beyond Adam / SGD through checkpoints and plan estimates.
+
+Keras' `Adafactor` keeps, beside a full-size velocity, factored second
+moments (`r`: the variable's shape less its last dimension, `c`: less its
+second last) made with `add_variable(name=var.name)`: no layout, and a name
+that is the variable's short name (`adafactor/kernel` for both factors of
+every kernel; `bias` for the scalar placeholders of 1-D variables). `Muon`
+keeps a momentum for every variable and a velocity for those it hands to
+AdamW (not 2-D, embeddings, `exclude_layers`).
+"""
+
+from __future__ import annotations
+
+import keras
+import numpy as np
+import pytest
+
+import shardckpt
+from shardckpt import errors
+from shardckpt.training import OrbaxCheckpoint, restore_latest
+from tests.support import column_then_row_parallel
+from tests.zoo import CountingIterator
+
+STEPS = 4
+
+
+def _regressor(seed: int, make_optimizer, lazy: bool = False) -> keras.Model:
+    """x (6) -> hidden (Dense 16) -> head (Dense 1), compiled with `make_optimizer()` (no metrics)."""
+    keras.utils.set_random_seed(seed)
+
+    def build() -> keras.Model:
+        inputs = keras.Input((6,), name="x")
+        h = keras.layers.Dense(16, activation="relu", name="hidden")(inputs)
+        return keras.Model(inputs, keras.layers.Dense(1, name="head")(h), name="small")
+
+    if lazy:
+        with shardckpt.lazy_init():
+            model = build()
+    else:
+        model = build()
+    model.compile(optimizer=make_optimizer(), loss="mse")
+    return model
+
+
+def test_adafactor_state_is_refused_by_name_before_training_and_weights_only_resumes(tmp_path):
+    """Adafactor's factored slots share paths (`adafactor/kernel`, four times here), which a state-tree
+    checkpoint keys by: the callback refuses at the start of fit with a typed error naming the path, the
+    optimizer and the fix (was: a bare ValueError at the first save telling to rename the layers, which
+    are all named uniquely). The fix it names, `save_weights_only=True`, saves and resumes."""
+    keras.distribution.set_distribution(column_then_row_parallel("hidden", "head"))
+    model = _regressor(3, keras.optimizers.Adafactor)
+    it = CountingIterator()
+    ckpt = OrbaxCheckpoint(str(tmp_path / "full"), save_freq=3, data_iterator=it)
+    with pytest.raises(errors.DuplicateStateKeyError) as raised:
+        model.fit(ckpt.batches(), steps_per_epoch=STEPS, epochs=1, callbacks=[ckpt], verbose=0)
+    message = str(raised.value)
+    assert "'adafactor/kernel'" in message and "(6,), (16,), (16,), (1,)" in message
+    assert "Adafactor" in message and "save_weights_only=True" in message
+    assert int(model.optimizer.iterations.value) == 0  # refused before the first step
+
+    ckpt = OrbaxCheckpoint(str(tmp_path / "weights"), data_iterator=it, save_weights_only=True)
+    model.fit(ckpt.batches(), steps_per_epoch=STEPS, epochs=1, callbacks=[ckpt], verbose=0)
+    ckpt.wait_until_finished()
+    keras.backend.clear_session()
+    keras.distribution.set_distribution(column_then_row_parallel("hidden", "head"))
+    fresh = _regressor(42, keras.optimizers.Adafactor, lazy=True)
+    restore_latest(fresh, str(tmp_path / "weights"))
+    for got, want in zip(fresh.weights, model.weights):
+        np.testing.assert_array_equal(np.asarray(got.value), np.asarray(want.value), err_msg=want.path)
+    # Fresh slots where Keras makes them: the velocity like its variable, the factors (no layout) replicated.
+    by_stem = {v.path.replace("/", "_"): v for v in fresh.trainable_variables}
+    for slot in fresh.optimizer.variables:
+        variable = by_stem.get(slot.name.removesuffix("_velocity"))
+        if slot.name.endswith("_velocity"):
+            assert slot.value.sharding == variable.value.sharding, slot.path
+        else:
+            assert set(slot.value.sharding.spec) <= {None}, slot.path
+
+
+@pytest.mark.parametrize("optimizer", ["adafactor", "muon", keras.optimizers.Adafactor(), keras.optimizers.Muon()])
+def test_estimates_refuse_adafactor_and_muon_saying_what_keras_builds_and_the_bounds(optimizer):
+    """`bytes_per_device` cannot count Adafactor's replicated factors or Muon's per-variable velocities
+    from a slot count: it refuses, saying what Keras builds and which known optimizer brackets it (was:
+    "Unknown optimizer ... use one of [...]"); the bound it names is accepted."""
+    model = keras.Sequential([keras.Input((64,)), keras.layers.Dense(256), keras.layers.Dense(64)])
+    plan = shardckpt.auto_layout(model, (1, 8))
+    with pytest.raises(errors.LayoutError) as raised:
+        plan.bytes_per_device(optimizer)
+    message = str(raised.value)
+    assert "Unknown optimizer" not in message and "addressable shards" in message
+    lower, upper = ("rmsprop", "rmsprop") if "adafactor" in message.split(":")[0] else ("lion", "adam")
+    assert ("factored" in message) == (lower == "rmsprop")
+    assert plan.bytes_per_device() < plan.bytes_per_device(lower) <= plan.bytes_per_device(upper)
