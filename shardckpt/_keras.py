@@ -74,6 +74,7 @@ Private attributes of models:
 from __future__ import annotations
 
 import sys
+import types
 from typing import Any, NamedTuple
 
 from keras.src.backend.common import global_state
@@ -272,7 +273,7 @@ def fit_input(model: Any) -> FitInput | None:
     None when no such frame is on the stack (a Keras whose trainer names it
     otherwise, or a callback called outside `fit`).
     """
-    frame = sys._getframe(1)
+    frame: types.FrameType | None = sys._getframe(1)
     while frame is not None:
         found = frame.f_locals.get("epoch_iterator") if frame.f_locals.get("self") is model else None
         if found is not None and hasattr(found, "steps_per_epoch") and hasattr(found, "_num_batches"):
@@ -280,7 +281,7 @@ def fit_input(model: Any) -> FitInput | None:
             return FitInput(found.steps_per_epoch, found._num_batches,
                             int(getattr(found, "steps_per_execution", 1) or 1), getattr(adapter, "py_dataset", None),
                             list(getattr(frame.f_locals.get("callbacks"), "callbacks", None) or []))
-        frame = frame.f_back  # type: ignore[assignment]
+        frame = frame.f_back
     return None
 
 

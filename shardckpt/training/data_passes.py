@@ -67,8 +67,7 @@ def restart_caveat(epoch: int, *, steps_per_epoch: int | None, num_batches: int 
            "set_state() (its position is saved with each step)")
     if offset is None:
         return (f"fit passes steps_per_epoch={steps_per_epoch} with an input of no known length (a generator), "
-                f"so the uninterrupted run would go on at epoch {epoch + 1} with the batches after the first "
-                f"{epoch * steps_per_epoch} it drew; the resumed fit draws from a new input, from its start, "
+                f"so the uninterrupted run would go on at epoch {epoch + 1} X the resumed fit draws from a new input, from its start, "
                 f"which is the same data only if the input repeats every {steps_per_epoch} batches. {fix}")
     return (f"fit passes steps_per_epoch={steps_per_epoch}, fewer than the {num_batches} batches of one pass of "
             f"the data, so Keras goes on with the same pass across epochs: the uninterrupted run would begin "

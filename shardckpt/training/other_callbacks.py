@@ -4,10 +4,11 @@
 (`wait`, `best`, a cooldown) and reset those counts in their own
 `on_train_begin`. A resumed `fit` therefore starts their patience over at the
 resumed epoch: the uninterrupted run may stop, or lower the learning rate, at
-another epoch than the resumed one, and the weights differ. Measured: patience
-2 resumed after epoch 3 of 8 trained 8 epochs where the unbroken run stopped
-after 3 (`tests/test_resume_variations.py`). Keras' `BackupAndRestore` has the
-same gap. The resume says so, once, naming them.
+another epoch than the resumed one, and the weights differ. Measured
+(`tests/test_resume_variations.py`): patience 2, never improving, resumed after
+epoch 2 of 4: the unbroken run stops after epoch 3, the resumed one trains all
+4. Keras' `BackupAndRestore` has the same gap. The resume says so, once,
+naming them.
 """
 
 from __future__ import annotations
