@@ -60,11 +60,22 @@ Private attributes of models:
 - `Model._initial_epoch` (training.callback): the epoch `fit` starts from,
   read by Keras' trainer right after `on_train_begin`; Keras' own
   `BackupAndRestore` resumes through it. There is no public hook.
+- `fit`'s local `epoch_iterator` (`EpochIterator.steps_per_epoch`,
+  `_num_batches`, `steps_per_execution`, `data_adapter.py_dataset`, and
+  its local `callbacks`; training.callback, through
+  `fit_input`): whether `fit` continues one pass of its data across
+  epochs (`steps_per_epoch` shorter than the data, or a generator of no
+  known length), which a resume at an epoch boundary cannot continue. A
+  callback sees neither the data nor `fit`'s `steps_per_epoch` argument
+  (`params["steps"]` is the data's length where none was passed). Nor
+  does it see the other callbacks, whose state a resume may not restore.
 """
 
 from __future__ import annotations
 
-from typing import Any
+import sys
+import types
+from typing import Any, NamedTuple
 
 from keras.src.backend.common import global_state
 from keras.src.callbacks.monitor_callback import MonitorCallback
@@ -80,6 +91,8 @@ __all__ = [
     "resolve_policy_map",
     "current_layout",
     "current_value",
+    "FitInput",
+    "fit_input",
     "get_global_attribute",
     "initial_epoch",
     "initialize",
@@ -234,6 +247,42 @@ def initial_epoch(model: Any) -> Any:
 def set_initial_epoch(model: Any, epoch: Any) -> None:
     """Sets the epoch `fit` starts from; valid from `on_train_begin` on."""
     model._initial_epoch = epoch
+
+
+class FitInput(NamedTuple):
+    """What the `fit` calling back now draws its batches from (see `fit_input`).
+
+    Attributes:
+        steps_per_epoch: As passed to `fit` (None: not passed).
+        num_batches: Batches in one pass of the data (None: not known, a generator).
+        steps_per_execution: The model's.
+        py_dataset: The `keras.utils.PyDataset` given to `fit`, or None.
+        callbacks: Every callback of the `fit` (Keras' `History` and progress bar included).
+    """
+
+    steps_per_epoch: int | None
+    num_batches: int | None
+    steps_per_execution: int
+    py_dataset: Any
+    callbacks: list[Any]
+
+
+def fit_input(model: Any) -> FitInput | None:
+    """What the `fit` of `model` that is calling back now draws from, read from its `epoch_iterator`.
+
+    None when no such frame is on the stack (a Keras whose trainer names it
+    otherwise, or a callback called outside `fit`).
+    """
+    frame: types.FrameType | None = sys._getframe(1)
+    while frame is not None:
+        found = frame.f_locals.get("epoch_iterator") if frame.f_locals.get("self") is model else None
+        if found is not None and hasattr(found, "steps_per_epoch") and hasattr(found, "_num_batches"):
+            adapter = getattr(found, "data_adapter", None)
+            return FitInput(found.steps_per_epoch, found._num_batches,
+                            int(getattr(found, "steps_per_execution", 1) or 1), getattr(adapter, "py_dataset", None),
+                            list(getattr(frame.f_locals.get("callbacks"), "callbacks", None) or []))
+        frame = frame.f_back
+    return None
 
 
 def resolve_policy_map(model: Any) -> list[str]:

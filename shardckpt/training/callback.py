@@ -30,13 +30,14 @@ from shardckpt.errors import ConfigurationError, StepExistsError
 from shardckpt.formats.orbax import ondisk
 from shardckpt.state import check_unique_paths
 from shardckpt.state import collections as state_collections
-from shardckpt.training import fitstate, hostrng, options, quiet, resume_point, saving
+from shardckpt.training import data_passes, fitstate, hostrng, options, other_callbacks, quiet, resume_point, saving
 from shardckpt.training import snapshot as snapshot_lib
 from shardckpt.training.contents import StepContents
 from shardckpt.training.counting import BatchCount
 from shardckpt.training.iterators import DataPosition
 from shardckpt.training.monitoring import BestTracking
 from shardckpt.training.preemption import PreemptionStop
+from shardckpt.training.resume import ResumeInfo
 from shardckpt.training.resume_point import ResumeState
 from shardckpt.training.retention import Retention
 from shardckpt.training.save_times import SaveTimes
@@ -501,7 +502,30 @@ class OrbaxCheckpoint(BestTracking):
                                        metrics=[np.asarray(v.value) for v in self.model.metrics_variables])
         fitstate.publish_resume(self._model, self.params, fitstate.Resumed(owner=id(self), directory=self.directory, info=info))
         self._say(*resume_point.describe(point, info, epochs=(self.params or {}).get("epochs"),
-                                         directory=self.directory))
+                                         directory=self.directory, caveat=self._data_caveat(info, tracked)))
+
+    def _data_caveat(self, info: ResumeInfo | None, tracked: bool) -> str:
+        """Why the resumed `fit` will not train as the uninterrupted run did ("" where it will, or is not known).
+
+        Only `batches()` carries the data's position; any other input starts
+        over at the resumed epoch, which is exact only where the
+        uninterrupted run started over there too (`data_passes`). The state
+        of other callbacks that decide what later epochs train is in no
+        step: that gets a warning of its own (`other_callbacks`).
+        """
+        if info is None or info.epoch is None:
+            return ""
+        drawn = _keras.fit_input(self._model)
+        if drawn is None:
+            return ""
+        if (unsaved := other_callbacks.unrestored(drawn.callbacks, info.next_epoch)):
+            self._say(logging.WARNING, unsaved + ".")
+        if tracked:
+            return ""
+        return (data_passes.restart_caveat(info.next_epoch, steps_per_epoch=drawn.steps_per_epoch,
+                                           num_batches=drawn.num_batches,
+                                           steps_per_execution=drawn.steps_per_execution)
+                or data_passes.dataset_caveat(drawn.py_dataset, info.next_epoch))
 
     def _refuse_a_second_resume(self) -> None:
         """Refuses `resume=True` where another callback of this `fit` resumed already.

@@ -120,11 +120,13 @@ def set_iterator(data_iterator: Any, step_dir: str | None, *, on_process_count_c
     return step_dir
 
 
-def describe(point: ResumePoint, info: ResumeInfo | None, *, epochs: int | None, directory: str) -> tuple[int, str]:
+def describe(point: ResumePoint, info: ResumeInfo | None, *, epochs: int | None, directory: str,
+             caveat: str = "") -> tuple[int, str]:
     """The one line a resume logs, and its level: the step and epoch, or that the run is complete.
 
-    WARNING when the latest step is not the one continued (work is redone) or
-    when there is nothing left to train; INFO otherwise.
+    WARNING when the latest step is not the one continued (work is redone),
+    when there is nothing left to train, or with a `caveat` (why the data the
+    resumed `fit` draws is not the uninterrupted run's); INFO otherwise.
     """
     if info is None:
         return logging.WARNING, (
@@ -143,14 +145,19 @@ def describe(point: ResumePoint, info: ResumeInfo | None, *, epochs: int | None,
                  "data position not known, so the run is not exact")
     line = f"resumed from step {info.step} in {directory} ({where})"
     if point.why:
+        exact = "" if caveat else "exact; "
         line = (f"step {point.latest} not resumed: {point.why}; {line}, the newest step of whole epochs "
-                f"(exact; steps {point.newer} will be written again). Fix: feed fit from "
+                f"({exact}steps {point.newer} will be written again). Fix: feed fit from "
                 "OrbaxCheckpoint.batches() to resume mid-epoch")
     if epochs is not None and info.epoch is not None and info.next_epoch >= epochs:
         done = f"The run is already complete: all {epochs} epochs are trained; fit trains nothing."
         return logging.WARNING, f"{line}. {done}"
-    level = logging.WARNING if point.why or info.epoch is None else logging.INFO
-    return level, f"{line}; fit continues at {epoch(info.next_epoch)}." if info.epoch is not None else f"{line}."
+    if info.epoch is None:
+        return logging.WARNING, f"{line}."
+    line = f"{line}; fit continues at {epoch(info.next_epoch)}."
+    if caveat:
+        return logging.WARNING, f"{line} Not exact: {caveat}."
+    return (logging.WARNING if point.why else logging.INFO), line
 
 
 @dataclasses.dataclass(kw_only=True, eq=False)
