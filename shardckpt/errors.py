@@ -130,11 +130,7 @@ class CheckpointMismatchError(ShardckptError, ValueError):
         lines += [f"  missing from checkpoint: {p}" for p in self.missing]
         lines += [f"  not in the model: {k}" for k in self.unexpected]
         lines += [f"  mismatch: {m}" for m in self.mismatched]
-        if fix is None:
-            fix = _mismatch_fix(self, fmt)
-        elif self.names is not None and any(self.names) and fmt in _PATH_KEYED:
-            fix = _renaming_fix(*self.names) + "; or " + fix  # the names that differ come first
-        lines.append("Fix: " + fix)
+        lines.append("Fix: " + (fix if fix is not None else _mismatch_fix(self, fmt)))
         super().__init__("\n".join(lines))
 
 
@@ -159,7 +155,7 @@ def _mismatch_fix(error: CheckpointMismatchError, fmt: str) -> str:
     fixes = []
     if (error.missing or error.unexpected) and fmt in _PATH_KEYED and error.names is not None:
         # Every layer is named already: naming them is no fix, the names that differ are.
-        fixes += [_renaming_fix(*error.names)] if any(error.names) else []
+        fixes += [renaming_fix(*error.names)] if any(error.names) else []
     elif (error.missing or error.unexpected) and fmt in _PATH_KEYED:
         fixes.append(
             "name the model and its layers (name=...), or call keras.backend.clear_session() "
@@ -180,7 +176,7 @@ def _mismatch_fix(error: CheckpointMismatchError, fmt: str) -> str:
     return "; or ".join(fixes) + "."
 
 
-def _renaming_fix(in_checkpoint: Sequence[str], in_model: Sequence[str]) -> str:
+def renaming_fix(in_checkpoint: Sequence[str], in_model: Sequence[str]) -> str:
     """Advice for a model whose layers are all named, where the names differ from the checkpoint's."""
     from shardckpt.progress import some  # a sibling module; imported here as only this advice needs it
 

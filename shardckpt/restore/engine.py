@@ -27,7 +27,7 @@ from keras import distribution as kd
 
 from shardckpt import _keras, dtypes, storage
 from shardckpt import budget as budgets
-from shardckpt.errors import CheckpointMismatchError, IndivisibleLayoutError, LayoutError
+from shardckpt.errors import CheckpointMismatchError, IndivisibleLayoutError, LayoutError, renaming_fix
 from shardckpt.formats import Reader, open_reader
 from shardckpt.lazy import is_unloaded, original_initializer
 from shardckpt.progress import ByteProgress, ReadTally, key_lines, read_line, some
@@ -460,6 +460,8 @@ def _refuse_little(model: Any, found: naming.KeyMatch, path: str) -> None:
     share = sum(_nbytes(v) for v in loaded) / total
     if loaded and share >= 0.5:
         return
+    # Every layer named by the user: the names that differ come first (as a strict load's advice).
+    renamed = renaming_fix(*found.names) + "; or " if found.names is not None and any(found.names) else ""
     raise CheckpointMismatchError(
         path,
         missing=found.missing_lines(),
@@ -470,7 +472,7 @@ def _refuse_little(model: Any, found: naming.KeyMatch, path: str) -> None:
             f"({share:.0%} of their bytes) and leave the rest at their initial values: the "
             "checkpoint holds another model, or names its variables otherwise."
         ),
-        fix=(
+        fix=renamed + (
             "load the checkpoint into the architecture that wrote it (same layers and "
             "configuration), or check the path; strict=False is for a few differing variables, "
             "not for most of the model."

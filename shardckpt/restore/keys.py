@@ -255,7 +255,8 @@ def _differing_names(
 
     ours = {p for path in layers for p in path}
     theirs = {p for key in stored if not is_optional_key(key, found.format) for p in parts(key)}
-    only_theirs = {p for key in found.unexpected for p in parts(key)} - ours
+    # Optimizer and metric keys name no layer (`optimizer_variables/adam/...`): not a layer name.
+    only_theirs = {p for key in found.unexpected if not is_optional_key(key, found.format) for p in parts(key)} - ours
     only_ours = {p for _, v in found.missing for p in v.path.split("/")[:-1]} - theirs
     return natural_sorted(only_theirs), natural_sorted(only_ours)
 
