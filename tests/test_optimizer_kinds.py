@@ -91,3 +91,64 @@ def test_estimates_refuse_adafactor_and_muon_saying_what_keras_builds_and_the_bo
     lower, upper = ("rmsprop", "rmsprop") if "adafactor" in message.split(":")[0] else ("lion", "adam")
     assert ("factored" in message) == (lower == "rmsprop")
     assert plan.bytes_per_device() < plan.bytes_per_device(lower) <= plan.bytes_per_device(upper)
+
+
+class _Twin(keras.layers.Layer):
+    """Adds `count` vectors of 3, each a weight named "w": with 2, two variables at one path."""
+
+    def __init__(self, count: int, **kwargs):
+        super().__init__(**kwargs)
+        self.count = count
+
+    def build(self, shape):
+        self.ws = [self.add_weight(shape=(3,), name="w", initializer="zeros") for _ in range(self.count)]
+
+    def call(self, x):
+        return x + sum(self.ws)
+
+
+def _twins(count: int, value: float) -> keras.Model:
+    model = keras.Sequential([keras.Input((3,)), _Twin(count, name="twin")], name="m")
+    for i, w in enumerate(model.layers[0].ws):
+        w.assign(np.full(3, value * (i + 1), "float32"))
+    return model
+
+
+def test_restore_and_export_refuse_two_variables_at_one_state_tree_key(tmp_path):
+    """A state-tree checkpoint holds one array per path; a model with two variables at `m/twin/w` took
+    it into the first and left the second as it was, strict=True passing (was: "Loaded 1 arrays", the
+    second variable still 0); an export of that model wrote one of them. Both now refuse by name."""
+    shardckpt.export(_twins(1, 1.0), str(tmp_path / "one"), format="orbax")
+    model = _twins(2, 0.0)
+    with pytest.raises(errors.DuplicateStateKeyError) as raised:
+        shardckpt.load_sharded(model, str(tmp_path / "one"))
+    message = str(raised.value)
+    assert "'m/twin/w'" in message and "(3,), (3,)" in message and ".weights.h5" in message
+    assert [np.asarray(w.value).tolist() for w in model.layers[0].ws] == [[0.0] * 3] * 2  # untouched
+    with pytest.raises(errors.DuplicateStateKeyError, match="'m/twin/w'"):
+        shardckpt.export(model, str(tmp_path / "two"), format="orbax")
+    assert not (tmp_path / "two").exists()
+
+
+def test_restore_of_optimizer_state_into_adafactor_is_refused_and_weights_load_before_compile(tmp_path):
+    """Adafactor's factored slots share paths (`adafactor/kernel`): a checkpoint with optimizer state
+    cannot fill them one each. load_sharded refuses with the path, the shapes and the fix, strict or not
+    (was: a CheckpointMismatchError listing 18 keys); the fix it names, loading before compile(), loads
+    every weight."""
+    source = _regressor(3, keras.optimizers.Adam)
+    source.optimizer.build(source.trainable_variables)
+    ckpt = OrbaxCheckpoint(str(tmp_path / "adam"), save_freq=1)
+    source.fit(np.ones((4, 6), "float32"), np.ones((4, 1), "float32"), epochs=1, callbacks=[ckpt], verbose=0)
+    ckpt.wait_until_finished()
+    model = _regressor(42, keras.optimizers.Adafactor)
+    model.optimizer.build(model.trainable_variables)
+    for strict in (True, False):
+        with pytest.raises(errors.DuplicateStateKeyError) as raised:
+            shardckpt.load_sharded(model, str(tmp_path / "adam"), strict=strict)
+        message = str(raised.value)
+        assert "'adafactor/kernel'" in message and "(6,), (16,), (16,), (1,)" in message
+        assert "Adafactor" in message and "before compile()" in message and ".keras" in message
+    plain = keras.models.clone_model(source)  # not compiled yet: no optimizer state to fill
+    shardckpt.load_sharded(plain, str(tmp_path / "adam"))
+    for got, want in zip(plain.weights, source.weights):
+        np.testing.assert_array_equal(np.asarray(got.value), np.asarray(want.value), err_msg=want.path)
