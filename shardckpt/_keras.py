@@ -55,6 +55,13 @@ Private attributes of layers:
   way to get the state the saved model was in; the public setter would
   quantize (read) the unloaded kernel again.
 
+Private methods of optimizers:
+
+- `Muon._should_use_adamw` (layout.memory, through `muon_uses_adamw`):
+  which variables Muon updates with AdamW, and so keeps a velocity for (not
+  2-D, embeddings, `exclude_layers`); asking Keras keeps the estimate exact
+  for the installed version's rule and the optimizer's options.
+
 Private attributes of models:
 
 - `Model._initial_epoch` (training.callback): the epoch `fit` starts from,
@@ -95,6 +102,7 @@ __all__ = [
     "fit_input",
     "get_global_attribute",
     "initial_epoch",
+    "muon_uses_adamw",
     "initialize",
     "initializer",
     "save_assets",
@@ -237,6 +245,15 @@ def initialize(variable: Any, initializer: Any, *, layout: Any) -> None:
     variable._initializer = None
     variable._layout = layout
     variable._initialize_with_initializer(initializer)
+
+
+def muon_uses_adamw(optimizer: Any, path: str, shape: tuple[int, ...]) -> bool:
+    """Whether Keras' `Muon` updates a variable at `path` of `shape` with AdamW (see module docstring).
+
+    Keras reads only `variable.path` and `variable.shape`, so a plan's
+    placement is asked about without building the variable.
+    """
+    return bool(optimizer._should_use_adamw(types.SimpleNamespace(path=path, shape=tuple(shape))))
 
 
 def initial_epoch(model: Any) -> Any:

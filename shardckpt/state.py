@@ -44,7 +44,7 @@ def collections(model: Any, *, weights_only: bool = False) -> dict[str, list[Any
     return out
 
 
-def check_unique_paths(groups: dict[str, list[Any]], optimizer: Any = None) -> None:
+def check_unique_paths(groups: dict[str, list[Any]], optimizer: Any = None, *, loading: bool = False) -> None:
     """Refuses state a state-tree checkpoint cannot hold: two variables of one collection at one path.
 
     The tree keys each variable by `variable.path`, so the second of two
@@ -58,6 +58,10 @@ def check_unique_paths(groups: dict[str, list[Any]], optimizer: Any = None) -> N
     Args:
         groups: `{collection: [variables]}` (`collections`).
         optimizer: The model's optimizer, named in the message.
+        loading: The check is a restore's (the checkpoint holds these
+            collections): the fix says how to load instead of how to save.
+            A restore keyed by path would fill one of the variables and
+            leave the others as they are.
 
     Raises:
         DuplicateStateKeyError: naming the path, the shapes found there, and the fix.
@@ -74,15 +78,34 @@ def check_unique_paths(groups: dict[str, list[Any]], optimizer: Any = None) -> N
         where = f"{len(found)} variables of collection {name!r} share the path {path!r} (shapes {shapes})"
         more = f"; {len(twice) - 1} other path(s) are shared as well" if len(twice) > 1 else ""
         if name == "optimizer_variables":
+            who = (
+                f"Optimizer {getattr(optimizer, 'name', optimizer)!r} ({type(optimizer).__name__}) names "
+                "these slots after the variable's short name, not its path (Keras' Adafactor does so for "
+                "its factored slots)."
+            )
+            if loading:
+                raise DuplicateStateKeyError(
+                    f"{where}{more}: the checkpoint keys every variable by its path, so it holds one array "
+                    f"there for all of them, and loading would fill one and leave the others. {who} Fix: "
+                    "load the weights alone (load_sharded into the model before compile(); the optimizer "
+                    "then starts afresh), or restore the whole state from a .keras file saved with "
+                    "model.save('model.keras') (it keys optimizer variables by position; "
+                    f"shardckpt.load_sharded reads it). Received: path={path!r}"
+                )
             raise DuplicateStateKeyError(
                 f"{where}{more}: a state-tree checkpoint keys every variable by its path, as Keras' "
-                f"model.get_state_tree() does, and cannot hold them. Optimizer "
-                f"{getattr(optimizer, 'name', optimizer)!r} ({type(optimizer).__name__}) names these slots "
-                "after the variable's short name, not its path (Keras' Adafactor does so for its factored "
-                "slots). Fix: save_weights_only=True (the optimizer starts afresh on resume), save the "
-                "whole state with model.save('model.keras') (it keys optimizer variables by position; "
-                "shardckpt.load_sharded reads it), or use an optimizer that names its slots by variable "
-                f"path (Adam, Lion, Lamb, ...). Received: path={path!r}"
+                f"model.get_state_tree() does, and cannot hold them. {who} Fix: save_weights_only=True "
+                "(the optimizer starts afresh on resume), save the whole state with "
+                "model.save('model.keras') (it keys optimizer variables by position; shardckpt.load_sharded "
+                "reads it), or use an optimizer that names its slots by variable path (Adam, Lion, Lamb, "
+                f"...). Received: path={path!r}"
+            )
+        if loading:
+            raise DuplicateStateKeyError(
+                f"{where}{more}: the checkpoint keys every variable by its path, so it holds one array "
+                "there for all of them, and loading would fill one and leave the others. Fix: load from a "
+                ".weights.h5 or .keras file (Keras keys variables by their position in the model), or give "
+                f"the variables unique names and save the checkpoint again. Received: path={path!r}"
             )
         raise DuplicateStateKeyError(
             f"{where}{more}: a state-tree checkpoint keys every variable by its path and cannot hold "

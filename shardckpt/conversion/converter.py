@@ -305,10 +305,14 @@ def _match(reader: Reader, model: Any, report: ConvertReport, target: np.dtype |
     Only weights are converted: other keys (optimizer state) are skipped.
     """
     dst_of: dict[int, str] = {}  # variable -> its key in the output state tree
-    for name, variables in state.collections(model, weights_only=True).items():
+    weights = state.collections(model, weights_only=True)
+    state.check_unique_paths(weights)  # the output keys each variable by its path
+    for name, variables in weights.items():
         for variable in variables:
             dst_of.setdefault(id(variable), f"{name}/{variable.path}")
-    by_key = naming.keys_for(model, reader.format)
+    # The source's weights only: the optimizer's slots may share paths (Adafactor), unread here.
+    source = [k for k in reader.keys() if not naming.is_optional_key(k, reader.format)]
+    by_key = naming.keys_for(model, reader.format, source)
     found = naming.match(
         {k: v for k, v in by_key.items() if id(v) in dst_of}, reader, explicit=explicit_names(model)
     )

@@ -44,7 +44,7 @@ def export_orbax(model: Any, partial: str, *, dtype: Any, budget: Budget) -> tup
     factors = lora_factors(model)
     bases = lora_bases(model)
     keys = {}
-    for k, v in state_keys(model).items():
+    for k, v in state_keys(model, held=state.WEIGHT_COLLECTIONS).items():
         if k.startswith(optional) or id(v) in factors:
             continue
         if id(v) in bases:

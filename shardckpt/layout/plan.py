@@ -35,7 +35,7 @@ from shardckpt import _keras
 from shardckpt.errors import LayoutError, UnplannedVariableError
 from shardckpt.layout.distribution import PlannedDistribution
 from shardckpt.layout.lora import lora_layout
-from shardckpt.layout.memory import slots_per_variable
+from shardckpt.layout.memory import Slots, slots_for
 from shardckpt.layout.mesh import check_device_count
 from shardckpt.layout.placement import Axis, Placement, axis_from_json, axis_json, flat_axes
 from shardckpt.structure import structural_paths
@@ -290,17 +290,28 @@ class LayoutPlan:
             optimizer: None, or an optimizer name / instance whose slots are
                 added (e.g. "adam": two slots per trainable variable, each
                 sharded like its variable; step and learning rate ignored).
+                Adafactor's factored second moments, which Keras makes with
+                no layout, count whole on every device; Muon's velocity
+                counts for the variables it updates with AdamW
+                (`shardckpt.layout.memory.slots_for`).
 
         Returns:
             Bytes on one device (all devices hold the same, since every split
             divides evenly).
         """
-        slots = 0 if optimizer is None else slots_per_variable(optimizer)
         total = 0
         for p in self.placements:
+            slots = self._slots(optimizer, p)
             piece = p.nbytes // self.split_factor(p.axes)
-            total += piece * (1 + (slots if p.trainable else 0))
+            total += piece * (1 + slots.sharded) + slots.replicated_bytes()
         return total
+
+    @staticmethod
+    def _slots(optimizer: Any, placement: Placement) -> Slots:
+        """What `optimizer` keeps for the variable of `placement` (nothing for a frozen one)."""
+        if optimizer is None or not placement.trainable:
+            return Slots(0)
+        return slots_for(optimizer, placement.path, placement.shape, placement.dtype)
 
     def shard_devices(self) -> int:
         """Devices a perfect split spreads the parameters over.
@@ -318,8 +329,11 @@ class LayoutPlan:
         `bytes_per_device(optimizer)` divided by the total bytes (with the
         optimizer's slots) over `shard_devices()`.
         """
-        slots = 0 if optimizer is None else slots_per_variable(optimizer)
-        total = sum(p.nbytes * (1 + (slots if p.trainable else 0)) for p in self.placements)
+        total = 0
+        for p in self.placements:
+            # Replicated slots (Adafactor's factors) counted once: a perfect split would split them too.
+            slots = self._slots(optimizer, p)
+            total += p.nbytes * (1 + slots.sharded) + slots.replicated_bytes()
         if not total:
             return 1.0
         return self.bytes_per_device(optimizer) / (total / self.shard_devices())

@@ -375,7 +375,7 @@ def match_jobs(
     layout_of: Callable[[Any], TargetLayout],
 ) -> tuple[list[Job], list[tuple[Any, TargetLayout]]]:
     """Pairs keys with variables and checks everything before any I/O."""
-    wanted, lora_absent = naming.align_lora(model, naming.keys_for(model, reader.format), reader.keys())
+    wanted, lora_absent = naming.align_lora(model, naming.keys_for(model, reader.format, reader.keys()), reader.keys())
     found = naming.match(wanted, reader, explicit=explicit_names(model))
     report.missing = found.missing_lines()
     report.unexpected = found.unexpected

@@ -315,10 +315,27 @@ def _same_array(variable: Any, spec: Any) -> bool:
     return tuple(spec.shape) == tuple(variable.shape) and np.dtype(spec.dtype) == np.dtype(variable.dtype)
 
 
-def state_keys(model: Any) -> dict[str, Any]:
-    """Returns `{state-tree key: variable}` as `model.get_state_tree()` nests them."""
+def state_keys(model: Any, *, held: Iterable[str] | None = None, loading: bool = False) -> dict[str, Any]:
+    """Returns `{state-tree key: variable}` as `model.get_state_tree()` nests them.
+
+    Args:
+        model: The model.
+        held: The collections a checkpoint holds (or is to hold); None: all.
+            Only these must key each variable once: an Adafactor model's
+            optimizer slots share paths, which does not matter to a
+            weights-only checkpoint.
+        loading: Said for a restore (`state.check_unique_paths`).
+
+    Raises:
+        DuplicateStateKeyError: Two variables of a collection in `held` share
+            a path: one key cannot hold both (a restore would fill one and
+            leave the other, an export would write one).
+    """
+    groups = state.collections(model)
+    wanted = groups if held is None else {k: v for k, v in groups.items() if k in set(held)}
+    state.check_unique_paths(wanted, getattr(model, "optimizer", None), loading=loading)
     out: dict[str, Any] = {}
-    for name, variables in state.collections(model).items():
+    for name, variables in groups.items():
         for variable in variables:
             out.setdefault(f"{name}/{variable.path}", variable)
     return out
@@ -329,15 +346,25 @@ def path_keys(model: Any) -> dict[str, Any]:
     return {v.path: v for v in model.weights}
 
 
-def keys_for(model: Any, fmt: str) -> dict[str, Any]:
-    """Returns the key -> variable map for checkpoint format `fmt` (its naming: `Format.keys`)."""
+def keys_for(model: Any, fmt: str, stored: Iterable[str] | None = None) -> dict[str, Any]:
+    """Returns the key -> variable map for checkpoint format `fmt` (its naming: `Format.keys`).
+
+    Args:
+        model: The model.
+        fmt: The checkpoint's format.
+        stored: The checkpoint's keys, when loading it: a state-tree
+            checkpoint's collections are then checked to key each variable
+            once (`state_keys`).
+    """
     naming = FORMATS[fmt].keys if fmt in FORMATS else fmt
     if naming == "h5":
         return h5_keys(model)
     if naming == "preset":
         return preset_keys(model)
     if naming == "state":
-        return state_keys(model)
+        if stored is None:
+            return state_keys(model)
+        return state_keys(model, held={collection(k) for k in stored}, loading=True)
     return path_keys(model)  # safetensors; "hf" readers key variables by path too
 
 
