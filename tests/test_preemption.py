@@ -403,3 +403,34 @@ def test_sigterm_at_random_moments_then_rerun_is_bit_exact(server, tmp_path, sav
     print(f"save_freq={save_freq}: stopped early {stopped_early}/5, mid-epoch {mid_epoch}")
     assert stopped_early >= 4, "most notices must stop the run before its end"
     assert mid_epoch >= 1, "at least one preemption save must fall in the middle of an epoch"
+
+
+def _decaying() -> keras.callbacks.LearningRateScheduler:
+    return keras.callbacks.LearningRateScheduler(lambda epoch, lr: lr * 0.9)  # depends on the current rate
+
+
+@pytest.mark.parametrize("where", ["before", "after"])
+def test_a_schedule_of_the_current_rate_is_not_applied_twice_to_an_epoch_resumed_mid_way(tmp_path, where):
+    """SIGTERM after batch 6 of 3x4: the step holds epoch 1's rate (0.01 * 0.9**2). The resumed fit
+    calls on_epoch_begin(1) again; measured before the fix, the schedule stepped twice (final rate
+    0.0006561 against 0.000729) and the weights differed. Now: rate and weights bit-equal."""
+    ref_data = _Batches()
+    ref = _two_dense_adam_regressor()
+    ref.fit((b for b in ref_data), steps_per_epoch=4, epochs=3, callbacks=[_decaying()], verbose=0)
+
+    def callbacks(ckpt, *extra):
+        return [*extra, _decaying(), ckpt] if where == "before" else [*extra, ckpt, _decaying()]
+
+    ckpt = OrbaxCheckpoint(str(tmp_path), save_freq="epoch", data_iterator=_Batches())
+    _two_dense_adam_regressor().fit(ckpt.batches(), steps_per_epoch=4, epochs=3,
+                                    callbacks=callbacks(ckpt, sigterm_at(6)), verbose=0)
+    assert ckpt.preempted_step == 1
+
+    again = OrbaxCheckpoint(str(tmp_path), save_freq="epoch", resume=True, data_iterator=_Batches())
+    model = _two_dense_adam_regressor()
+    model.fit(again.batches(), steps_per_epoch=4, epochs=3, callbacks=callbacks(again), verbose=0)
+    assert again.resumed.step == 1 and not again.resumed.epoch_complete and model.history.epoch == [1, 2]
+    assert np.asarray(model.optimizer.learning_rate) == np.asarray(ref.optimizer.learning_rate)
+    for want, got in zip(ref.trainable_variables + ref.optimizer.variables,
+                         model.trainable_variables + model.optimizer.variables):
+        np.testing.assert_array_equal(np.asarray(got.value), np.asarray(want.value), err_msg=got.path)

@@ -30,7 +30,17 @@ from shardckpt.errors import ConfigurationError, StepExistsError
 from shardckpt.formats.orbax import ondisk
 from shardckpt.state import check_unique_paths
 from shardckpt.state import collections as state_collections
-from shardckpt.training import data_passes, fitstate, hostrng, options, other_callbacks, quiet, resume_point, saving
+from shardckpt.training import (
+    data_passes,
+    fitstate,
+    hostrng,
+    options,
+    other_callbacks,
+    quiet,
+    resume_point,
+    resumed_lr,
+    saving,
+)
 from shardckpt.training import snapshot as snapshot_lib
 from shardckpt.training.contents import StepContents
 from shardckpt.training.counting import BatchCount
@@ -292,6 +302,7 @@ class OrbaxCheckpoint(BestTracking):
         # The preemption step this fit resumed from while no save of this fit superseded it.
         self._resumed_preemption_step: int | None = None
         self._adopted: fitstate.Resumed | None = None  # another callback's resume this one went on from
+        self._resumed_lr: np.ndarray | None = None  # the rate of a step saved mid-epoch (`resumed_lr`)
         self._schedule.begin()
         self._warned_monitor = False
         # Keras' trainer reads the initial epoch right after this hook (see _keras).
@@ -337,6 +348,15 @@ class OrbaxCheckpoint(BestTracking):
             # epoch's accumulators so epoch-end logs match the unbroken run.
             for variable, value in zip(self.model.metrics_variables, self._count.resume_metrics):
                 variable.assign(value)
+
+    def on_train_batch_begin(self, batch: int, logs: dict | None = None) -> None:
+        if self._resumed_lr is not None:
+            # Every on_epoch_begin of the resumed epoch ran: undo a schedule's second step.
+            restored, self._resumed_lr = self._resumed_lr, None
+            if resumed_lr.put_back(self._model, restored):
+                self._say(logging.INFO, "the learning rate an on_epoch_begin set for the resumed epoch is put "
+                                        f"back to the step's ({float(restored)!r}): that epoch's schedule step "
+                                        "is in the step already.")
 
     def on_train_batch_end(self, batch: int, logs: dict | None = None) -> None:
         count = self._count
@@ -498,6 +518,8 @@ class OrbaxCheckpoint(BestTracking):
             if info.metadata.get("best") is not None and not isinstance(info.metadata["best"], str):
                 self.best = float(info.metadata["best"])
             hostrng.restore(info.metadata.get("host_rng"))
+            if not info.epoch_complete:
+                self._resumed_lr = resumed_lr.capture(self._model)
             self._count.continue_after(info.metadata, save_freq=self.save_freq,
                                        metrics=[np.asarray(v.value) for v in self.model.metrics_variables])
         fitstate.publish_resume(self._model, self.params, fitstate.Resumed(owner=id(self), directory=self.directory, info=info))
