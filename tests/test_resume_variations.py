@@ -182,3 +182,19 @@ def test_early_stopping_restoring_best_weights_says_those_are_in_no_step(tmp_pat
 ])
 def test_pass_offset_follows_kerass_epoch_iterator(epoch, steps, batches, per_execution, want):
     assert pass_offset(epoch, steps_per_epoch=steps, num_batches=batches, steps_per_execution=per_execution) == want
+
+
+def test_counters_of_other_callbacks_than_the_steps_are_not_given_back_and_that_is_said(tmp_path, caplog):
+    """Saved with EarlyStopping, resumed with ReduceLROnPlateau: the counters are matched by class
+    and order, so none is given back, and one warning names both lists."""
+    inputs = "arrays, steps_per_epoch=3 of 6 batches"
+    first = OrbaxCheckpoint(str(tmp_path / "c"))
+    _model().fit(**_fit_inputs(inputs), epochs=2, verbose=0, callbacks=[first, *_patient("EarlyStopping")])
+    first.wait_until_finished()
+    plateau = _patient("ReduceLROnPlateau")
+    resumed = OrbaxCheckpoint(str(tmp_path / "c"), resume=True)
+    with caplog.at_level(logging.WARNING, logger="shardckpt"):
+        _model().fit(**_fit_inputs(inputs), epochs=3, verbose=0, callbacks=[resumed, *plateau])
+    resumed.wait_until_finished()
+    said = [r.getMessage() for r in caplog.records if "saved the counters" in r.getMessage()]
+    assert len(said) == 1 and "['EarlyStopping']" in said[0] and "['ReduceLROnPlateau']" in said[0], said

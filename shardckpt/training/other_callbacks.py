@@ -26,7 +26,7 @@ from typing import Any
 
 import keras
 
-from shardckpt.training.metadata import json_number
+from shardckpt.training.metadata import jsonable
 
 # The numbers each callback's on_train_begin resets, which decide what later epochs train.
 _FIELDS: tuple[tuple[type, tuple[str, ...]], ...] = (
@@ -43,7 +43,7 @@ def _fields(callback: Any) -> tuple[str, ...] | None:
 
 
 def _number(value: Any) -> Any:
-    """A saved field back as Python number ("inf" / "nan", as `json_number` writes them, as floats)."""
+    """A saved field back as Python number ("inf" / "nan", as `jsonable` writes them, as floats)."""
     return float(value) if isinstance(value, str) else value
 
 
@@ -66,8 +66,7 @@ def capture(callbacks: list[Any], checkpoint: Any, *, in_epoch_end: bool) -> lis
             continue
         entries.append({
             "callback": type(callback).__name__,
-            "state": {name: json_number(v) if isinstance(v := getattr(callback, name, None), float) else v
-                      for name in fields},
+            "state": {name: jsonable(getattr(callback, name, None)) for name in fields},
             "epoch_end_ran": in_epoch_end and not seen_checkpoint,
         })
     return entries

@@ -7,7 +7,10 @@ current rate (`lambda epoch, lr: lr * 0.9`) applies epoch k's step a second
 time: measured, the final rate was 0.0006561 against the unbroken run's
 0.000729, and the weights differed (`tests/test_preemption.py`). The rate
 restored is put back once every `on_epoch_begin` of the resumed epoch has run:
-at the first `on_train_batch_begin`, before its batch trains.
+at the first `on_train_batch_begin`, before its batch trains. (A callback that
+sets the rate in `on_train_batch_begin` and is listed before the checkpoint has
+its setting for that one batch undone; the INFO line says when the rate is put
+back.)
 """
 
 from __future__ import annotations
