@@ -403,3 +403,58 @@ def test_sigterm_at_random_moments_then_rerun_is_bit_exact(server, tmp_path, sav
     print(f"save_freq={save_freq}: stopped early {stopped_early}/5, mid-epoch {mid_epoch}")
     assert stopped_early >= 4, "most notices must stop the run before its end"
     assert mid_epoch >= 1, "at least one preemption save must fall in the middle of an epoch"
+
+
+def _decaying() -> keras.callbacks.LearningRateScheduler:
+    return keras.callbacks.LearningRateScheduler(lambda epoch, lr: lr * 0.9)  # depends on the current rate
+
+
+@pytest.mark.parametrize("where", ["before", "after"])
+def test_a_schedule_of_the_current_rate_is_not_applied_twice_to_an_epoch_resumed_mid_way(tmp_path, where):
+    """SIGTERM after batch 6 of 3x4: the step holds epoch 1's rate (0.01 * 0.9**2). The resumed fit
+    calls on_epoch_begin(1) again; measured before the fix, the schedule stepped twice (final rate
+    0.0006561 against 0.000729) and the weights differed. Now: rate and weights bit-equal."""
+    ref_data = _Batches()
+    ref = _two_dense_adam_regressor()
+    ref.fit((b for b in ref_data), steps_per_epoch=4, epochs=3, callbacks=[_decaying()], verbose=0)
+
+    def callbacks(ckpt, *extra):
+        return [*extra, _decaying(), ckpt] if where == "before" else [*extra, ckpt, _decaying()]
+
+    ckpt = OrbaxCheckpoint(str(tmp_path), save_freq="epoch", data_iterator=_Batches())
+    _two_dense_adam_regressor().fit(ckpt.batches(), steps_per_epoch=4, epochs=3,
+                                    callbacks=callbacks(ckpt, sigterm_at(6)), verbose=0)
+    assert ckpt.preempted_step == 1
+
+    again = OrbaxCheckpoint(str(tmp_path), save_freq="epoch", resume=True, data_iterator=_Batches())
+    model = _two_dense_adam_regressor()
+    model.fit(again.batches(), steps_per_epoch=4, epochs=3, callbacks=callbacks(again), verbose=0)
+    assert again.resumed.step == 1 and not again.resumed.epoch_complete and model.history.epoch == [1, 2]
+    assert np.asarray(model.optimizer.learning_rate) == np.asarray(ref.optimizer.learning_rate)
+    for want, got in zip(ref.trainable_variables + ref.optimizer.variables,
+                         model.trainable_variables + model.optimizer.variables):
+        np.testing.assert_array_equal(np.asarray(got.value), np.asarray(want.value), err_msg=got.path)
+
+
+@pytest.mark.parametrize("at", [6, 8], ids=["mid_epoch", "after_the_epochs_last_batch"])
+def test_reduce_lr_on_plateau_resumes_from_a_step_saved_after_a_batch(tmp_path, at):
+    """save_freq=4, SIGTERM after batch `at` of 4x4, never improving (patience 1). A step saved
+    after batch 8 precedes epoch 1's on_epoch_end: the resume runs it with the step's logs (the rate
+    is halved there, as in the unbroken run); a step after batch 6 resumes epoch 1, whose
+    on_epoch_end runs in the resumed fit. Rate, epochs and variables bit-equal."""
+    def plateau():
+        return keras.callbacks.ReduceLROnPlateau(monitor="loss", patience=1, factor=0.5, min_delta=1e9)
+
+    ref = _two_dense_adam_regressor()
+    ref.fit((b for b in _Batches()), steps_per_epoch=4, epochs=4, callbacks=[plateau()], verbose=0)
+    ckpt = OrbaxCheckpoint(str(tmp_path), save_freq=4, data_iterator=_Batches())
+    _two_dense_adam_regressor().fit(ckpt.batches(), steps_per_epoch=4, epochs=4,
+                                    callbacks=[sigterm_at(at), ckpt, plateau()], verbose=0)
+    again = OrbaxCheckpoint(str(tmp_path), save_freq=4, resume=True, data_iterator=_Batches())
+    model = _two_dense_adam_regressor()
+    model.fit(again.batches(), steps_per_epoch=4, epochs=4, callbacks=[again, plateau()], verbose=0)
+    assert again.resumed.step == at and model.history.epoch == ([1, 2, 3] if at == 6 else [2, 3])
+    assert np.asarray(model.optimizer.learning_rate) == np.asarray(ref.optimizer.learning_rate)
+    for want, got in zip(ref.trainable_variables + ref.optimizer.variables,
+                         model.trainable_variables + model.optimizer.variables):
+        np.testing.assert_array_equal(np.asarray(got.value), np.asarray(want.value), err_msg=got.path)

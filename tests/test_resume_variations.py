@@ -3,7 +3,7 @@
 Each case fits twice into one directory (2 epochs, then `resume=True` to 4, the
 second on a model built anew from the same seeds, as a new process would) and
 compares with one uninterrupted 4-epoch fit. Where the resumed run trains other
-batches, or other callbacks' counts start over, the resume must say so; where
+batches, the resume must say so; other callbacks' counters resume with it; where
 the data starts a new pass at the resumed epoch anyway, it must end bit-equal and
 say nothing of the kind.
 """
@@ -126,17 +126,53 @@ def test_steps_per_epoch_that_starts_a_new_pass_at_the_resumed_epoch_resumes_bit
     assert lines == []
 
 
-def test_early_stopping_whose_patience_starts_over_at_the_resume_is_named(tmp_path, caplog):
-    """Patience 2, never improving: the unbroken run stops after epoch 3 (index 2); resumed after
-    epoch 2 its count starts over and it trains on. One warning names EarlyStopping's state."""
-    def stopper():
-        return [keras.callbacks.EarlyStopping(monitor="loss", patience=2, min_delta=1e9)]
+def _patient(kind: str) -> list:
+    if kind == "EarlyStopping":
+        return [keras.callbacks.EarlyStopping(monitor="loss", patience=2, min_delta=1e9)]  # never improves
+    return [keras.callbacks.ReduceLROnPlateau(monitor="loss", patience=1, factor=0.5, min_delta=1e9)]
 
-    reference, values, lines = _interrupted_and_resumed(tmp_path, caplog, "arrays, steps_per_epoch=3 of 6 batches",
-                                                        callbacks=stopper)
-    assert not _equal(reference, values)
+
+@pytest.mark.parametrize("where", ["after", "before"])
+@pytest.mark.parametrize("kind", ["EarlyStopping", "ReduceLROnPlateau"])
+def test_early_stopping_and_reduce_lr_on_plateau_resume_with_their_counters(tmp_path, caplog, kind, where):
+    """Never improving, resumed after epoch 2 of 4. Measured before their counters were saved:
+    EarlyStopping (patience 2) stopped the unbroken run after epoch 3 and the resumed one trained
+    all 4; ReduceLROnPlateau (patience 1) ended at lr 0.005 (listed after
+    the checkpoint) or 0.0025 (before) against 0.00125. Now the step holds
+    their counters (listed after the checkpoint, the epoch's on_epoch_end runs at the resume):
+    epochs run, lr and every variable bit-equal, and no warning."""
+    inputs = "arrays, steps_per_epoch=3 of 6 batches"
+
+    def callbacks(ckpt):
+        return [ckpt, *_patient(kind)] if where == "after" else [*_patient(kind), ckpt]
+
+    model = _model()
+    unbroken = model.fit(**_fit_inputs(inputs), epochs=4, verbose=0, callbacks=_patient(kind)).epoch
+    reference, lr = _state(model), np.asarray(model.optimizer.learning_rate)
+    first = OrbaxCheckpoint(str(tmp_path / "c"))
+    _model().fit(**_fit_inputs(inputs), epochs=2, verbose=0, callbacks=callbacks(first))
+    first.wait_until_finished()
+    model = _model()
+    resumed = OrbaxCheckpoint(str(tmp_path / "c"), resume=True)
+    with caplog.at_level(logging.WARNING, logger="shardckpt"):
+        epochs = model.fit(**_fit_inputs(inputs), epochs=4, verbose=0, callbacks=callbacks(resumed)).epoch
+    resumed.wait_until_finished()
+    assert unbroken == ([0, 1, 2] if kind == "EarlyStopping" else [0, 1, 2, 3])
+    assert [0, 1, *epochs] == unbroken
+    assert np.asarray(model.optimizer.learning_rate) == lr
+    assert _equal(reference, _state(model))
+    assert [r.getMessage() for r in caplog.records if "waited" not in r.getMessage()] == []
+
+
+def test_early_stopping_restoring_best_weights_says_those_are_in_no_step(tmp_path, caplog):
+    """Its counters come back; the weights it keeps cannot: one warning names best_weights."""
+    def stopper():
+        return [keras.callbacks.EarlyStopping(monitor="loss", patience=5, restore_best_weights=True)]
+
+    _, _, lines = _interrupted_and_resumed(tmp_path, caplog, "arrays, steps_per_epoch=3 of 6 batches",
+                                           callbacks=stopper)
     said = [line for line in lines if "EarlyStopping" in line]
-    assert len(said) == 1 and "not saved in the checkpoint" in said[0] and "epoch 3" in said[0], lines
+    assert len(said) == 1 and "best_weights" in said[0] and "in no step" in said[0], lines
 
 
 @pytest.mark.parametrize("epoch, steps, batches, per_execution, want", [
@@ -146,3 +182,19 @@ def test_early_stopping_whose_patience_starts_over_at_the_resume_is_named(tmp_pa
 ])
 def test_pass_offset_follows_kerass_epoch_iterator(epoch, steps, batches, per_execution, want):
     assert pass_offset(epoch, steps_per_epoch=steps, num_batches=batches, steps_per_execution=per_execution) == want
+
+
+def test_counters_of_other_callbacks_than_the_steps_are_not_given_back_and_that_is_said(tmp_path, caplog):
+    """Saved with EarlyStopping, resumed with ReduceLROnPlateau: the counters are matched by class
+    and order, so none is given back, and one warning names both lists."""
+    inputs = "arrays, steps_per_epoch=3 of 6 batches"
+    first = OrbaxCheckpoint(str(tmp_path / "c"))
+    _model().fit(**_fit_inputs(inputs), epochs=2, verbose=0, callbacks=[first, *_patient("EarlyStopping")])
+    first.wait_until_finished()
+    plateau = _patient("ReduceLROnPlateau")
+    resumed = OrbaxCheckpoint(str(tmp_path / "c"), resume=True)
+    with caplog.at_level(logging.WARNING, logger="shardckpt"):
+        _model().fit(**_fit_inputs(inputs), epochs=3, verbose=0, callbacks=[resumed, *plateau])
+    resumed.wait_until_finished()
+    said = [r.getMessage() for r in caplog.records if "saved the counters" in r.getMessage()]
+    assert len(said) == 1 and "['EarlyStopping']" in said[0] and "['ReduceLROnPlateau']" in said[0], said

@@ -30,7 +30,17 @@ from shardckpt.errors import ConfigurationError, StepExistsError
 from shardckpt.formats.orbax import ondisk
 from shardckpt.state import check_unique_paths
 from shardckpt.state import collections as state_collections
-from shardckpt.training import data_passes, fitstate, hostrng, options, other_callbacks, quiet, resume_point, saving
+from shardckpt.training import (
+    data_passes,
+    fitstate,
+    hostrng,
+    options,
+    other_callbacks,
+    quiet,
+    resume_point,
+    resumed_lr,
+    saving,
+)
 from shardckpt.training import snapshot as snapshot_lib
 from shardckpt.training.contents import StepContents
 from shardckpt.training.counting import BatchCount
@@ -292,6 +302,11 @@ class OrbaxCheckpoint(BestTracking):
         # The preemption step this fit resumed from while no save of this fit superseded it.
         self._resumed_preemption_step: int | None = None
         self._adopted: fitstate.Resumed | None = None  # another callback's resume this one went on from
+        self._resumed_lr: np.ndarray | None = None  # the rate of a step saved mid-epoch (`resumed_lr`)
+        self._restored: ResumeInfo | None = None  # the step this callback restored in this fit
+        drawn = _keras.fit_input(self._model)
+        # EarlyStopping / ReduceLROnPlateau among them: their counters go into each step.
+        self._callbacks: list[Any] = [] if drawn is None else drawn.callbacks
         self._schedule.begin()
         self._warned_monitor = False
         # Keras' trainer reads the initial epoch right after this hook (see _keras).
@@ -328,6 +343,7 @@ class OrbaxCheckpoint(BestTracking):
             self._started = True
             try:
                 self._go_on_from_resume()
+                self._give_back_other_callbacks()
                 self._refuse_saves_below_committed_steps()
             except Exception:
                 self._stop_before_training()
@@ -337,6 +353,15 @@ class OrbaxCheckpoint(BestTracking):
             # epoch's accumulators so epoch-end logs match the unbroken run.
             for variable, value in zip(self.model.metrics_variables, self._count.resume_metrics):
                 variable.assign(value)
+
+    def on_train_batch_begin(self, batch: int, logs: dict | None = None) -> None:
+        if self._resumed_lr is not None:
+            # Every on_epoch_begin of the resumed epoch ran: undo a schedule's second step.
+            restored, self._resumed_lr = self._resumed_lr, None
+            if resumed_lr.put_back(self._model, restored):
+                self._say(logging.INFO, "the learning rate an on_epoch_begin set for the resumed epoch is put "
+                                        f"back to the step's ({float(restored)!r}): that epoch's schedule step "
+                                        "is in the step already.")
 
     def on_train_batch_end(self, batch: int, logs: dict | None = None) -> None:
         count = self._count
@@ -371,7 +396,7 @@ class OrbaxCheckpoint(BestTracking):
             return
         if self.save_best_only and not self._improved(logs, f"epoch {epoch}"):
             return
-        self._save(epoch, logs, epoch_complete=self._epoch_ended_whole(epoch))
+        self._save(epoch, logs, epoch_complete=self._epoch_ended_whole(epoch), in_epoch_end=True)
 
     def _epoch_ended_whole(self, epoch: int) -> bool:
         """Whether `epoch` ran all its batches; says so when `stop_training` cut it short.
@@ -448,8 +473,12 @@ class OrbaxCheckpoint(BestTracking):
         self._model.stop_training = True
         self._say(logging.WARNING, f"preemption notice: step {step} committed to {self.directory}; fit stops.")
 
-    def _save(self, step: int, logs: dict | None, *, epoch_complete: bool, preemption: bool = False) -> None:
-        """Saves `step`; `preemption`: on a preemption notice alone (a transient step, see `retention`)."""
+    def _save(self, step: int, logs: dict | None, *, epoch_complete: bool, preemption: bool = False,
+              in_epoch_end: bool = False) -> None:
+        """Saves `step`; `preemption`: on a preemption notice alone (a transient step, see `retention`).
+
+        `in_epoch_end`: saved in `on_epoch_end` (which other callbacks' ran, `other_callbacks`).
+        """
         # Any save supersedes (or, under the same number, replaces) the preemption step resumed from.
         self._resumed_preemption_step = None
         writer = self._writer
@@ -468,6 +497,7 @@ class OrbaxCheckpoint(BestTracking):
         meta = self._contents.step_metadata(
             self._count, step, epoch_complete=epoch_complete, save_freq=self.save_freq, monitor=self.monitor,
             weights_only=self.save_weights_only, snapshot=choice.mode, preemption=preemption)
+        meta["callbacks"] = other_callbacks.capture(self._callbacks, self, in_epoch_end=in_epoch_end)
         items = self._contents.items(tree, self._data.states(self._count.fit_batches))
         last_write_s = writer.writes_s[-1] if writer.writes_s else None  # read before this save's write ends
         writer.save(step, items, meta, logs, user, self.best,
@@ -498,6 +528,9 @@ class OrbaxCheckpoint(BestTracking):
             if info.metadata.get("best") is not None and not isinstance(info.metadata["best"], str):
                 self.best = float(info.metadata["best"])
             hostrng.restore(info.metadata.get("host_rng"))
+            if not info.epoch_complete:
+                self._resumed_lr = resumed_lr.capture(self._model)
+            self._restored = info
             self._count.continue_after(info.metadata, save_freq=self.save_freq,
                                        metrics=[np.asarray(v.value) for v in self.model.metrics_variables])
         fitstate.publish_resume(self._model, self.params, fitstate.Resumed(owner=id(self), directory=self.directory, info=info))
@@ -509,16 +542,17 @@ class OrbaxCheckpoint(BestTracking):
 
         Only `batches()` carries the data's position; any other input starts
         over at the resumed epoch, which is exact only where the
-        uninterrupted run started over there too (`data_passes`). The state
-        of other callbacks that decide what later epochs train is in no
-        step: that gets a warning of its own (`other_callbacks`).
+        uninterrupted run started over there too (`data_passes`). What of other
+        callbacks' state no step holds gets a warning of its own
+        (`other_callbacks`).
         """
         if info is None or info.epoch is None:
             return ""
         drawn = _keras.fit_input(self._model)
         if drawn is None:
             return ""
-        if (unsaved := other_callbacks.unrestored(drawn.callbacks, info.next_epoch)):
+        if (unsaved := other_callbacks.unrestored(drawn.callbacks, info.next_epoch,
+                                                  saved="callbacks" in info.metadata)):
             self._say(logging.WARNING, unsaved + ".")
         if tracked:
             return ""
@@ -526,6 +560,18 @@ class OrbaxCheckpoint(BestTracking):
                                            num_batches=drawn.num_batches,
                                            steps_per_execution=drawn.steps_per_execution)
                 or data_passes.dataset_caveat(drawn.py_dataset, info.next_epoch))
+
+    def _give_back_other_callbacks(self) -> None:
+        """Gives the counters of the step restored back to `EarlyStopping` & co (`other_callbacks`).
+
+        Here, not in `on_train_begin`: theirs resets them, and may run after this callback's.
+        """
+        info, self._restored = self._restored, None
+        if info is None or info.epoch is None or "callbacks" not in info.metadata:
+            return
+        other_callbacks.restore(self._callbacks, info.metadata["callbacks"], epoch=info.epoch,
+                                epoch_complete=info.epoch_complete, logs=info.metadata.get("logs") or {},
+                                say=lambda line: self._say(logging.WARNING, line + "."))
 
     def _refuse_a_second_resume(self) -> None:
         """Refuses `resume=True` where another callback of this `fit` resumed already.
