@@ -355,9 +355,13 @@ def dump(model: keras.Model, data: ShuffledIterator, ckpt, out: str) -> None:
 
 
 def serve() -> None:
+    exited = None  # the last child, exited and not reaped yet
     for line in sys.stdin:
         if not line.strip():
             continue
+        if exited is not None:
+            os.waitpid(exited, 0)
+            exited = None
         args = json.loads(line)
         pid = os.fork()
         if pid == 0:
@@ -373,9 +377,17 @@ def serve() -> None:
             sys.stderr.flush()
             os._exit(code)
         print(f"pid {pid}", flush=True)
-        _, status = os.waitpid(pid, 0)
-        code = -os.WTERMSIG(status) if os.WIFSIGNALED(status) else os.WEXITSTATUS(status)
-        print(f"exit {pid} {code}", flush=True)
+        # Waited for without reaping (WNOWAIT): the child stays a zombie until the next command,
+        # so the test's `os.kill(pid, ...)`, sent after a delay that may outlast the run, hits it
+        # and nothing else. Reaped at once, its pid went back to the pool (pid_max is 32768 here,
+        # and XLA makes threads by the thousand): the kill then reached whatever took the number,
+        # a thread of a pytest worker among them, whose whole process a kill of a thread id ends.
+        info = os.waitid(os.P_PID, pid, os.WEXITED | os.WNOWAIT)
+        killed = info.si_code in (os.CLD_KILLED, os.CLD_DUMPED)
+        print(f"exit {pid} {-info.si_status if killed else info.si_status}", flush=True)
+        exited = pid
+    if exited is not None:
+        os.waitpid(exited, 0)
 
 
 if __name__ == "__main__":

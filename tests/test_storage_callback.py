@@ -146,11 +146,13 @@ def _new_step_in_flight(url: str) -> bool:
 
 
 def _alive(pid: int) -> bool:
+    """Whether the fork server's child still runs (it stays a zombie, unreaped, once it exited)."""
     try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
+        with open(f"/proc/{pid}/stat") as f:
+            state = f.read().rsplit(")", 1)[1].split()[0]
+    except FileNotFoundError:
         return False
-    return True
+    return state != "Z"
 
 
 def _kill_during_a_save(fork_server, args: dict) -> bool:
