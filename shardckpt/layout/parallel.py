@@ -19,8 +19,8 @@ from keras import distribution as kd
 
 from shardckpt import _keras, state
 from shardckpt.errors import LayoutError
-from shardckpt.layout.auto import auto_layout
 from shardckpt.layout import choose
+from shardckpt.layout.auto import auto_layout
 from shardckpt.layout.memory import slots_per_variable
 from shardckpt.layout.mesh import resolve_mesh
 from shardckpt.layout.plan import LayoutPlan
