@@ -43,14 +43,42 @@ def is_float(dtype: np.dtype) -> bool:
     return kind(np.dtype(dtype)) == "f"
 
 
-def check_cast(path: str, key: str, stored: np.dtype, target: np.dtype) -> None:
+# What a non-numeric array holds, by numpy kind, for the error: no cast makes
+# numbers of these, so "build the variable with that dtype" would be no fix.
+_NOT_NUMBERS = {
+    "O": "variable-length data (strings or other objects)",
+    "S": "byte-string data",
+    "U": "string data",
+    "V": "opaque or compound records",
+    "M": "dates",
+    "m": "time spans",
+}
+
+
+def check_cast(path: str, key: str, stored: np.dtype, target: np.dtype, source: str = "") -> None:
     """Raises unless a `stored` array may be loaded into a `target` variable.
+
+    Args:
+        path: The variable's path.
+        key: The array's key in the checkpoint.
+        stored: The array's dtype in the checkpoint.
+        target: The variable's dtype.
+        source: The checkpoint file, named in the error of a non-numeric array.
 
     Raises:
         DtypeMismatchError: naming variable `path` and checkpoint `key`.
     """
     if stored == target:
         return
+    held = _NOT_NUMBERS.get(kind(stored))
+    if held is not None and kind(target) in "fiub":
+        where = f" of {source!r}" if source else ""
+        raise DtypeMismatchError(
+            f"Variable {path!r}: checkpoint array {key!r}{where} holds {held}, numpy dtype {stored}, where "
+            f"the numeric {target} variable is expected; no cast makes numbers of it. The file is not a "
+            "weights file of this model, or something other than Keras wrote that array. Fix: load the "
+            "weights this model saved, or re-save them with Keras (model.save_weights)."
+        )
     if kind(target) not in _CASTS.get(kind(stored), ""):
         raise DtypeMismatchError(
             f"Variable {path!r}: checkpoint {key!r} holds {stored}, which does not "

@@ -9,7 +9,7 @@ import pytest
 
 import shardckpt
 from shardckpt.errors import LayoutError
-from shardckpt.layout import parallel
+from shardckpt.layout import choose, parallel
 from shardckpt.layout.parallel import parallelize
 from tests import stacks as models
 
@@ -186,3 +186,36 @@ def test_memory_table_per_device_count():
     # 2 key/value heads split 2 ways, and are replicated on 4 and 8 devices.
     assert key_axes[2] == (None, "model", None)
     assert key_axes[4] == key_axes[8] == (None, None, None)
+
+
+# One device's memory between the (4, 2) mesh's weights (44,736 bytes) and its
+# weights plus Adam's two slots (134,208): see test_memory_table_per_device_count.
+_LIMIT = 100_000
+
+
+def test_auto_mesh_counts_the_compiled_optimizers_slots(monkeypatch):
+    # CPU devices report no memory: the device's report is the one part simulated.
+    monkeypatch.setattr(choose, "device_limit", lambda devices: _LIMIT)
+    keras.backend.clear_session()
+    model = _compiled(models.build_transformer(SHAPE))
+    plan = parallelize(model)
+    notes = "\n".join(plan.notes)
+    # Weights alone, (4, 2) fits and is chosen; with the slots it does not.
+    assert "(4, 2): 44,736 bytes/device" in notes and "does not fit (state 134,208 bytes)" in notes
+    # No fitting shape is clean then: the fewest bytes.
+    assert tuple(plan.mesh.shape) == (1, 8)
+    assert plan.bytes_per_device(model.optimizer) == 48_096 <= _LIMIT
+    assert "(1, 8): 16,032 bytes/device" in notes and "fits (state 48,096 bytes)" in notes
+    x, y = _data()
+    model.train_on_batch(x[0], y[0])
+    _check_placed(model, plan)
+
+
+def test_auto_mesh_with_optimizer_of_unknown_slots_says_it_counts_weights_alone(monkeypatch):
+    monkeypatch.setattr(choose, "device_limit", lambda devices: _LIMIT)
+    keras.backend.clear_session()
+    model = models.build_transformer(SHAPE)
+    model.compile(optimizer=keras.optimizers.Adafactor(), loss="mse")
+    with pytest.warns(UserWarning, match=r"slot count of Adafactor is not known.*weights alone.*Fix: pass mesh="):
+        plan = parallelize(model)
+    assert tuple(plan.mesh.shape) == (4, 2)  # the weights-only choice, as before

@@ -6,6 +6,7 @@ import json
 import os
 import shutil
 
+import h5py
 import keras
 import numpy as np
 import pytest
@@ -113,6 +114,28 @@ def test_dtype_mismatch(files, tmp_path):
     lazy = _lazy()
     with pytest.raises(errors.DtypeMismatchError, match="int8_table/table.*float32.*int8"):
         shardckpt.load_sharded(lazy, path)
+    _untouched(lazy)
+
+
+def test_string_dataset_where_weights_belong_says_so(files, tmp_path):
+    # A valid HDF5 file whose array for a float variable holds variable-length
+    # strings: no cast helps, so the fix must not be "build it with dtype object".
+    path = tmp_path / "strings.weights.h5"
+    shutil.copy(files / "m.weights.h5", path)
+    with h5py.File(path, "r+") as f:
+        group = f["layers/embedding/vars"]
+        shape = group["0"].shape
+        del group["0"]
+        group.create_dataset("0", data=np.full(shape, "x", dtype=object), dtype=h5py.string_dtype())
+    lazy = _lazy()
+    with pytest.raises(errors.DtypeMismatchError) as info:
+        shardckpt.load_sharded(lazy, path)
+    message = str(info.value)
+    assert "'embed/embeddings'" in message and "'layers/embedding/vars/0'" in message
+    assert repr(str(path)) in message
+    assert "variable-length data (strings" in message and "numeric float32 variable" in message
+    assert "Fix: load the weights this model saved, or re-save them with Keras" in message
+    assert "with dtype object" not in message
     _untouched(lazy)
 
 

@@ -10,6 +10,7 @@ here communicates by hand.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Sequence
 from typing import Any, Literal
 
@@ -17,8 +18,10 @@ import jax
 from keras import distribution as kd
 
 from shardckpt import _keras, state
+from shardckpt.errors import LayoutError
+from shardckpt.layout import choose
 from shardckpt.layout.auto import auto_layout
-from shardckpt.layout.choose import announce
+from shardckpt.layout.memory import slots_per_variable
 from shardckpt.layout.mesh import resolve_mesh
 from shardckpt.layout.plan import LayoutPlan
 from shardckpt.layout.rules import RulesLike
@@ -44,8 +47,10 @@ def parallelize(
     With no `mesh`, all devices (every process's under `jax.distributed`)
     form the `("data", model_axis)` mesh `mesh="auto"` chooses for the model
     (clean and balanced; see `auto_layout`), logged with the reason in one
-    line (INFO, logger "shardckpt"); `mesh=(1, n)` puts every device on the
-    model axis. Variables move one
+    line (INFO, logger "shardckpt"). On devices that report their memory,
+    shapes where the weights plus the compiled optimizer's slots do not fit
+    one device are out (`auto_layout(optimizer=model.optimizer)`).
+    `mesh=(1, n)` puts every device on the model axis. Variables move one
     at a time, so device memory peaks at the model plus one variable. Calling
     it again (another mesh, or a model already under a distribution) re-plans
     and moves everything again. Variables still unloaded (`lazy_init()`) get
@@ -80,8 +85,10 @@ def parallelize(
         LayoutError: The mesh does not fit the devices or lacks the axes.
     """
     pool = list(devices) if devices is not None else jax.devices()
+    optimizer = None
     if mesh is None or (isinstance(mesh, str) and mesh == "auto"):
         device_mesh: Any = "auto"
+        optimizer = _counted_optimizer(model, pool)
     else:
         device_mesh, batch_axis = resolve_mesh(mesh, model_axis=model_axis, batch_axis=batch_axis, devices=pool)
     previous = kd.distribution()
@@ -90,13 +97,14 @@ def parallelize(
     kd.set_distribution(None)
     try:
         plan = auto_layout(
-            model, device_mesh, devices=pool, model_axis=model_axis, batch_axis=batch_axis, rules=rules, fsdp=fsdp
+            model, device_mesh, devices=pool, model_axis=model_axis, batch_axis=batch_axis, rules=rules, fsdp=fsdp,
+            optimizer=optimizer,
         )
     except BaseException:
         kd.set_distribution(previous)
         raise
     if mesh is None:
-        announce(plan, "parallelize")
+        choose.announce(plan, "parallelize")
     model_ids = {id(v) for v in model.variables}
     for variable in _all_variables(model):
         _place(variable, plan, planned=id(variable) in model_ids)
@@ -107,6 +115,32 @@ def parallelize(
         if getattr(model, attr, None) is not None:
             setattr(model, attr, None)
     return plan
+
+
+def _counted_optimizer(model: Any, devices: Sequence[jax.Device]) -> Any:
+    """The compiled optimizer whose slots `mesh="auto"` counts against the device memory, or None.
+
+    Training holds the slots beside the weights, so a mesh chosen on weights
+    alone can run out of memory on the first step. Only devices that report
+    a memory limit use the count (CPU devices report none); an optimizer
+    whose slot count is unknown is then said once and left out, as before.
+    """
+    optimizer = getattr(model, "optimizer", None)
+    if optimizer is None:
+        return None
+    try:
+        slots_per_variable(optimizer)
+    except LayoutError:
+        if choose.device_limit(devices) is not None:
+            warnings.warn(
+                f"parallelize: the slot count of {type(optimizer).__name__} is not known, so the mesh "
+                "chosen for the device memory counts the weights alone; training adds the optimizer's "
+                "slots. Fix: pass mesh=(data, model) explicitly, sized for the weights plus the slots "
+                "(plan.bytes_per_device() is the weights' share of one device).",
+                stacklevel=3,
+            )
+        return None
+    return optimizer
 
 
 def _all_variables(model: Any) -> list[Any]:

@@ -384,7 +384,7 @@ def match_jobs(
     # shapes), then where each variable goes.
     for key, variable in found.pairs:
         stored, target_dtype = reader.spec(key).dtype, np.dtype(variable.dtype)
-        dtypes.check_cast(variable.path, key, stored, target_dtype)
+        dtypes.check_cast(variable.path, key, stored, target_dtype, source=reader.path)
         if stored != target_dtype:
             report.casts.append(f"{variable.path}: {stored} -> {target_dtype}")
     # Else the reader's own advice, if it gave one (a Hugging Face folder's unexpected tensors).
