@@ -10,18 +10,17 @@ here communicates by hand.
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Sequence
 from typing import Any, Literal
 
 import jax
 from keras import distribution as kd
 
-from shardckpt import _keras, state
+from shardckpt import _keras, state, userwarn
 from shardckpt.errors import LayoutError
 from shardckpt.layout import choose
 from shardckpt.layout.auto import auto_layout
-from shardckpt.layout.memory import slots_per_variable
+from shardckpt.layout.memory import slots_for
 from shardckpt.layout.mesh import resolve_mesh
 from shardckpt.layout.plan import LayoutPlan
 from shardckpt.layout.rules import RulesLike
@@ -129,15 +128,14 @@ def _counted_optimizer(model: Any, devices: Sequence[jax.Device]) -> Any:
     if optimizer is None:
         return None
     try:
-        slots_per_variable(optimizer)
+        slots_for(optimizer, "probe", (2, 2), "float32")  # what `bytes_per_device` counts per variable
     except LayoutError:
         if choose.device_limit(devices) is not None:
-            warnings.warn(
+            userwarn.warn(
                 f"parallelize: the slot count of {type(optimizer).__name__} is not known, so the mesh "
                 "chosen for the device memory counts the weights alone; training adds the optimizer's "
                 "slots. Fix: pass mesh=(data, model) explicitly, sized for the weights plus the slots "
-                "(plan.bytes_per_device() is the weights' share of one device).",
-                stacklevel=3,
+                "(plan.bytes_per_device() is the weights' share of one device)."
             )
         return None
     return optimizer
