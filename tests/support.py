@@ -55,3 +55,12 @@ def assert_training_state_equal(
     got = training_state(model)
     for key in keys or expected:
         np.testing.assert_array_equal(got[key], expected[key], err_msg=key)
+
+
+def device_bytes(variables) -> int:
+    """Bytes of `variables` on the most loaded device: the addressable shards' own sizes."""
+    per_device: dict = {}
+    for v in variables:
+        for shard in v.value.addressable_shards:
+            per_device[shard.device] = per_device.get(shard.device, 0) + shard.data.nbytes
+    return max(per_device.values())

@@ -16,6 +16,7 @@ import shardckpt
 from shardckpt.errors import LayoutError
 from shardckpt.layout import LayoutPlan, auto_layout
 from tests import stacks as models
+from tests.support import device_bytes
 
 M = "model"
 COLLECTIVE = re.compile(r"\b(all-reduce|all-gather|reduce-scatter|all-to-all|collective-permute)(?:-start)?\(")
@@ -272,14 +273,6 @@ def test_bytes_per_device_with_optimizer_slots():
         plan.bytes_per_device("shampoo")
 
 
-def _device_bytes(variables) -> int:
-    """Bytes of `variables` on the most loaded device: the addressable shards' own sizes."""
-    per_device: dict = {}
-    for v in variables:
-        for shard in v.value.addressable_shards:
-            per_device[shard.device] = per_device.get(shard.device, 0) + shard.data.nbytes
-    return max(per_device.values())
-
 
 def _built_under_plan(make_optimizer):
     """A Dense stack and `make_optimizer()` built under its plan's distribution, and the plan."""
@@ -311,8 +304,8 @@ def test_bytes_per_device_counts_gradient_accumulators(make_optimizer):
     A LossScaleOptimizer counts as the Adam it wraps (was: LayoutError "Unknown optimizer")."""
     model, plan = _built_under_plan(make_optimizer)
     optimizer = model.optimizer
-    scalars = _device_bytes([v for v in optimizer.variables if not v.shape])
-    held = _device_bytes(model.variables + optimizer.variables)
+    scalars = device_bytes([v for v in optimizer.variables if not v.shape])
+    held = device_bytes(model.variables + optimizer.variables)
     assert plan.bytes_per_device(optimizer) == held - scalars
     inner = getattr(optimizer, "inner_optimizer", optimizer)
     slots = 2 if isinstance(inner, keras.optimizers.Adam) else 0
@@ -333,8 +326,8 @@ def test_bind_reads_the_trainable_flags_of_the_model_as_they_are_now():
     assert [p.trainable for p in bound.placements] == [False, False, True, True]
     model.compile(optimizer="adam", loss="mse")
     model.optimizer.build(model.trainable_variables)
-    scalars = _device_bytes([v for v in model.optimizer.variables if not v.shape])
-    assert bound.bytes_per_device("adam") == _device_bytes(model.variables + model.optimizer.variables) - scalars
+    scalars = device_bytes([v for v in model.optimizer.variables if not v.shape])
+    assert bound.bytes_per_device("adam") == device_bytes(model.variables + model.optimizer.variables) - scalars
     model.layers[0].trainable = True
     assert [p.trainable for p in plan.bind(model).placements] == [True] * 4
 

@@ -18,7 +18,7 @@ import pytest
 import shardckpt
 from shardckpt import errors
 from shardckpt.training import OrbaxCheckpoint, restore_latest
-from tests.support import column_then_row_parallel
+from tests.support import column_then_row_parallel, device_bytes
 from tests.zoo import CountingIterator
 
 STEPS = 4
@@ -77,14 +77,6 @@ def test_adafactor_state_is_refused_by_name_before_training_and_weights_only_res
             assert set(slot.value.sharding.spec) <= {None}, slot.path
 
 
-def _device_bytes(variables) -> int:
-    """Bytes of `variables` on the most loaded device: the addressable shards' own sizes."""
-    per_device: dict = {}
-    for v in variables:
-        for shard in v.value.addressable_shards:
-            per_device[shard.device] = per_device.get(shard.device, 0) + shard.data.nbytes
-    return max(per_device.values())
-
 
 def _mixed() -> keras.Model:
     """An embedding (2-D, "embedding" in its path), a 3-D EinsumDense kernel, Dense kernels and biases."""
@@ -122,7 +114,7 @@ def test_estimates_of_adafactor_and_muon_equal_what_keras_builds_under_the_plan(
     bound = plan.bind(model)
     own = [v for v in optimizer.variables if v.path.split("/")[-1] in ("iteration", "learning_rate")]
     assert len(own) == 2  # the optimizer's own scalars, not any variable's
-    held = _device_bytes(model.variables + optimizer.variables) - _device_bytes(own)
+    held = device_bytes(model.variables + optimizer.variables) - device_bytes(own)
     assert bound.bytes_per_device(optimizer) == held
     if name is not None:
         assert bound.bytes_per_device(name) == held
