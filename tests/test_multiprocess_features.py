@@ -2,8 +2,8 @@
 
 A `.weights.h5` loaded into a lazily built model with a hand-built Adam (its
 slots follow their variables' sharding), an adapted `Normalization` restored,
-`EarlyStopping`'s counters through an `OrbaxCheckpoint` resume, and which log
-lines both processes say.
+`EarlyStopping`'s counters through an `OrbaxCheckpoint` resume, and lines that
+every process would say alike said by process 0 alone.
 """
 
 from __future__ import annotations
@@ -59,9 +59,12 @@ def test_restore_features_on_two_processes(tmp_path):
     assert sorted(moved) == sorted(f"adam/{p}_{k}" for p in ("down_kernel", "up_kernel")
                                    for k in ("momentum", "velocity")), moved
 
-    # 2: the adapted Normalization computes as saved.
+    # 2: the adapted Normalization computes as saved: bit-equal to Keras' own load in the same 2 processes,
+    # and to the saving process's outputs up to the order of the row-parallel sum (1 process, 8 devices).
     for r in results:
-        np.testing.assert_array_equal(np.asarray(r["normalization"], "float32"), expected["outputs"])
+        outputs = np.asarray(r["normalization"], "float32")
+        np.testing.assert_array_equal(outputs, np.asarray(r["normalization_by_keras"], "float32"))
+        np.testing.assert_allclose(outputs, expected["outputs"], rtol=1e-6, atol=1e-6)
 
     # 3: EarlyStopping's counters resumed, the same on both processes; the resumed fit is the unbroken one.
     stops = [r["early_stopping"] for r in results]
@@ -71,6 +74,8 @@ def test_restore_features_on_two_processes(tmp_path):
         assert s["resumed_epochs"] == [2], s
         assert s["differ"] == [], s
 
-    # 4: what process 1 logs is not also said by process 0 (a line for the run is said once).
-    both = [line for line in results[1]["log"] if line in results[0]["log"] and not line.startswith("---")]
-    assert both == [], both
+    # 4: lines about the checkpoint or the fit, the same on every process, are said by process 0 alone:
+    # the newer uncommitted folder passed over, strict=False's skipped arrays, the resume.
+    for said in ("passed over 1 newer step folder(s)", "load_sharded(strict=False)", "resumed from step 1"):
+        assert [line for line in results[1]["log"] if said in line] == [], (said, results[1]["log"])
+        assert len([line for line in results[0]["log"] if said in line]) == 1, (said, results[0]["log"])

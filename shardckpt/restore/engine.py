@@ -239,9 +239,10 @@ def load_sharded(
         model, path, layout=layout, strict=strict, max_inflight_bytes=max_inflight_bytes, progress=progress,
         allow_other_mesh=allow_other_mesh, transfer=transfer,
     )
-    say_skipped(report)
-    if not strict:
-        say_fallbacks(report)
+    if jax.process_index() == 0:  # every process of a `jax.distributed` load finds the same: one line for the run
+        say_skipped(report)
+        if not strict:
+            say_fallbacks(report)
     return report
 
 

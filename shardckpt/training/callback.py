@@ -361,7 +361,7 @@ class OrbaxCheckpoint(BestTracking):
             if resumed_lr.put_back(self._model, restored):
                 self._say(logging.INFO, "the learning rate an on_epoch_begin set for the resumed epoch is put "
                                         f"back to the step's ({float(restored)!r}): that epoch's schedule step "
-                                        "is in the step already.")
+                                        "is in the step already.", once=True)
 
     def on_train_batch_end(self, batch: int, logs: dict | None = None) -> None:
         count = self._count
@@ -414,7 +414,7 @@ class OrbaxCheckpoint(BestTracking):
             self._say(logging.WARNING,
                       f"epoch {epoch} ended after {count.in_epoch} of its {count.steps_per_epoch} batches "
                       f"(model.stop_training was set): step {epoch} is saved as a partial epoch, so a resume "
-                      "does not skip the batches left (Keras counts the epoch whole).")
+                      "does not skip the batches left (Keras counts the epoch whole).", once=True)
             return False
         if self._model.stop_training:
             # No length to compare with: Keras knows none either (steps_per_epoch=None).
@@ -422,7 +422,7 @@ class OrbaxCheckpoint(BestTracking):
                       f"model.stop_training was set by the end of epoch {epoch}, whose number of batches is not "
                       f"known (steps_per_epoch=None): step {epoch} is saved as a whole epoch, so if fit was "
                       "stopped before the data ran out, a resume starts at the next epoch without the batches "
-                      "left. Fix: pass steps_per_epoch to fit.")
+                      "left. Fix: pass steps_per_epoch to fit.", once=True)
         return True
 
     def on_train_end(self, logs: dict | None = None) -> None:
@@ -458,7 +458,7 @@ class OrbaxCheckpoint(BestTracking):
             return
         writer.delete(step)
         self._say(logging.INFO, f"step {step}, saved on a preemption notice and resumed from, is deleted: the "
-                                "resumed fit ended without a newer step.")
+                                "resumed fit ended without a newer step.", once=True)
 
     def _save_for_preemption(self, logs: dict | None) -> None:
         """Saves the state after this batch, waits for the commit, stops fit."""
@@ -535,7 +535,8 @@ class OrbaxCheckpoint(BestTracking):
                                        metrics=[np.asarray(v.value) for v in self.model.metrics_variables])
         fitstate.publish_resume(self._model, self.params, fitstate.Resumed(owner=id(self), directory=self.directory, info=info))
         self._say(*resume_point.describe(point, info, epochs=(self.params or {}).get("epochs"),
-                                         directory=self.directory, caveat=self._data_caveat(info, tracked)))
+                                         directory=self.directory, caveat=self._data_caveat(info, tracked)),
+                  once=True)
 
     def _data_caveat(self, info: ResumeInfo | None, tracked: bool) -> str:
         """Why the resumed `fit` will not train as the uninterrupted run did ("" where it will, or is not known).
@@ -553,7 +554,7 @@ class OrbaxCheckpoint(BestTracking):
             return ""
         if (unsaved := other_callbacks.unrestored(drawn.callbacks, info.next_epoch,
                                                   saved="callbacks" in info.metadata)):
-            self._say(logging.WARNING, unsaved + ".")
+            self._say(logging.WARNING, unsaved + ".", once=True)
         if tracked:
             return ""
         return (data_passes.restart_caveat(info.next_epoch, steps_per_epoch=drawn.steps_per_epoch,
@@ -571,7 +572,7 @@ class OrbaxCheckpoint(BestTracking):
             return
         other_callbacks.restore(self._callbacks, info.metadata["callbacks"], epoch=info.epoch,
                                 epoch_complete=info.epoch_complete, logs=info.metadata.get("logs") or {},
-                                say=lambda line: self._say(logging.WARNING, line + "."))
+                                say=lambda line: self._say(logging.WARNING, line + ".", once=True))
 
     def _refuse_a_second_resume(self) -> None:
         """Refuses `resume=True` where another callback of this `fit` resumed already.
@@ -667,7 +668,15 @@ class OrbaxCheckpoint(BestTracking):
         """Sets the iterator's saved position before fit pulls its first batch."""
         self._resume.restore_iterator(self.directory, self.data_iterator)
 
-    def _say(self, level: int, message: str) -> None:
+    def _say(self, level: int, message: str, *, once: bool = False) -> None:
+        """Logs `message` (and prints it at verbose > 0).
+
+        `once`: the line is the same on every process of a `jax.distributed`
+        run (the checkpoint's step, the fit's epochs, not this process's
+        timings): process 0 alone says it.
+        """
+        if once and jax.process_index() != 0:
+            return
         _log.log(level, "OrbaxCheckpoint: %s", message)
         if self.verbose > 0:
             print(f"OrbaxCheckpoint: {message}")

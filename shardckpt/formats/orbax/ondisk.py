@@ -33,6 +33,7 @@ import os
 from collections.abc import Sequence
 from typing import Any
 
+import jax
 from etils import epath
 from orbax.checkpoint import type_handlers
 
@@ -338,9 +339,13 @@ _warned_newer: set[tuple[str, tuple[str, ...]]] = set()
 
 
 def _warn_newer(root: str, step: int, newer: list[tuple[str, str]]) -> None:
-    """Says once per root and set of folders that the newer, uncommitted steps were passed over."""
+    """Says once per root and set of folders that the newer, uncommitted steps were passed over.
+
+    Process 0 alone says it: under `jax.distributed` every process lists the
+    same root and would print the same line.
+    """
     key = (root, tuple(name for name, _ in newer))
-    if not newer or key in _warned_newer:
+    if not newer or key in _warned_newer or jax.process_index() != 0:
         return
     _warned_newer.add(key)
     _log.warning(
