@@ -239,10 +239,9 @@ def load_sharded(
         model, path, layout=layout, strict=strict, max_inflight_bytes=max_inflight_bytes, progress=progress,
         allow_other_mesh=allow_other_mesh, transfer=transfer,
     )
-    if jax.process_index() == 0:  # every process of a `jax.distributed` load finds the same: one line for the run
-        say_skipped(report)
-        if not strict:
-            say_fallbacks(report)
+    say_skipped(report)
+    if not strict:
+        say_fallbacks(report)
     return report
 
 
@@ -326,9 +325,10 @@ def say_skipped(report: LoadReport) -> None:
 
     INFO, not WARNING: the model's own variables are all loaded, so its
     result is the checkpoint's (an inference model from a training
-    checkpoint, a backbone from a folder with another head).
+    checkpoint, a backbone from a folder with another head). Process 0 alone
+    says it: every process of a `jax.distributed` load finds the same.
     """
-    if report.skipped:
+    if report.skipped and jax.process_index() == 0:
         _log.info(
             "%s %r: %d stored array(s) skipped, the model has no such variables: %s.",
             report.format, report.path, len(report.skipped), some(report.skipped),
@@ -342,8 +342,10 @@ def say_fallbacks(report: LoadReport) -> None:
     checkpoint, not by the caller: each variable initialised or kept instead
     of loaded, and each stored array left unread, makes the model compute
     something the checkpoint did not. Said in one line (with the report's
-    lists), never per variable.
+    lists), never per variable; by process 0 alone (every process finds the same).
     """
+    if jax.process_index() != 0:
+        return
     initialized = set(report.initialized)
     missing = report.missing_paths
     fresh = [p for p in missing if p in initialized]
