@@ -130,3 +130,20 @@ def test_float8_amax_histories_of_small_layers_are_replicated(mesh):
         assert plan.axes_for(v) == (None,), (v.path, plan[v.path].axes, plan[v.path].reason)
     # The kernels keep their split (the largest variable the forward pass reads is the kernel).
     assert plan.axes_for(model.get_layer("up")._kernel) == (None, M)
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+def test_quantize_after_parallelize_names_quantize_and_the_order(mode):
+    """`quantize()` on a model already planned adds variables the plan does not know (scales,
+    amax histories, int4's packed kernel): refused while Keras creates the first one, naming the
+    layer and the order that works (quantize, then plan), not "another architecture"."""
+    keras.distribution.set_distribution(None)
+    model = _build()
+    shardckpt.parallelize(model, (2, 4))
+    first = {"int8": "emb/embeddings_scale", "int4": "emb/embeddings", "float8": "up/inputs_amax_history"}[mode]
+    with pytest.raises(shardckpt.errors.UnplannedVariableError, match=(
+        rf"Variable '{first}' .*layer '{first.split('/')[0]}' was already built, so it comes from "
+        r"model.quantize\(\) after the plan was made.*Fix: rebuild the model, quantize it, then plan it"
+    )):
+        model.quantize(mode)
+    keras.distribution.set_distribution(None)
