@@ -230,7 +230,7 @@ class PlannedDistribution(kd.ModelParallel):
             return (None,) * len(shape)
         planned = self._by_pattern.get(pattern)
         found = f"the plan has it with shape {planned[0].shape}" if planned else "the plan has no variable there"
-        layer = callers[-1] if callers else None
+        layer: Any = callers[-1] if callers else None
         if getattr(layer, "built", False) and getattr(layer, "quantized_build", None) is not None:
             # A built layer adding variables: `quantize()` after the plan (its scales, an int4
             # kernel's packed shape). Keras has already dropped the layer's float kernel.
