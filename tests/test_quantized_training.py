@@ -147,3 +147,28 @@ def test_quantize_after_parallelize_names_quantize_and_the_order(mode):
     )):
         model.quantize(mode)
     keras.distribution.set_distribution(None)
+
+
+@pytest.mark.parametrize("source", ["f.weights.h5", "f.keras", "f.safetensors"])
+def test_a_float_checkpoint_into_an_int8_model_says_quantize_after_loading(source, tmp_path):
+    """The float kernel meets the int8 one (same key, same shape): refused, naming the variable
+    and the way a float checkpoint becomes a quantized model (load, then `quantize()`)."""
+    keras.distribution.set_distribution(None)
+    model = _build()
+    rng = np.random.default_rng(3)
+    for v in model.weights:
+        v.assign(rng.standard_normal(v.shape).astype("float32"))
+    model.save_weights(str(tmp_path / "f.weights.h5"))
+    model.save(str(tmp_path / "f.keras"))
+    shardckpt.export(model, tmp_path / "st", format="safetensors")
+    (tmp_path / "st" / "model.safetensors").rename(tmp_path / "f.safetensors")
+    keras.backend.clear_session()
+    with shardckpt.lazy_init():
+        quantized = _build(MODES["int8"])
+    plan = shardckpt.auto_layout(quantized, (2, 4))
+    for strict in (True, False):
+        with pytest.raises(shardckpt.errors.DtypeMismatchError, match=(
+            r"Variable 'emb/embeddings': .*holds float32.*variable's int8.*build the model with its "
+            r"float policy, load the float checkpoint, then call model.quantize\(mode\)"
+        )):
+            shardckpt.load_sharded(quantized, str(tmp_path / source), layout=plan, strict=strict)
