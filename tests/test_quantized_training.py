@@ -172,3 +172,18 @@ def test_a_float_checkpoint_into_an_int8_model_says_quantize_after_loading(sourc
             r"float policy, load the float checkpoint, then call model.quantize\(mode\)"
         )):
             shardckpt.load_sharded(quantized, str(tmp_path / source), layout=plan, strict=strict)
+
+
+@pytest.mark.parametrize("fmt", ["safetensors", "hf"])
+@pytest.mark.parametrize("mode", ["int8", "float8"])
+def test_export_of_a_quantized_model_is_refused_before_writing(mode, fmt, tmp_path):
+    """README: a quantized model raises `UnsupportedModelError` naming its layers; float8 too,
+    whose kernels are floats but whose scales and amax histories no reader dequantizes with."""
+    keras.distribution.set_distribution(None)
+    model = _build()
+    model.quantize(mode)
+    with pytest.raises(shardckpt.errors.UnsupportedModelError, match=(
+        rf"is quantized \(.*up \({mode}\).*Fix: export the float model \(before `quantize\(\)`\)"
+    )):
+        shardckpt.export(model, tmp_path / "out", format=fmt)
+    assert list(tmp_path.iterdir()) == []
