@@ -80,10 +80,18 @@ def check_cast(path: str, key: str, stored: np.dtype, target: np.dtype, source: 
             "weights this model saved, or re-save them with Keras (model.save_weights)."
         )
     if kind(target) not in _CASTS.get(kind(stored), ""):
+        # Floats into an integer variable: a quantized layer's kernel (int8, packed int4) given
+        # a float checkpoint; Keras quantizes float weights only through `quantize()`.
+        quantized = (
+            " An integer variable where the checkpoint holds floats is a quantized layer's kernel: "
+            "build the model with its float policy, load the float checkpoint, then call "
+            "model.quantize(mode) (before planning it), or load a checkpoint of the quantized model."
+            if kind(stored) == "f" and kind(target) in "iu" else ""
+        )
         raise DtypeMismatchError(
             f"Variable {path!r}: checkpoint {key!r} holds {stored}, which does not "
             f"cast to the variable's {target} without losing meaning. Fix: build "
-            f"the variable with dtype {stored} (or a wider one of the same kind)."
+            f"the variable with dtype {stored} (or a wider one of the same kind).{quantized}"
         )
 
 

@@ -42,8 +42,9 @@ def check_exportable(model: Any) -> None:
     if quantized:
         raise UnsupportedModelError(
             f"{type(model).__name__} is quantized ({', '.join(quantized[:3])}"
-            f"{', ...' if len(quantized) > 3 else ''}): its integer kernels and scales are no "
-            "float checkpoint. Fix: export the float model (before `quantize()`)."
+            f"{', ...' if len(quantized) > 3 else ''}): int8 / int4 kernels hold integers and float8 "
+            "layers carry scales and amax histories, none of which a reader of the format "
+            "dequantizes. Fix: export the float model (before `quantize()`)."
         )
     for v in model.weights:
         if getattr(v, "_value", 1) is None:

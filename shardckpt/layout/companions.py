@@ -20,8 +20,10 @@ generated name), the scale instead follows the kernel:
   through their dequantization (`take(scale, g_idx)`), so it splits the
   packed output dimension and the scales with it, and keeps the group
   indices (lookup indices) whole;
-- a smaller variable of the layer that the forward pass never reads
-  (float8's amax histories, updated through their gradient) is replicated.
+- a variable of the layer that the forward pass never reads (float8's amax
+  histories, updated through their gradient) is replicated when it is a
+  vector (at any length: a history of 1024 outgrows a small layer's kernel)
+  or smaller than the kernel; the kernel is the largest variable read.
 
 LoRA factors, companions of another kind, are placed by `layout.lora`.
 """
@@ -55,20 +57,27 @@ def place_companions(placements: Sequence[Placement], *, model_axis: str, axis_s
     for layer, members in groups.items():
         if not layer or len(members) < 2:
             continue
-        main = max(members, key=lambda i: math.prod(out[i].shape))
+        # The kernel is the largest variable the forward pass reads: a float8 amax history
+        # (1024 long by default) outgrows the kernel of a small layer and is never read.
+        read = [i for i in members if not out[i].reason.startswith(_UNREAD)] or members
+        main = max(read, key=lambda i: math.prod(out[i].shape))
         kernel = out[main]
         size = math.prod(kernel.shape)
         for i in members:
             p = out[i]
-            if i == main or not p.shape or math.prod(p.shape) * 4 > size:
-                continue  # another weight of the layer (an expert's second kernel), not a companion
+            if i == main or not p.shape:
+                continue
             if p.reason.startswith(_UNREAD):
-                if model_axis in p.axes:
+                # A vector of statistics is the layer's state at any size; a larger unread
+                # matrix may be a weight of its own (kept as the planner split it).
+                if model_axis in p.axes and (len(p.shape) == 1 or math.prod(p.shape) * 4 <= size):
                     out[i] = dataclasses.replace(
                         p, axes=(None,) * len(p.shape),
                         reason="state of its layer the forward pass does not read (e.g. a float8 amax history): replicated",
                     )
                 continue
+            if math.prod(p.shape) * 4 > size:
+                continue  # another weight of the layer (an expert's second kernel), not a companion
             if model_axis in kernel.axes and kernel.reason.startswith(_OUTPUT_SPLITS):
                 if model_axis in p.axes or p.reason.startswith(_DELIBERATE):
                     continue

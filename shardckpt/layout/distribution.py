@@ -230,6 +230,20 @@ class PlannedDistribution(kd.ModelParallel):
             return (None,) * len(shape)
         planned = self._by_pattern.get(pattern)
         found = f"the plan has it with shape {planned[0].shape}" if planned else "the plan has no variable there"
+        layer: Any = callers[-1] if callers else None
+        if getattr(layer, "built", False) and getattr(layer, "quantized_build", None) is not None:
+            # A built layer adding variables: `quantize()` after the plan (its scales, an int4
+            # kernel's packed shape). Keras has already dropped the layer's float kernel.
+            raise UnplannedVariableError(
+                f"Variable {variable.path!r} (shape {shape}) has no placement in the layout plan "
+                f"({found}): layer {layer.name!r} was already built, so it comes from "
+                "model.quantize() after the plan was made (auto_layout / parallelize), and the "
+                "plan knows only the float variables. The layer's quantization stopped partway. "
+                "Fix: rebuild the model, quantize it, then plan it (shardckpt.parallelize(model, "
+                "mesh) or auto_layout); or build it with the quantized policy (e.g. "
+                "dtype='int8_from_float32') under lazy_init and load the quantized checkpoint. "
+                f"Received: variable={variable.path!r}"
+            )
         raise UnplannedVariableError(
             f"Variable {variable.path!r} (shape {shape}) has no placement in the layout plan "
             f"({found}): the model being built is not the planned architecture, and Keras would "
