@@ -535,7 +535,8 @@ class OrbaxCheckpoint(BestTracking):
                                        metrics=[np.asarray(v.value) for v in self.model.metrics_variables])
         fitstate.publish_resume(self._model, self.params, fitstate.Resumed(owner=id(self), directory=self.directory, info=info))
         self._say(*resume_point.describe(point, info, epochs=(self.params or {}).get("epochs"),
-                                         directory=self.directory, caveat=self._data_caveat(info, tracked)),
+                                         directory=self.directory, caveat=self._data_caveat(info, tracked),
+                                         initial_epoch=self._previous_initial_epoch),
                   once=True)
 
     def _data_caveat(self, info: ResumeInfo | None, tracked: bool) -> str:

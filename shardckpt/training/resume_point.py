@@ -121,12 +121,13 @@ def set_iterator(data_iterator: Any, step_dir: str | None, *, on_process_count_c
 
 
 def describe(point: ResumePoint, info: ResumeInfo | None, *, epochs: int | None, directory: str,
-             caveat: str = "") -> tuple[int, str]:
+             caveat: str = "", initial_epoch: int | None = None) -> tuple[int, str]:
     """The one line a resume logs, and its level: the step and epoch, or that the run is complete.
 
     WARNING when the latest step is not the one continued (work is redone),
-    when there is nothing left to train, or with a `caveat` (why the data the
-    resumed `fit` draws is not the uninterrupted run's); INFO otherwise.
+    when there is nothing left to train, with a `caveat` (why the data the
+    resumed `fit` draws is not the uninterrupted run's), or where the step
+    overrides another `initial_epoch` given to `fit`; INFO otherwise.
     """
     if info is None:
         return logging.WARNING, (
@@ -144,6 +145,12 @@ def describe(point: ResumePoint, info: ResumeInfo | None, *, epochs: int | None,
         where = ("a step its writer (Keras' callback?) gave no shardckpt metadata: weights restored, epoch and "
                  "data position not known, so the run is not exact")
     line = f"resumed from step {info.step} in {directory} ({where})"
+    overridden = ""
+    if info.epoch is not None and initial_epoch and initial_epoch != info.next_epoch:
+        # The step decides where fit goes on (the uninterrupted run's epoch); the argument is dropped.
+        overridden = (f" fit(initial_epoch={initial_epoch}) is not used: the step sets it to {info.next_epoch}, "
+                      "where the uninterrupted run went on. Fix: leave initial_epoch out of a fit with "
+                      "resume=True (the step sets it).")
     if point.why:
         exact = "" if caveat else "exact; "
         line = (f"step {point.latest} not resumed: {point.why}; {line}, the newest step of whole epochs "
@@ -151,13 +158,13 @@ def describe(point: ResumePoint, info: ResumeInfo | None, *, epochs: int | None,
                 "OrbaxCheckpoint.batches() to resume mid-epoch")
     if epochs is not None and info.epoch is not None and info.next_epoch >= epochs:
         done = f"The run is already complete: all {epochs} epochs are trained; fit trains nothing."
-        return logging.WARNING, f"{line}. {done}"
+        return logging.WARNING, f"{line}. {done}{overridden}"
     if info.epoch is None:
         return logging.WARNING, f"{line}."
     line = f"{line}; fit continues at {epoch(info.next_epoch)}."
     if caveat:
-        return logging.WARNING, f"{line} Not exact: {caveat}."
-    return (logging.WARNING if point.why else logging.INFO), line
+        return logging.WARNING, f"{line} Not exact: {caveat}.{overridden}"
+    return (logging.WARNING if point.why or overridden else logging.INFO), line + overridden
 
 
 @dataclasses.dataclass(kw_only=True, eq=False)
