@@ -111,6 +111,7 @@ __all__ = [
     "serialize_model_config",
     "set_global_attribute",
     "set_initial_epoch",
+    "start_fit_at",
     "set_initializer",
     "set_layout",
     "set_value",
@@ -261,9 +262,26 @@ def initial_epoch(model: Any) -> Any:
     return getattr(model, "_initial_epoch", None)
 
 
+class _FirstEpoch(int):
+    """Epoch 0 that is true in a condition.
+
+    Keras' trainer starts at `self._initial_epoch or initial_epoch`: a plain 0
+    there gives way to `fit(initial_epoch=k)`, so a resume in epoch 0 would
+    start at epoch k (measured: other weights, said exact).
+    """
+
+    def __bool__(self) -> bool:
+        return True
+
+
 def set_initial_epoch(model: Any, epoch: Any) -> None:
     """Sets the epoch `fit` starts from; valid from `on_train_begin` on."""
     model._initial_epoch = epoch
+
+
+def start_fit_at(model: Any, epoch: int) -> None:
+    """Makes the `fit` calling back start at `epoch`, over its own `initial_epoch` (from `on_train_begin`)."""
+    model._initial_epoch = _FirstEpoch(0) if epoch == 0 else epoch
 
 
 class FitInput(NamedTuple):
@@ -275,6 +293,8 @@ class FitInput(NamedTuple):
         steps_per_execution: The model's.
         py_dataset: The `keras.utils.PyDataset` given to `fit`, or None.
         callbacks: Every callback of the `fit` (Keras' `History` and progress bar included).
+        initial_epoch: As passed to `fit` (read in `on_train_begin`; Keras
+            replaces it with `Model._initial_epoch` after that hook).
     """
 
     steps_per_epoch: int | None
@@ -282,6 +302,7 @@ class FitInput(NamedTuple):
     steps_per_execution: int
     py_dataset: Any
     callbacks: list[Any]
+    initial_epoch: int = 0
 
 
 def fit_input(model: Any) -> FitInput | None:
@@ -297,7 +318,8 @@ def fit_input(model: Any) -> FitInput | None:
             adapter = getattr(found, "data_adapter", None)
             return FitInput(found.steps_per_epoch, found._num_batches,
                             int(getattr(found, "steps_per_execution", 1) or 1), getattr(adapter, "py_dataset", None),
-                            list(getattr(frame.f_locals.get("callbacks"), "callbacks", None) or []))
+                            list(getattr(frame.f_locals.get("callbacks"), "callbacks", None) or []),
+                            int(frame.f_locals.get("initial_epoch") or 0))
         frame = frame.f_back
     return None
 

@@ -307,6 +307,7 @@ class OrbaxCheckpoint(BestTracking):
         drawn = _keras.fit_input(self._model)
         # EarlyStopping / ReduceLROnPlateau among them: their counters go into each step.
         self._callbacks: list[Any] = [] if drawn is None else drawn.callbacks
+        self._fit_initial_epoch = 0 if drawn is None else drawn.initial_epoch  # fit(initial_epoch=...)
         self._schedule.begin()
         self._warned_monitor = False
         # Keras' trainer reads the initial epoch right after this hook (see _keras).
@@ -523,7 +524,7 @@ class OrbaxCheckpoint(BestTracking):
         if info is not None and info.metadata.get("preemption"):
             self._resumed_preemption_step = info.step
         if info is not None and info.epoch is not None:  # (None: a step Keras wrote, weights only)
-            _keras.set_initial_epoch(self._model, info.next_epoch)
+            _keras.start_fit_at(self._model, info.next_epoch)
             self._schedule.resumed(info)
             if info.metadata.get("best") is not None and not isinstance(info.metadata["best"], str):
                 self.best = float(info.metadata["best"])
@@ -536,7 +537,7 @@ class OrbaxCheckpoint(BestTracking):
         fitstate.publish_resume(self._model, self.params, fitstate.Resumed(owner=id(self), directory=self.directory, info=info))
         self._say(*resume_point.describe(point, info, epochs=(self.params or {}).get("epochs"),
                                          directory=self.directory, caveat=self._data_caveat(info, tracked),
-                                         initial_epoch=self._previous_initial_epoch),
+                                         initial_epoch=self._fit_initial_epoch),
                   once=True)
 
     def _data_caveat(self, info: ResumeInfo | None, tracked: bool) -> str:
