@@ -458,3 +458,28 @@ def test_reduce_lr_on_plateau_resumes_from_a_step_saved_after_a_batch(tmp_path, 
     for want, got in zip(ref.trainable_variables + ref.optimizer.variables,
                          model.trainable_variables + model.optimizer.variables):
         np.testing.assert_array_equal(np.asarray(got.value), np.asarray(want.value), err_msg=got.path)
+
+
+def test_a_resume_in_epoch_0_starts_there_even_when_fit_is_given_an_initial_epoch(tmp_path, caplog):
+    """Keras starts at `model._initial_epoch or initial_epoch`: the resume's epoch 0 read as unset, so a
+    run preempted in epoch 0 and resumed with fit(initial_epoch=1) trained epochs 2 and 3 only
+    (measured: other weights) under an INFO line saying it continues at epoch 1. Now it trains from
+    epoch 1's third batch, bit-equal, and the warning names the initial_epoch not used."""
+    ref = _two_dense_adam_regressor()
+    ckpt = OrbaxCheckpoint(str(tmp_path / "ref"), data_iterator=_Batches())
+    ref.fit(ckpt.batches(), steps_per_epoch=4, epochs=3, callbacks=[ckpt], verbose=0)
+    ckpt = OrbaxCheckpoint(str(tmp_path / "run"), data_iterator=_Batches())
+    _two_dense_adam_regressor().fit(ckpt.batches(), steps_per_epoch=4, epochs=3, callbacks=[sigterm_at(2), ckpt],
+                                    verbose=0)
+    assert ckpt.preempted_step == 0
+    again = OrbaxCheckpoint(str(tmp_path / "run"), resume=True, data_iterator=_Batches())
+    model = _two_dense_adam_regressor()
+    with caplog.at_level(logging.WARNING, logger="shardckpt"):
+        epochs = model.fit(again.batches(), steps_per_epoch=4, epochs=3, initial_epoch=1, callbacks=[again],
+                           verbose=0).epoch
+    assert epochs == [0, 1, 2]
+    for want, got in zip(ref.trainable_variables + ref.optimizer.variables,
+                         model.trainable_variables + model.optimizer.variables, strict=True):
+        np.testing.assert_array_equal(np.asarray(got.value), np.asarray(want.value), err_msg=got.path)
+    said = [r.getMessage() for r in caplog.records if "initial_epoch" in r.getMessage()]
+    assert len(said) == 1 and "fit(initial_epoch=1) is not used: the step sets it to 0" in said[0], said
