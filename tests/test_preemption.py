@@ -483,3 +483,42 @@ def test_a_resume_in_epoch_0_starts_there_even_when_fit_is_given_an_initial_epoc
         np.testing.assert_array_equal(np.asarray(got.value), np.asarray(want.value), err_msg=got.path)
     said = [r.getMessage() for r in caplog.records if "initial_epoch" in r.getMessage()]
     assert len(said) == 1 and "fit(initial_epoch=1) is not used: the step sets it to 0" in said[0], said
+
+
+def _ema_mixed_regressor() -> keras.Model:
+    keras.utils.set_random_seed(2)
+    model = keras.Sequential([keras.Input((6,)), keras.layers.Dense(8, name="a"), keras.layers.Dense(1, name="b")],
+                             name="seq")
+    optimizer = keras.optimizers.Adam(name="adam", use_ema=True, ema_overwrite_frequency=5, global_clipnorm=1.0)
+    model.compile(optimizer=optimizer, loss="mse", steps_per_execution=3)
+    return model
+
+
+def test_ema_loss_scale_and_steps_per_execution_resume_mid_epoch_bit_equal(tmp_path):
+    """Audit (exact before this test, kept so): use_ema with ema_overwrite_frequency=5 (weights
+    overwritten every 5 updates and at fit's end), global_clipnorm, mixed_float16 (a
+    LossScaleOptimizer whose scale halves on overflow), steps_per_execution=3 with save_freq=4,
+    preempted after 9 of 12 batches: the EMA copies, the scale and its counter are optimizer
+    variables of the step, and the resumed run ends bit-equal to the unbroken one."""
+    previous = keras.mixed_precision.global_policy()
+    keras.mixed_precision.set_global_policy("mixed_float16")
+    try:
+        ref = _ema_mixed_regressor()
+        ckpt = OrbaxCheckpoint(str(tmp_path / "ref"), save_freq=4, data_iterator=_Batches())
+        ref.fit(ckpt.batches(), steps_per_epoch=6, epochs=2, callbacks=[ckpt], verbose=0)
+        ckpt = OrbaxCheckpoint(str(tmp_path / "run"), save_freq=4, data_iterator=_Batches())
+        _ema_mixed_regressor().fit(ckpt.batches(), steps_per_epoch=6, epochs=2, callbacks=[sigterm_at(3), ckpt],
+                                   verbose=0)  # (3 executions: 9 batches)
+        assert ckpt.preempted_step == 9
+        again = OrbaxCheckpoint(str(tmp_path / "run"), save_freq=4, resume=True, data_iterator=_Batches())
+        model = _ema_mixed_regressor()
+        model.fit(again.batches(), steps_per_epoch=6, epochs=2, callbacks=[again], verbose=0)
+    finally:
+        keras.mixed_precision.set_global_policy(previous)
+    names = [v.path for v in ref.optimizer.variables]
+    assert any("average" in n for n in names) and "loss_scale_optimizer/dynamic_scale" in names, names
+    scale = next(v for v in ref.optimizer.variables if v.path.endswith("dynamic_scale"))
+    assert float(scale.value) != 2.0**15, "the scale moved in the run (overflow steps skipped)"
+    for want, got in zip(ref.variables + ref.optimizer.variables, model.variables + model.optimizer.variables,
+                         strict=True):
+        np.testing.assert_array_equal(np.asarray(got.value), np.asarray(want.value), err_msg=got.path)
