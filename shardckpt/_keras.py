@@ -65,11 +65,13 @@ Private methods of optimizers:
 Private attributes of models:
 
 - `Model._initial_epoch` (training.callback): the epoch `fit` starts from,
-  read by Keras' trainer right after `on_train_begin`; Keras' own
-  `BackupAndRestore` resumes through it. There is no public hook.
+  read by Keras' trainer right after `on_train_begin` (as
+  `self._initial_epoch or initial_epoch`: a 0 there is set as a true
+  `_FirstEpoch`, see `start_fit_at`); Keras' own `BackupAndRestore`
+  resumes through it. There is no public hook.
 - `fit`'s local `epoch_iterator` (`EpochIterator.steps_per_epoch`,
   `_num_batches`, `steps_per_execution`, `data_adapter.py_dataset`, and
-  its local `callbacks`; training.callback, through
+  its locals `callbacks` and `initial_epoch`; training.callback, through
   `fit_input`): whether `fit` continues one pass of its data across
   epochs (`steps_per_epoch` shorter than the data, or a generator of no
   known length), which a resume at an epoch boundary cannot continue. A
