@@ -20,7 +20,7 @@ import pytest
 from keras import layers
 
 import shardckpt
-from shardckpt import structure
+from shardckpt import errors, structure
 from tests.zoo import randomize
 
 RNG = np.random.default_rng(0)
@@ -211,3 +211,22 @@ def test_bidirectional_copies_of_a_named_layer_keep_their_names():
     explicit = structure.explicit_names(model)
     assert {"forward_encoder", "backward_encoder"} <= explicit
     assert not {"forward_gru", "backward_gru", "bidirectional", "bidirectional_1"} & explicit
+
+
+def test_another_recurrent_architecture_under_a_plan_is_refused_as_another_architecture():
+    """Keras' recurrent cells are marked built before they create their kernels: that is no
+    `quantize()` after the plan, and the error must not send the user to quantize."""
+    def build(units):
+        x = keras.Input((6, 16))
+        return keras.Model(x, layers.Dense(8)(layers.LSTM(units)(x)))
+
+    keras.backend.clear_session()
+    with shardckpt.lazy_init():
+        planned = build(16)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the LSTM stays replicated: said, not this test's point
+        plan = shardckpt.auto_layout(planned, (1, 8))
+    keras.distribution.set_distribution(plan.distribution())
+    with pytest.raises(errors.UnplannedVariableError, match=r"lstm_cell/kernel.*not the planned architecture") as raised:
+        build(32)
+    assert "quantize" not in str(raised.value)
