@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import warnings
 
+import jax
 import keras
 import numpy as np
 import pytest
@@ -230,3 +231,58 @@ def test_another_recurrent_architecture_under_a_plan_is_refused_as_another_archi
     with pytest.raises(errors.UnplannedVariableError, match=r"lstm_cell/kernel.*not the planned architecture") as raised:
         build(32)
     assert "quantize" not in str(raised.value)
+
+
+def _projection(width: int) -> keras.Model:
+    """A functional block whose layer has a given name: two of them share variable paths."""
+    x = keras.Input((16,))
+    return keras.Model(x, layers.Dense(width, name="proj")(x))
+
+
+def _same_names_other_roles() -> keras.Model:
+    """`proj/kernel` twice, one output contracted (column-parallel), the other normalized (whole)."""
+    x = keras.Input((16,))
+    a, b = _projection(32)(x), _projection(32)(x)
+    return keras.Model(x, layers.Dense(8, name="head")(a) + layers.Dense(8, name="side")(layers.LayerNormalization()(b)))
+
+
+def _same_names_other_widths() -> keras.Model:
+    x = keras.Input((16,))
+    h = _projection(64)(layers.Dense(16, name="mix")(_projection(32)(x)))  # both column-parallel
+    return keras.Model(x, layers.Dense(8, name="head")(h))
+
+
+@pytest.mark.parametrize("build", [_same_names_other_roles, _same_names_other_widths], ids=["roles", "widths"])
+def test_variables_sharing_a_path_are_placed_as_the_plan_says(tmp_path, build):
+    """Keras (and any lookup by path) places two variables of one path alike: the plan gives them
+    one placement, replicated where it would split them differently, and says so."""
+    keras.backend.clear_session()
+    source = build()
+    randomize(source, seed=5)
+    source.save_weights(tmp_path / "m.weights.h5")
+    want = [np.asarray(v.value) for v in source.weights]
+    keras.backend.clear_session()
+    with shardckpt.lazy_init():
+        model = build()
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        plan = shardckpt.auto_layout(model, (1, 8))
+    shared = [str(w.message) for w in said if "variable path(s) are held" in str(w.message)]
+    assert plan.validate(model) == []
+    keras.distribution.set_distribution(plan.distribution())
+    shardckpt.load_sharded(model, str(tmp_path / "m.weights.h5"))
+    by_key = {p.key: p for p in plan.placements}
+    keys = structure.structural_paths(model)
+    for v, w in zip(model.weights, want):
+        np.testing.assert_array_equal(np.asarray(v.value), w, err_msg=v.path)
+        planned = by_key[keys[id(v)]]  # this variable's own placement, not its path's
+        assert v.value.sharding.is_equivalent_to(plan.sharding_for(v), v.ndim), v.path
+        assert v.value.sharding.spec == jax.sharding.PartitionSpec(*planned.axes), (v.path, planned)
+    proj = [p for p in plan.placements if p.path.startswith("proj/")]
+    if build is _same_names_other_roles:
+        assert all(p.axes == (None,) * len(p.shape) and p.source == "fallback" for p in proj)
+        assert len(shared) == 1 and "proj/kernel" in shared[0] and "own names" in shared[0]
+    else:  # placed alike: kept split, nothing to say
+        assert all(p.axes[-1] == "model" for p in proj) and shared == []
+    model = build()  # and parallelize places a normally built one
+    shardckpt.parallelize(model, (1, 8))
