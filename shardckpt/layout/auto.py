@@ -308,7 +308,7 @@ def _one_placement_per_path(placements: list[Placement]) -> list[Placement]:
     for i, p in enumerate(placements):
         by_path.setdefault(p.path, []).append(i)
     out = list(placements)
-    for path, found in by_path.items():
+    for found in by_path.values():
         if len(found) < 2 or len({placements[i].axes for i in found}) == 1:
             continue
         for i in found:
