@@ -44,6 +44,9 @@ import keras
 
 from shardckpt import _keras
 
+# The prefixes `keras.layers.Bidirectional` gives its copies of the layer it wraps.
+_BIDIRECTIONAL_COPY = "(?:forward_|backward_)?"
+
 __all__ = [
     "RecordingStore",
     "explicit_names",
@@ -246,6 +249,10 @@ def explicit_names(model: Any) -> frozenset[str]:
     `dense_4`) cannot be told from a generated one and counts as generated,
     as Keras' own generated names would.
 
+    `keras.layers.Bidirectional` names its two copies of the wrapped layer
+    `forward_<name>` and `backward_<name>`: when `<name>` was generated
+    (`forward_lstm_3`), so is theirs, counter included.
+
     Args:
         model: A Keras model, built (its variables may be unloaded).
 
@@ -262,13 +269,19 @@ def is_explicitly_named(obj: Any) -> bool:
     Keras keeps no record of it (`Operation.__init__` replaces a missing
     name by `auto_name(class name)` and forgets): a name that is not the
     generated form for `obj`'s class (`dense`, `dense_<n>` for a `Dense`) was
-    given. See `explicit_names` for the one ambiguous case.
+    given. See `explicit_names` for the one ambiguous case and for
+    `Bidirectional`'s copies.
     """
     name = getattr(obj, "name", None)
     if not isinstance(name, str) or not name:
         return False
-    base = _keras.auto_name_base(type(obj))
-    return re.fullmatch(rf"{re.escape(base)}(?:_\d+)?", name) is None
+    generated = rf"{re.escape(_keras.auto_name_base(type(obj)))}(?:_\d+)?"
+    if isinstance(obj, keras.layers.Layer):
+        # Bidirectional builds its forward (and, unless given one, backward) layer from the wrapped
+        # layer's config renamed `forward_` / `backward_` + its name: a counter carried over from a
+        # generated name changes with what the process built before, as the name it came from.
+        generated = _BIDIRECTIONAL_COPY + generated
+    return re.fullmatch(generated, name) is None
 
 
 def slot_references(model: Any) -> dict[int, Any]:

@@ -145,12 +145,15 @@ def auto_layout(
             plan = plan_on(ctx, candidate, model_axis=model_axis, batch_axis=batch, fsdp=fsdp, unknown=unknown)
             return plan, ctx.gathered(dict(zip(candidate.axis_names, candidate.shape))[model_axis])
 
-        return choose_mesh(
+        chosen = choose_mesh(
             plan_for, pool if pool is not None else jax.devices(), fsdp=fsdp, model_axis=model_axis,
             unknown=unknown, device_memory=device_memory, optimizer=optimizer,
         )
+        _warn_if_paths_shared(chosen)
+        return chosen
     device_mesh, batch_axis = resolve_mesh(mesh, model_axis=model_axis, batch_axis=batch_axis, devices=pool)
     plan = plan_on(ctx, device_mesh, model_axis=model_axis, batch_axis=batch_axis, fsdp=fsdp, unknown=unknown)
+    _warn_if_paths_shared(plan)
     _warn_if_mostly_replicated(plan)
     return plan
 
@@ -280,10 +283,54 @@ def plan_on(
                 placements[i] = dataclasses.replace(p, axes=axes, reason=f"{p.reason}; {why}" if why else p.reason)
                 if use == "lookup" and batch_axis in axes and p.key not in gathered:
                     gathered.append(p.key)
+    placements = _one_placement_per_path(placements)
     return LayoutPlan(
         device_mesh, placements, model_axis=model_axis, batch_axis=batch_axis, unknown=unknown, notes=notes, fsdp=fsdp,
         gathered_outputs=gathered, problems=ctx.rule_problems,
     )
+
+
+# The reason given to variables replicated because another variable shares their path.
+SHARED_PATH = "shares its path with a variable placed otherwise"
+
+
+def _one_placement_per_path(placements: list[Placement]) -> list[Placement]:
+    """Replicates variables that share their path with one the plan places otherwise.
+
+    Two variables have one path when two sub-models' layers have the same
+    given names (a functional block built twice with `name="up"` inside).
+    Keras places a variable by its path (`LayoutMap`), and so do a plan's
+    lookups (`sharding_for`, `load_sharded`): both would get one of the two
+    placements whatever the plan says for each. Replicated, both are placed
+    as planned (`auto_layout` warns, naming them).
+    """
+    by_path: dict[str, list[int]] = {}
+    for i, p in enumerate(placements):
+        by_path.setdefault(p.path, []).append(i)
+    out = list(placements)
+    for found in by_path.values():
+        if len(found) < 2 or len({placements[i].axes for i in found}) == 1:
+            continue
+        for i in found:
+            p = placements[i]
+            out[i] = dataclasses.replace(
+                p, axes=(None,) * len(p.shape), source="fallback",
+                reason=f"{SHARED_PATH} ({p.reason}); Keras places variables by path: replicated",
+            )
+    return out
+
+
+def _warn_if_paths_shared(plan: LayoutPlan) -> None:
+    """Warns once naming the variables replicated because they share a path (`_one_placement_per_path`)."""
+    shared = sorted({p.path for p in plan.placements if p.reason.startswith(SHARED_PATH)})
+    if shared:
+        userwarn.warn(
+            f"{len(shared)} variable path(s) are held by two or more variables that the plan would "
+            f"split differently, so they stay replicated: {', '.join(shared[:5])}. Keras places a "
+            "variable by its path, and layers of two sub-models with the same given names (one "
+            "block built twice) share theirs. Fix: give each sub-model's layers their own names "
+            "(e.g. prefix them with the block's), or leave naming to Keras."
+        )
 
 
 def _rule_axes(

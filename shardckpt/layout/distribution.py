@@ -38,7 +38,7 @@ from collections.abc import Collection, Sequence
 from typing import TYPE_CHECKING, Any
 
 from keras import distribution as kd
-from keras import metrics, optimizers, random
+from keras import layers, metrics, optimizers, random
 
 from shardckpt import _keras, userwarn
 from shardckpt.errors import UnplannedVariableError
@@ -140,6 +140,18 @@ def _rank_under_parent(parent: Any, layer: Any) -> tuple[int, int] | None:
     return None if index is None else (index, len(same))
 
 
+def _quantizable(layer: Any) -> bool:
+    """Whether `layer`'s class implements Keras' `quantized_build` (Dense, EinsumDense, Embedding).
+
+    Only such a layer adds variables once built, through `quantize()`. A built
+    layer is not enough: Keras' recurrent cells call `Layer.build` (which
+    marks them built) before creating their kernels, so a cell of another
+    architecture would be mistaken for a quantization.
+    """
+    own = getattr(type(layer), "quantized_build", None)
+    return own is not None and own is not layers.Layer.quantized_build
+
+
 class PlannedDistribution(kd.ModelParallel):
     """A `keras.distribution.ModelParallel` that places variables by a `LayoutPlan`.
 
@@ -231,7 +243,7 @@ class PlannedDistribution(kd.ModelParallel):
         planned = self._by_pattern.get(pattern)
         found = f"the plan has it with shape {planned[0].shape}" if planned else "the plan has no variable there"
         layer: Any = callers[-1] if callers else None
-        if getattr(layer, "built", False) and getattr(layer, "quantized_build", None) is not None:
+        if getattr(layer, "built", False) and _quantizable(layer):
             # A built layer adding variables: `quantize()` after the plan (its scales, an int4
             # kernel's packed shape). Keras has already dropped the layer's float kernel.
             raise UnplannedVariableError(

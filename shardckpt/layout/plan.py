@@ -106,6 +106,9 @@ class LayoutPlan:
         self.gathered_outputs = tuple(gathered_outputs)
         self.problems = tuple(problems)
         self._by_path = {p.path: p for p in self.placements}
+        # Two variables may share a path (sub-models whose layers have the same given names):
+        # told apart by shape where they differ (`auto_layout` gives them one placement otherwise).
+        self._by_path_shape = {(p.path, p.shape): p for p in self.placements}
         self._by_key = {p.key: p for p in self.placements if p.key}
         # Optimizer slots are named "<optimizer>/<variable path with / -> _>_<slot>"
         # by Keras (`BaseOptimizer.add_variable_from_reference`).
@@ -212,8 +215,8 @@ class LayoutPlan:
                 variable silently: a rebuilt model's generated names differ
                 from the plan's, and `plan.bind(model)` maps them.
         """
-        placement = self._by_path.get(variable.path)
-        if placement is not None and tuple(variable.shape) == placement.shape:
+        placement = self._by_path_shape.get((variable.path, tuple(int(d) for d in variable.shape)))
+        if placement is not None:
             return placement.axes
         axes = self.slot_axes(variable)
         if axes is not None:
@@ -251,15 +254,33 @@ class LayoutPlan:
         structure and refuses what it does not know.
         """
         layout_map = kd.LayoutMap(self.mesh)
+        placed: dict[str, tuple[Any, ...]] = {}
+
+        def put(key: str, axes: tuple[Any, ...]) -> None:
+            # Two variables may share a path (see `axes_for`): one key places both, if alike.
+            if key in placed:
+                if placed[key] != axes:
+                    raise LayoutError(
+                        f"Two variables share the path {key!r} and this plan places them differently "
+                        f"({placed[key]} and {axes}); Keras places variables by path, so no LayoutMap "
+                        "can place them apart. Fix: give the layers of each sub-model their own names, "
+                        f"or place both alike. Received: path={key!r}"
+                    )
+                return
+            placed[key] = axes
+            layout_map[key] = _keras.tensor_layout(axes, self.mesh)
+
         for p in self.placements:
-            layout_map[re.escape(p.path)] = _keras.tensor_layout(p.axes, self.mesh)
+            put(re.escape(p.path), p.axes)
         # LoRA factors `enable_lora` may create later, split with their base weight.
         for path, axes in lora_layout(self.placements):
-            layout_map[re.escape(path)] = _keras.tensor_layout(axes, self.mesh)
+            put(re.escape(path), axes)
         by_key = {p.key: p for p in self.placements}
         for key in self.gathered_outputs:
-            owner = by_key[key].path.rsplit("/", 1)[0]
-            layout_map[re.escape(owner) + "/output"] = kd.TensorLayout((self.batch_axis,), self.mesh)
+            owner = re.escape(by_key[key].path.rsplit("/", 1)[0]) + "/output"
+            if owner not in placed:
+                placed[owner] = (self.batch_axis,)
+                layout_map[owner] = kd.TensorLayout((self.batch_axis,), self.mesh)
         return layout_map
 
     def distribution(self, *, auto_shard_dataset: bool = True) -> kd.ModelParallel:
@@ -378,8 +399,8 @@ class LayoutPlan:
         sizes = dict(zip(self.mesh.axis_names, self.mesh.shape))
         seen: set[str] = set()
         for p in self.placements:
-            if p.path in seen:
-                problems.append(f"{p.path}: placed twice (two variables share this path)")
+            if p.path in seen and self._by_path[p.path].axes != p.axes:
+                problems.append(f"{p.path}: two variables share this path, placed differently")
             seen.add(p.path)
             if len(p.axes) != len(p.shape):
                 problems.append(f"{p.path}: {len(p.axes)} axes for a rank-{len(p.shape)} variable")
@@ -398,13 +419,13 @@ class LayoutPlan:
         if model is not None:
             paths = {}
             for v in model.variables:
-                paths[v.path] = tuple(v.shape)
-            for path, shape in paths.items():
+                paths[(v.path, tuple(v.shape))] = v.path
+            for path, shape in paths:
                 if path not in self._by_path:
                     problems.append(f"{path}: model variable has no placement")
-                elif self._by_path[path].shape != shape:
+                elif (path, shape) not in self._by_path_shape:
                     problems.append(f"{path}: model shape {shape}, plan shape {self._by_path[path].shape}")
-            for path in self._by_path.keys() - paths.keys():
+            for path in self._by_path.keys() - set(paths.values()):
                 problems.append(f"{path}: placement matches no model variable")
         return problems
 
