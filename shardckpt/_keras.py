@@ -213,14 +213,12 @@ def unset_asset_layers(model: Any) -> list[str]:
     for layer in model._flatten_layers(include_self=False):
         if not callable(getattr(layer, "save_assets", None)):
             continue
-        files = _asset_files(layer)
-        if not files:
-            continue
         try:
-            fresh = type(layer).from_config(layer.get_config())
-        except Exception:  # noqa: BLE001 (a custom layer's config: its state cannot be told unset)
+            files = _asset_files(layer)
+            unset = bool(files) and _asset_files(type(layer).from_config(layer.get_config())) == files
+        except Exception:  # noqa: BLE001 (a layer whose config or save_assets fails here: not told unset)
             continue
-        if _asset_files(fresh) == files:
+        if unset:
             names.append(layer.name)
     return names
 
