@@ -165,18 +165,34 @@ def save_assets(model: Any) -> Any:
     return saving_lib._save_assets_to_dict(model)
 
 
-def load_assets(model: Any, tree: dict[str, Any]) -> dict[str, str]:
+class _AssetsReadStore(saving_lib.DiskIOStore):
+    """Keras' asset store over a folder, recording the saveables' folders it does not have."""
+
+    def __init__(self, root: str) -> None:
+        super().__init__(root, mode="r")
+        self.absent: list[str] = []
+
+    def get(self, path: str) -> Any:
+        found = super().get(path)
+        if found is None:  # Keras gives the saveable's load_assets None (one given its vocabulary ignores it)
+            self.absent.append(path)
+        return found
+
+
+def load_assets(model: Any, tree: dict[str, Any]) -> tuple[dict[str, str], list[str]]:
     """Loads an asset tree (as `save_assets` gives it) into `model` by Keras' own walk.
 
     Each saveable's `load_assets` gets its own folder of the tree, as
-    `keras.saving.load_model` gives it. Returns `{saveable name: error}` of
-    the saveables whose `load_assets` raised (the others are loaded).
+    `keras.saving.load_model` gives it (None where the tree has none).
+    Returns `{saveable name: error}` of the saveables whose `load_assets`
+    raised (the others are loaded), and the folders the walk asked for that
+    the tree lacks.
     """
     failed: dict[int, tuple[Any, BaseException]] = {}
     with tempfile.TemporaryDirectory() as tmp:
         root = file_utils.resolve_path(tmp)
         saving_lib._write_nested_dict_to_dir(tree, root)
-        store = saving_lib.DiskIOStore(root, mode="r")
+        store = _AssetsReadStore(root)
         try:
             saving_lib._load_state(
                 model, weights_store=None, assets_store=store, inner_path="",
@@ -184,7 +200,8 @@ def load_assets(model: Any, tree: dict[str, Any]) -> dict[str, str]:
             )
         finally:
             store.close()
-    return {getattr(obj, "name", type(obj).__name__): f"{type(e).__name__}: {e}" for obj, e in failed.values()}
+    errors = {getattr(obj, "name", type(obj).__name__): f"{type(e).__name__}: {e}" for obj, e in failed.values()}
+    return errors, store.absent
 
 
 def _asset_files(layer: Any) -> dict[str, bytes]:

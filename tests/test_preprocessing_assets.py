@@ -72,16 +72,20 @@ class VocabLookup(layers.Layer):
                 self.vocabulary = np.asarray([int(line) for line in f.read().splitlines() if line], "int32")
 
 
-def _model(*, adapt: bool) -> keras.Model:
+def _model(*, adapt: bool, extra: bool = False) -> keras.Model:
     """ids (5) -> "look" (adapted vocabulary) -> Embedding "emb"; ids -> "fixed" (constructor
     vocabulary) -> Embedding "emb2"; num (3) -> Normalization "norm" (adapted) and Discretization
-    "disc" (constructor boundaries) -> CategoryEncoding "cat"; -> Dense "hidden" (16) -> Dense "head" (2)."""
+    "disc" (constructor boundaries) -> CategoryEncoding "cat"; -> Dense "hidden" (16) -> Dense "head" (2).
+    `extra`: one more adaptable lookup "look3" (no variables) added to "look"'s ids times 0."""
     keras.utils.set_random_seed(3)
     ids = keras.Input((5,), dtype="int32", name="ids")
     num = keras.Input((3,), name="num")
     look = VocabLookup(name="look")
     norm = layers.Normalization(name="norm")
-    emb = layers.Embedding(41, 8, name="emb")(look(ids)) + layers.Embedding(4, 8, name="emb2")(
+    looked = look(ids)
+    if extra:
+        looked = looked + VocabLookup(name="look3")(ids) * 0
+    emb = layers.Embedding(41, 8, name="emb")(looked) + layers.Embedding(4, 8, name="emb2")(
         VocabLookup(vocabulary=[7, 3, 11], name="fixed")(ids)
     )
     counts = layers.CategoryEncoding(num_tokens=4, output_mode="count", name="cat")(
@@ -216,3 +220,25 @@ def test_convert_and_export_to_orbax_carry_the_vocabulary(tmp_path, how):
     report = shardckpt.load_sharded(model, step)
     assert report.assets == ["layers/vocab_lookup/vocabulary.txt"]
     np.testing.assert_array_equal(_out(model), _out(src))
+
+
+def test_stored_assets_a_layer_cannot_load_are_refused(tmp_path, caplog):
+    """A model with one more adaptable lookup than the `.keras` archive (no variables: the weights
+    match): Keras' walk gives the lookups the archive's folders by position, and the last finds
+    none. strict=True raises `CheckpointMismatchError` naming it and the absent folder before any
+    variable is loaded; strict=False loads the rest and warns once naming it."""
+    src = _model(adapt=True)
+    path = str(tmp_path / "m.keras")
+    src.save(path)
+    model = _model(adapt=False, extra=True)
+    before = np.asarray(model.get_layer("hidden").kernel.value)
+    with pytest.raises(shardckpt.errors.CheckpointMismatchError, match="load_assets failed") as raised:
+        shardckpt.load_sharded(model, path)
+    assert "the checkpoint's assets have not: layers/vocab_lookup_" in str(raised.value)
+    np.testing.assert_array_equal(np.asarray(model.get_layer("hidden").kernel.value), before)
+    with caplog.at_level(logging.WARNING, logger="shardckpt"):
+        report = shardckpt.load_sharded(model, path, strict=False)
+    said = [r.getMessage() for r in caplog.records if "load_assets failed" in r.getMessage()]
+    assert len(said) == 1, said
+    assert report.assets == ["layers/vocab_lookup/vocabulary.txt"]
+    np.testing.assert_array_equal(np.asarray(model.get_layer("hidden").kernel.value), np.asarray(src.get_layer("hidden").kernel.value))

@@ -51,9 +51,11 @@ def load_assets(model: Any, reader: Reader, tree: dict[str, Any] | None, *, stri
         if reader.format not in _ASSETS_APART:
             _say_unset(model, reader)
         return []
-    failed = _keras.load_assets(model, tree)
+    failed, absent = _keras.load_assets(model, tree)
     if failed:
         lines = [f"{name}: load_assets failed: {error}" for name, error in sorted(failed.items())]
+        if absent:
+            lines.append(f"folders the model's asset layers have and the checkpoint's assets have not: {', '.join(absent)}")
         fix = (
             "load into the architecture the checkpoint was saved from (the same layers, in the same "
             "order, as Keras' load_model would build it), or pass strict=False to load the rest."
