@@ -14,6 +14,11 @@ Private modules:
 - `saving_lib._serialize_model_as_json`, `saving_lib._save_assets_to_dict`
   (training.callback): the model config and assets Keras' own
   `OrbaxCheckpoint` saves beside the state tree, so `load_model` reads ours.
+- `saving_lib._write_nested_dict_to_dir`, `saving_lib.DiskIOStore` and
+  `saving_lib._load_state` with an assets store only (restore.assets): the
+  state of layers kept in asset files (a `StringLookup`'s adapted
+  vocabulary), loaded as `load_model` loads a `.keras` archive's or an Orbax
+  step's "assets"; `load_weights` never reads them.
 - `global_state` (lazy): variables created under
   `StatelessScope(initialize_variables=False)` go on a global
   "uninitialized_variables" list that the next scope exit would fill with
@@ -82,7 +87,9 @@ Private attributes of models:
 
 from __future__ import annotations
 
+import os
 import sys
+import tempfile
 import types
 from typing import Any, NamedTuple
 
@@ -90,7 +97,7 @@ from keras.src.backend.common import global_state
 from keras.src.callbacks.monitor_callback import MonitorCallback
 from keras.src.distribution.distribution_lib import Distribution
 from keras.src.saving import saving_lib
-from keras.src.utils import naming
+from keras.src.utils import file_utils, naming
 
 __all__ = [
     "Distribution",
@@ -107,6 +114,8 @@ __all__ = [
     "muon_uses_adamw",
     "initialize",
     "initializer",
+    "unset_asset_layers",
+    "load_assets",
     "save_assets",
     "save_state",
     "name_scope_callers",
@@ -157,6 +166,81 @@ def serialize_model_config(model: Any) -> Any:
 def save_assets(model: Any) -> Any:
     """The model's assets (vocabularies, ...) as Keras' `OrbaxCheckpoint` saves them."""
     return saving_lib._save_assets_to_dict(model)
+
+
+class _AssetsReadStore(saving_lib.DiskIOStore):
+    """Keras' asset store over a folder, recording the saveables' folders it does not have."""
+
+    def __init__(self, root: str) -> None:
+        super().__init__(root, mode="r")
+        self.absent: list[str] = []
+
+    def get(self, path: str) -> Any:
+        found = super().get(path)
+        if found is None:  # Keras gives the saveable's load_assets None (one given its vocabulary ignores it)
+            self.absent.append(path)
+        return found
+
+
+def load_assets(model: Any, tree: dict[str, Any]) -> tuple[dict[str, str], list[str]]:
+    """Loads an asset tree (as `save_assets` gives it) into `model` by Keras' own walk.
+
+    Each saveable's `load_assets` gets its own folder of the tree, as
+    `keras.saving.load_model` gives it (None where the tree has none).
+    Returns `{saveable name: error}` of the saveables whose `load_assets`
+    raised (the others are loaded), and the folders the walk asked for that
+    the tree lacks.
+    """
+    failed: dict[int, tuple[Any, BaseException]] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        root = file_utils.resolve_path(tmp)
+        saving_lib._write_nested_dict_to_dir(tree, root)
+        store = _AssetsReadStore(root)
+        try:
+            saving_lib._load_state(
+                model, weights_store=None, assets_store=store, inner_path="",
+                visited_saveables=set(), failed_saveables=set(), error_msgs=failed,
+            )
+        finally:
+            store.close()
+    errors = {getattr(obj, "name", type(obj).__name__): f"{type(e).__name__}: {e}" for obj, e in failed.values()}
+    return errors, store.absent
+
+
+def _asset_files(layer: Any) -> dict[str, bytes]:
+    """The files `layer.save_assets` writes now, by their path in its folder."""
+    with tempfile.TemporaryDirectory() as tmp:
+        layer.save_assets(tmp)
+        files = {}
+        for folder, _, names in os.walk(tmp):
+            for name in names:
+                with open(os.path.join(folder, name), "rb") as f:
+                    files[os.path.relpath(os.path.join(folder, name), tmp)] = f.read()
+        return files
+
+
+def unset_asset_layers(model: Any) -> list[str]:
+    """Names of the layers of `model` whose asset state is still what their constructor gives.
+
+    A layer keeps state in asset files when its `save_assets` writes one (an
+    adapted `StringLookup`'s vocabulary; none for one given `vocabulary=`,
+    which its config holds). Its state is unset when those files equal a
+    fresh instance's from the layer's config: nothing (`adapt`,
+    `set_vocabulary`, a `.keras` load) gave it any, so it computes with an
+    empty vocabulary. A layer whose config builds no instance is not named.
+    """
+    names = []
+    for layer in model._flatten_layers(include_self=False):
+        if not callable(getattr(layer, "save_assets", None)):
+            continue
+        try:
+            files = _asset_files(layer)
+            unset = bool(files) and _asset_files(type(layer).from_config(layer.get_config())) == files
+        except Exception:  # noqa: BLE001 (a layer whose config or save_assets fails here: not told unset)
+            continue
+        if unset:
+            names.append(layer.name)
+    return names
 
 
 def current_value(variable: Any) -> Any:

@@ -51,11 +51,12 @@ from shardckpt.formats.base import MappedReader, Reader
 from shardckpt.formats.hf import HFReader
 from shardckpt.formats.orbax import ondisk
 from shardckpt.formats.orbax import writer as orbax_writer
-from shardckpt.formats.orbax.writer import COMPRESSIONS, DEFAULT_COMPRESSION, OrbaxStepWriter
+from shardckpt.formats.orbax.writer import COMPRESSIONS, DEFAULT_COMPRESSION, OrbaxStepWriter, write_assets
 from shardckpt.layout.auto import auto_layout
 from shardckpt.lazy import is_unloaded, original_initializer
 from shardckpt.progress import ByteProgress, format_bytes, key_lines, read_line
 from shardckpt.restore import keys as naming
+from shardckpt.restore.assets import stored_assets
 from shardckpt.restore.targets import resolve_layout
 from shardckpt.storage import commit
 from shardckpt.structure import explicit_names
@@ -362,7 +363,12 @@ def _write(
         writer = OrbaxStepWriter(stage.location.url, compression=report.compression,
                                  chunk_byte_size=orbax_writer.CHUNK_BYTES[report.compression])
         checksums = _stream(reader, items, writer, report, max_inflight, progress)
-        stage.commit(writer.finish(custom_metadata=_custom_metadata(reader, report, checksums), final_dir=dst.url))
+        # A `.keras` archive's or an Orbax step's asset files (an adapted lookup
+        # layer's vocabulary) go along, as the "assets" item Keras' full saves have.
+        files = stored_assets(reader)
+        handlers = write_assets(stage.location.url, files, compression=report.compression) if files else {}
+        stage.commit(writer.finish(custom_metadata=_custom_metadata(reader, report, checksums), final_dir=dst.url,
+                                   item_handlers=handlers))
     except ValueError as e:
         stage.discard()
         error = storage.translate(e, dst, action="writing")

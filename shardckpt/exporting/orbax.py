@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from shardckpt import dtypes, state
+from shardckpt import _keras, dtypes, state
 from shardckpt.budget import Budget
 from shardckpt.errors import UnsupportedModelError
 from shardckpt.exporting.model import lora_bases, lora_factors, overflowed, value_getters, value_of
@@ -79,5 +79,10 @@ def export_orbax(model: Any, partial: str, *, dtype: Any, budget: Budget) -> tup
     said = overflows.message("export format='orbax'")
     if said:
         logging.getLogger("shardckpt").warning("%s", said)
-    marker = writer.finish(custom_metadata={"exported_by": "shardckpt.export"})
+    # Layers whose state is in asset files (an adapted lookup layer's vocabulary)
+    # travel beside the arrays, as in Keras' full Orbax saves: a fresh model
+    # loading this step would otherwise compute with an empty vocabulary.
+    files = _keras.save_assets(model)
+    handlers = orbax_writer.write_assets(partial, files, compression="none") if files else {}
+    marker = writer.finish(custom_metadata={"exported_by": "shardckpt.export"}, item_handlers=handlers)
     return len(arrays), total, marker, casts

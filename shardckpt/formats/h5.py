@@ -28,6 +28,8 @@ from shardckpt.formats import containers, h5_checks
 from shardckpt.formats.base import ArraySpec, Box, MappedReader
 
 _KERAS_WEIGHTS_MEMBER = "model.weights.h5"
+_KERAS_ASSETS_FOLDER = "assets/"
+"""Where a `.keras` archive keeps its layers' asset files (vocabularies), one folder per saveable."""
 _ZIP_LOCAL_HEADER = struct.Struct("<IHHHHHIIIHH")  # zip local file header, 30 bytes
 
 _H5_ERRORS: tuple[type[Exception], ...] = (OSError, RuntimeError, ValueError, TypeError, KeyError)
@@ -197,6 +199,25 @@ class H5Reader(MappedReader):
                 "damaged. Fix: re-create it from its source."
             ) from e
         return np.asarray(np.asarray(data).view(spec.dtype), order="C")
+
+    def assets(self) -> dict[str, Any] | None:
+        """A `.keras` archive's asset files as `{folder: {... file: uint8 array}}`; None for a `.weights.h5`.
+
+        Only the `assets/` members are read (never the weights member), the
+        tree `keras.saving.load_model` gives the layers' `load_assets`.
+        """
+        if self._zip is None:
+            return None
+        tree: dict[str, Any] = {}
+        for info in self._zip.infolist():
+            if info.is_dir() or not info.filename.startswith(_KERAS_ASSETS_FOLDER):
+                continue
+            *folders, name = info.filename[len(_KERAS_ASSETS_FOLDER):].split("/")
+            node = tree
+            for folder in folders:
+                node = node.setdefault(folder, {})
+            node[name] = np.frombuffer(self._zip.read(info), np.uint8)
+        return tree
 
     def close(self) -> None:
         self._datasets.clear()

@@ -31,7 +31,7 @@ from shardckpt.errors import CheckpointMismatchError, IndivisibleLayoutError, La
 from shardckpt.formats import Reader, open_reader
 from shardckpt.lazy import is_unloaded, original_initializer
 from shardckpt.progress import ByteProgress, ReadTally, key_lines, read_line, some
-from shardckpt.restore import hostmem, pipeline, slots
+from shardckpt.restore import assets, hostmem, pipeline, slots
 from shardckpt.restore import keys as naming
 from shardckpt.restore.strategies import Budget, Job, load_variable
 from shardckpt.restore.targets import TargetLayout, check_mesh, resolve_layout, warn_unmatched_keys
@@ -78,6 +78,10 @@ class LoadReport(ReadTally):
             sharding with their values unchanged: an optimizer built before
             the load of a model built under `lazy_init()` places them by
             their own paths (`shardckpt.restore.slots`).
+        assets: Asset files loaded into the layers that keep state in them
+            (an adapted `StringLookup`'s `vocabulary.txt`), by their folder
+            in a `.keras` archive's `assets/` or an Orbax step's "assets",
+            as `keras.saving.load_model` loads them (`shardckpt.restore.assets`).
         max_inflight_bytes: The host-memory budget the load ran with (the
             host's default, `shardckpt.budget.default_max_inflight_bytes`,
             when none was given; on a host with accelerators, at least 4 GiB
@@ -101,6 +105,7 @@ class LoadReport(ReadTally):
     initialized: list[str] = dataclasses.field(default_factory=list)
     lora_zeroed: list[str] = dataclasses.field(default_factory=list)
     slots_moved: list[str] = dataclasses.field(default_factory=list)
+    assets: list[str] = dataclasses.field(default_factory=list)
     max_inflight_bytes: int = 0
     budget_rule: str = "given"
     transfer: str = "direct"
@@ -298,6 +303,10 @@ def load(
         references = slot_references(model)
         layout_of = resolve_layout(layout, unplaced=unplaced, references=references)
         jobs, to_init = match_jobs(model, reader, report, strict, layout_of)
+        # Layers whose state is in asset files (an adapted StringLookup's
+        # vocabulary), as Keras' load_model loads them; before any variable
+        # is touched, so a strict failure leaves the variables as they were.
+        report.assets = assets.load_assets(model, reader, assets.stored_assets(reader), strict=strict)
         total = sum(reader.spec(job.key).nbytes for job in jobs)
         show = sys.stderr.isatty() if progress is None else progress
         with ByteProgress(total, f"loading {os.path.basename(reader.path)}", enabled=show) as bar:

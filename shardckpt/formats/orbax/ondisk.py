@@ -58,6 +58,8 @@ ARRAYS_ITEM = "pytree"
 """The arrays item Keras' callback, `model.load_weights` and shardckpt use."""
 TREE_ITEMS = (ARRAYS_ITEM, "default", "state")
 """Where a step's arrays may live: also Orbax v0 `CheckpointManager` defaults."""
+ASSETS_ITEM = "assets"
+"""Keras' asset files (vocabularies) of a full save: a tree of uint8 arrays, one per file."""
 METADATA_ITEM = "shardckpt_metadata"
 """shardckpt's JSON item: step, epoch, logs, versions, layout, user metadata."""
 ITERATOR_ITEM = "data_iterator"

@@ -40,6 +40,7 @@ import math
 import re
 import threading
 import uuid
+from typing import Any
 
 import numpy as np
 import tensorstore as ts
@@ -94,11 +95,13 @@ class OrbaxReader(ChunkedReader):
     format = "orbax"
 
     def __init__(
-        self, path: str | storage.Location, *, cache_bytes: int = CHUNK_CACHE_BYTES, memmap: bool = True
+        self, path: str | storage.Location, *, cache_bytes: int = CHUNK_CACHE_BYTES, memmap: bool = True,
+        item: str | None = None,
     ) -> None:
         self.location = storage.parse(path)
         self.path = ondisk.resolve_step(self.location)
-        self.tree_dir = ondisk.tree_dir(self.path)
+        # `item`: another array item of the step than its arrays (Keras' "assets").
+        self.tree_dir = ondisk.tree_dir(self.path if item is None else storage.parse(self.path).join(item))
         self._tree = storage.parse(self.tree_dir)
         self._backend = storage.backend(self._tree)
         self._specs: dict[str, ArraySpec] = {}
@@ -368,6 +371,29 @@ class OrbaxReader(ChunkedReader):
             f"Reading array {key!r} of {self.tree_dir!r} failed: {error}{_lost(error, self._tree)}. The chunk "
             "data is damaged. Fix: restore from another step."
         )
+
+    def assets(self) -> dict[str, Any] | None:
+        """The step's Keras asset files as `{folder: {... file: uint8 array}}`, None when it has none.
+
+        Keras' callback and shardckpt's `OrbaxCheckpoint` save them (full
+        saves, `save_weights_only=False`) as the "assets" item: one uint8
+        array per file, keyed by its folders (Keras' `_save_assets_to_dict`).
+        """
+        if ondisk.ASSETS_ITEM not in ondisk.items(self.path):
+            return None
+        files = OrbaxReader(self.path, item=ondisk.ASSETS_ITEM, memmap=False)
+        try:
+            tree: dict[str, Any] = {}
+            for key in files.keys():
+                *folders, name = key.split("/")
+                node = tree
+                for folder in folders:
+                    node = node.setdefault(folder, {})
+                spec = files.spec(key)
+                node[name] = np.asarray(files.read(key, tuple(slice(0, n) for n in spec.shape)), np.uint8)
+            return tree
+        finally:
+            files.close()
 
     def close(self) -> None:
         """Drops the open arrays; in a bucket, checks the step was not replaced meanwhile.

@@ -468,3 +468,34 @@ def merge_process_stores(tree_dir: str, process_count: int) -> None:
     for copy in copies:
         copy.result()
     txn.commit_async().result()
+
+
+def write_assets(step_dir: str, tree: dict[str, Any], *, compression: str) -> dict[str, str]:
+    """Writes Keras' asset files as the step's "assets" item, as Keras' `OrbaxCheckpoint` saves them.
+
+    `tree` is `{folder: {... file: uint8 array}}` (Keras' `_save_assets_to_dict`,
+    a `.keras` archive's `assets/`), so `load_sharded`, `restore_latest` and
+    `keras.saving.load_model` give each layer's `load_assets` its files (an
+    adapted lookup layer's vocabulary). Returns the item's handler, for
+    `finish(item_handlers=...)` of the step's arrays writer.
+    """
+    leaves: list[tuple[str, np.ndarray]] = []
+
+    def walk(node: dict[str, Any], prefix: str) -> None:
+        for name, value in sorted(node.items()):
+            if isinstance(value, dict):
+                walk(value, f"{prefix}{name}/")
+            else:
+                leaves.append((f"{prefix}{name}", np.ascontiguousarray(value, np.uint8).reshape(-1)))
+
+    walk(tree, "")
+    writer = OrbaxStepWriter(step_dir, compression=compression, chunk_byte_size=CHUNK_BYTES[compression],
+                             item=ondisk.ASSETS_ITEM)
+    stores = writer.open_arrays([(key, data.shape, data.dtype, data.shape) for key, data in leaves])
+    txn = writer.transaction()
+    for store, (_, data) in zip(stores, leaves, strict=True):
+        OrbaxStepWriter.write(store, txn, (slice(0, data.size),), data).copy.result()
+    txn.commit_async().result()
+    writer.flush_store()
+    writer.write_tree_metadata()
+    return {ondisk.ASSETS_ITEM: ondisk.PYTREE_HANDLER}
