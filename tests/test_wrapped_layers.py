@@ -119,6 +119,17 @@ def _assert_loaded_as_keras_loads(model, plan, want):
         assert v.value.sharding.is_equivalent_to(plan.sharding_for(v), v.ndim), v.path
 
 
+def _lazy_plan(build):
+    """A fresh lazily built `build()`, its (1, 8) plan, and the warnings planning it gave."""
+    keras.backend.clear_session()
+    with shardckpt.lazy_init():
+        model = build()
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        plan = shardckpt.auto_layout(model, (1, 8))
+    return model, plan, said
+
+
 @pytest.mark.parametrize("fmt", ["weights.h5", "keras"])
 @pytest.mark.parametrize("name", list(MODELS))
 def test_lazy_planned_load_equals_keras_load_and_computes_the_same(tmp_path, name, fmt):
@@ -131,12 +142,7 @@ def test_lazy_planned_load_equals_keras_load_and_computes_the_same(tmp_path, nam
     reference.load_weights(path)
     want = [np.asarray(v.value) for v in reference.weights]
 
-    keras.backend.clear_session()
-    with shardckpt.lazy_init():
-        model = build()
-    with warnings.catch_warnings(record=True) as said:
-        warnings.simplefilter("always")
-        plan = shardckpt.auto_layout(model, (1, 8))
+    model, plan, said = _lazy_plan(build)
     if name == "recurrent":  # the recurrent kernels stay whole (`scan`), and the plan says so
         assert any("stay replicated" in str(w.message) and "scan" in str(w.message) for w in said)
     keras.distribution.set_distribution(plan.distribution())
@@ -261,12 +267,7 @@ def test_variables_sharing_a_path_are_placed_as_the_plan_says(tmp_path, build):
     randomize(source, seed=5)
     source.save_weights(tmp_path / "m.weights.h5")
     want = [np.asarray(v.value) for v in source.weights]
-    keras.backend.clear_session()
-    with shardckpt.lazy_init():
-        model = build()
-    with warnings.catch_warnings(record=True) as said:
-        warnings.simplefilter("always")
-        plan = shardckpt.auto_layout(model, (1, 8))
+    model, plan, said = _lazy_plan(build)
     shared = [str(w.message) for w in said if "variable path(s) are held" in str(w.message)]
     assert plan.validate(model) == []
     keras.distribution.set_distribution(plan.distribution())
