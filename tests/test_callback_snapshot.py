@@ -54,6 +54,25 @@ def test_auto_takes_the_device_copy_on_cpu_devices():
     assert snapshot_lib.choose([source], "host", 1) == ("host", "snapshot='host' was asked for")
 
 
+
+def test_the_room_auto_asks_of_each_device_is_what_its_shards_hold():
+    # "auto" on accelerators compares each device's free memory with its share of the state,
+    # read from the shardings (no array per shard on the training thread): split, partly
+    # replicated, replicated and scalar arrays, as the shards themselves count them.
+    mesh = jax.sharding.Mesh(np.array(jax.devices()).reshape(2, 4), ("data", "model"))
+    P = jax.sharding.PartitionSpec
+    values = [
+        jax.device_put(np.zeros((8, 16), dtype), jax.sharding.NamedSharding(mesh, spec))
+        for dtype, spec in [("float32", P("data", "model")), ("bfloat16", P(None, "model")),
+                            ("float32", P()), ("int8", P("model", None))]
+    ] + [jax.device_put(np.float32(1), jax.sharding.NamedSharding(mesh, P()))]
+    expected: dict = {}
+    for value in values:
+        for shard in value.addressable_shards:
+            expected[shard.device] = expected.get(shard.device, 0) + shard.data.nbytes
+    assert snapshot_lib._per_device_bytes(values) == expected
+    assert expected[jax.devices()[0]] == 8 * 16 * 4 // 8 + 8 * 16 * 2 // 4 + 8 * 16 * 4 + 8 * 16 // 4 + 4
+
 @pytest.mark.parametrize("mode, expected", [("auto", "device"), ("host", "host"), ("device", "device")])
 def test_each_snapshot_mode_saves_and_resumes_bit_exact(tmp_path, caplog, mode, expected):
     caplog.set_level(logging.INFO, logger="shardckpt")
