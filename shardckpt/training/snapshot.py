@@ -115,7 +115,8 @@ def choose(values: list[jax.Array], mode: str, budget_bytes: int) -> Choice:
     """
     if mode != "auto":
         return Choice(mode, f"snapshot={mode!r} was asked for")
-    if all(device.platform == "cpu" for value in values for device in value.sharding.device_set):
+    devices: set[Any] = {device for value in values for device in value.sharding.device_set}
+    if all(device.platform == "cpu" for device in devices):
         return Choice("device", "CPU devices: device memory is host memory, so a host copy would take "
                                 "the same memory and block training for the copy")
     for device, need in _per_device_bytes(values).items():
