@@ -522,3 +522,41 @@ def test_ema_loss_scale_and_steps_per_execution_resume_mid_epoch_bit_equal(tmp_p
     for want, got in zip(ref.variables + ref.optimizer.variables, model.variables + model.optimizer.variables,
                          strict=True):
         np.testing.assert_array_equal(np.asarray(got.value), np.asarray(want.value), err_msg=got.path)
+
+
+_AFTER_A_RAISED_FIT = """
+import os, signal, sys
+import numpy as np, keras, shardckpt
+from tests._train_worker import AtBatch, sigterm_at
+
+class Boom(keras.callbacks.Callback):
+    def on_train_batch_end(self, batch, logs=None):
+        if batch == 1:
+            raise RuntimeError("a user's callback failed")
+
+model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)])
+model.compile("adam", "mse")
+x, y = np.ones((32, 4), "float32"), np.ones((32, 2), "float32")
+try:  # a SIGTERM notice, then the fit raises before it saves: its watch is never stopped
+    model.fit(x, y, batch_size=4, verbose=0,
+              callbacks=[sigterm_at(2), Boom(), shardckpt.OrbaxCheckpoint(sys.argv[1] + "/a", save_freq=100)])
+except RuntimeError:
+    pass
+ckpt = shardckpt.OrbaxCheckpoint(sys.argv[1] + "/b", save_freq=100)
+model.fit(x, y, batch_size=4, verbose=0, callbacks=[sigterm_at(3), ckpt])
+print("preempted", ckpt.preempted_step)
+"""
+
+
+def test_a_sigterm_after_a_fit_that_raised_past_its_notice_saves_rather_than_ending_the_process(tmp_path):
+    # The first fit's watch stayed installed with its notice set, so the next fit's first SIGTERM
+    # was taken for a second notice and ended the process (exit -15; a pytest worker in CI).
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, PYTHONPATH=root, JAX_PLATFORMS="cpu", KERAS_BACKEND="jax")
+    done = subprocess.run([sys.executable, "-c", _AFTER_A_RAISED_FIT, str(tmp_path)], env=env, cwd=root,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip().splitlines()[-1] == "preempted 5"  # saved at the notice: 2 + 3 batches trained

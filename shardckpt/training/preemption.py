@@ -184,6 +184,10 @@ class _Handlers:
 
     def add(self, watch: PreemptionWatch) -> None:
         with self._lock:
+            # A watch that got a notice belongs to a fit that ended there (saved and stopped, or
+            # raised before stopping its watch): kept, its notice made this fit's first SIGTERM a
+            # "second notice", which ends the process instead of saving.
+            self._watches = [w for w in self._watches if w is watch or not w.notice.is_set()]
             for sig in watch.signals:
                 if sig not in self._previous:
                     self._previous[sig] = signal.signal(sig, self._handle)
