@@ -66,6 +66,11 @@ Private methods of optimizers:
   which variables Muon updates with AdamW, and so keeps a velocity for (not
   2-D, embeddings, `exclude_layers`); asking Keras keeps the estimate exact
   for the installed version's rule and the optimizer's options.
+- `BaseOptimizer._model_variables_moving_average` (training.resume, through
+  `weight_averages`): the moving averages `use_ema=True` keeps, which
+  `finalize_variable_values` puts into the weights at the end of `fit`;
+  `restore_latest` says so when it restores them (no public accessor tells
+  them from the other optimizer variables).
 
 Private attributes of models:
 
@@ -127,6 +132,7 @@ __all__ = [
     "set_layout",
     "set_value",
     "tensor_layout",
+    "weight_averages",
 ]
 
 H5IOStore = saving_lib.H5IOStore
@@ -341,6 +347,15 @@ def muon_uses_adamw(optimizer: Any, path: str, shape: tuple[int, ...]) -> bool:
     placement is asked about without building the variable.
     """
     return bool(optimizer._should_use_adamw(types.SimpleNamespace(path=path, shape=tuple(shape))))
+
+
+def weight_averages(optimizer: Any) -> list[Any]:
+    """The moving averages of the weights an optimizer with `use_ema=True` keeps (see module docstring)."""
+    # A LossScaleOptimizer wraps the optimizer that keeps them.
+    optimizer = getattr(optimizer, "inner_optimizer", optimizer)
+    if optimizer is None or not getattr(optimizer, "use_ema", False):
+        return []
+    return list(getattr(optimizer, "_model_variables_moving_average", None) or [])
 
 
 def initial_epoch(model: Any) -> Any:

@@ -290,4 +290,23 @@ def restore_latest(
             "past the run it continues. Fix: continue it with OrbaxCheckpoint(directory, resume=True) "
             "in fit (fed from ckpt.batches()), which finishes the epoch's remaining batches.",
             info.step, info.epoch, info.batch, info.metadata.get("steps_per_epoch"), info.next_epoch)
+    if _averaged_weights_in_optimizer(model, info) and jax.process_index() == 0:
+        # Keras' fit ends with finalize_variable_values (the averages into the weights) after
+        # the last step was saved; Keras' ModelCheckpoint files hold the raw weights the same way.
+        _log.warning(
+            "step %d holds the weights as trained (what a resumed fit continues from); their moving "
+            "average (use_ema=True) is in the optimizer's variables, and the model fit returned held "
+            "the average, which Keras' fit puts into the weights when it ends. Fix: for the averaged "
+            "weights (evaluation, export), call model.optimizer.finalize_variable_values("
+            "model.trainable_variables) after this restore.", info.step)
     return info
+
+
+def _averaged_weights_in_optimizer(model: Model, info: ResumeInfo) -> bool:
+    """Whether a restore gave `model`'s optimizer the moving averages of the weights (`use_ema=True`)."""
+    averages = _keras.weight_averages(getattr(model, "optimizer", None))
+    report = info.report
+    if not averages or report is None or info.metadata.get("save_weights_only"):
+        return False  # (a weights-only step holds no averages: the optimizer keeps its own)
+    missing = set(report.missing)
+    return any(v.path not in missing for v in averages)
