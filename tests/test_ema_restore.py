@@ -92,3 +92,17 @@ def test_restore_latest_without_ema_says_nothing_about_averages(tmp_path, caplog
     with caplog.at_level(logging.WARNING, logger="shardckpt"):
         restore_latest(restored, str(tmp_path / "ck"))
     assert not [r for r in caplog.records if SAID in r.getMessage()]
+
+
+def test_a_step_keras_wrote_without_optimizer_state_says_nothing_about_averages(tmp_path, caplog, mesh):
+    """Keras' own callback, weights only (no shardckpt metadata to say so): the load reports
+    the averages as kept (no optimizer state stored), so the advice to finalize them is not given either."""
+    model = _ema_model()
+    model.fit(X, Y, batch_size=8, epochs=1, verbose=0,
+              callbacks=[keras.callbacks.OrbaxCheckpoint(str(tmp_path / "ck"), save_weights_only=True)])
+    restored = _ema_model()
+    with caplog.at_level(logging.WARNING, logger="shardckpt"):
+        info = restore_latest(restored, str(tmp_path / "ck"), strict=False)
+    averages = [v.path for v in restored.optimizer.variables if v.path.endswith("_average")]
+    assert averages and set(averages) <= set(info.report.kept), info.report.kept
+    assert not [r for r in caplog.records if SAID in r.getMessage()], [r.getMessage() for r in caplog.records]

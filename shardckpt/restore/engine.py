@@ -58,6 +58,9 @@ class LoadReport(ReadTally):
         arrays: Variables that received a value from the checkpoint.
         seconds: Wall time of the whole load.
         missing: Variable paths with no array in the checkpoint.
+        kept: Paths of optimizer and metric variables that keep their
+            current values because the checkpoint holds none of their
+            collection (a weights-only checkpoint).
         unexpected: Checkpoint keys matching no variable (a Hugging Face
             folder: tensors of the model's own modules no variable reads).
         skipped: Stored arrays left unread because the model has no such
@@ -99,6 +102,7 @@ class LoadReport(ReadTally):
 
     seconds: float = 0.0
     missing: list[str] = dataclasses.field(default_factory=list)
+    kept: list[str] = dataclasses.field(default_factory=list)
     unexpected: list[str] = dataclasses.field(default_factory=list)
     skipped: list[str] = dataclasses.field(default_factory=list)
     casts: list[str] = dataclasses.field(default_factory=list)
@@ -390,6 +394,7 @@ def match_jobs(
     wanted, lora_absent = naming.align_lora(model, naming.keys_for(model, reader.format, reader.keys()), reader.keys())
     found = naming.match(wanted, reader, explicit=explicit_names(model))
     report.missing = found.missing_lines()
+    report.kept = [variable.path for _, variable in found.kept]
     report.unexpected = found.unexpected
     report.skipped = found.skipped
     # Checkpoint problems first (dtypes as they are found, then keys and

@@ -400,8 +400,9 @@ class KeyMatch:
     Attributes:
         pairs: `(key, variable)` to load, one per variable, shapes equal.
         missing: `(key, variable)` the checkpoint lacks, except keys of an
-            optional collection the checkpoint has none of (a weights-only
-            checkpoint: the optimizer keeps its state).
+            optional collection the checkpoint has none of (those are `kept`).
+        kept: `(key, variable)` of an optional collection the checkpoint has
+            none of (a weights-only checkpoint: the optimizer keeps its state).
         unexpected: Checkpoint keys no variable wants, sorted (then a
             `RemappedReader`'s unexpected stored arrays).
         skipped: Optional checkpoint keys whose collection the model lacks
@@ -422,6 +423,7 @@ class KeyMatch:
 
     pairs: list[tuple[str, Any]] = dataclasses.field(default_factory=list)
     missing: list[tuple[str, Any]] = dataclasses.field(default_factory=list)
+    kept: list[tuple[str, Any]] = dataclasses.field(default_factory=list)
     unexpected: list[str] = dataclasses.field(default_factory=list)
     skipped: list[str] = dataclasses.field(default_factory=list)
     mismatched: list[str] = dataclasses.field(default_factory=list)
@@ -484,10 +486,9 @@ def match(wanted: dict[str, Any], reader: Reader, *, explicit: Collection[str]) 
             )
             continue
         if key not in stored:
-            if is_optional_key(key, fmt) and collection(key, fmt) not in collections_stored:
-                continue
             if id(variable) not in seen:
-                result.missing.append((key, variable))
+                absent = is_optional_key(key, fmt) and collection(key, fmt) not in collections_stored
+                (result.kept if absent else result.missing).append((key, variable))
             continue
         stored.discard(key)
         if id(variable) in seen:

@@ -303,10 +303,13 @@ def restore_latest(
 
 
 def _averaged_weights_in_optimizer(model: Model, info: ResumeInfo) -> bool:
-    """Whether a restore gave `model`'s optimizer the moving averages of the weights (`use_ema=True`)."""
+    """Whether a restore gave `model`'s optimizer the moving averages of the weights (`use_ema=True`).
+
+    Not where the step holds none (a weights-only step, by shardckpt or Keras):
+    the averages then keep the optimizer's own values.
+    """
     averages = _keras.weight_averages(getattr(model, "optimizer", None))
-    report = info.report
-    if not averages or report is None or info.metadata.get("save_weights_only"):
-        return False  # (a weights-only step holds no averages: the optimizer keeps its own)
-    missing = set(report.missing)
-    return any(v.path not in missing for v in averages)
+    if not averages or info.report is None:
+        return False
+    unloaded = {*info.report.missing_paths, *info.report.kept}
+    return not any(v.path in unloaded for v in averages)
