@@ -180,14 +180,19 @@ def restore_step(
     # The one call that moves values (switch point for another restore engine).
     report = load_sharded(model, step_dir, strict=strict and not weights_only, max_inflight_bytes=max_inflight_bytes,
                           progress=False)
-    kept = _training_state(model) if weights_only else []
+    # A step without that metadata (Keras' own callback, save_weights_only=True) lacks them
+    # the same way; the load lists what it left as it was (`report.kept`).
+    kept = _training_state(model) if weights_only else list(report.kept)
     if kept and jax.process_index() == 0:
+        said = ("was saved with save_weights_only=True" if weights_only else
+                "holds no optimizer or metric state (a weights-only step, as Keras' "
+                "OrbaxCheckpoint(save_weights_only=True) writes)")
         _log.warning(
-            "step %s was saved with save_weights_only=True: only the model's weights were restored; %d "
+            "step %s %s: only the model's weights were restored; %d "
             "optimizer and metric variables (%s) keep their current values (a new optimizer starts "
             "over: iteration count, learning-rate schedule, slots), so training does not continue "
             "exactly where it stopped. Fix: save with save_weights_only=False to resume training.",
-            os.path.basename(step_dir), len(kept), some(kept, 3))
+            os.path.basename(step_dir), said, len(kept), some(kept, 3))
     if data_iterator is not None and iterator_state is not None:
         data_iterator.set_state(iterator_state)
     return ResumeInfo(
