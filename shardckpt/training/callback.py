@@ -56,6 +56,15 @@ from shardckpt.training.snapshot_policy import SnapshotPolicy
 
 _log = logging.getLogger("shardckpt")
 
+NOT_FROM_FIT = (
+    "on_train_begin was not called from Keras' Model.fit of this model (a training loop of your own, or a Keras "
+    "whose fit names its epoch iterator otherwise): the state of the other callbacks (EarlyStopping, "
+    "ReduceLROnPlateau) is not saved with the steps, fit's initial_epoch and its input's length are not read, "
+    "and a resumed step's epoch is left for a fit that is not there. Fix: train with model.fit, or resume your "
+    "own loop with shardckpt.restore_latest(model, directory) and its info.next_epoch."
+)
+"""Said once a fit (process 0) where `_keras.fit_input` finds no `fit` calling back."""
+
 
 class _EndsResumedEpoch:
     """What `model.stop_training` is set to while the callback ends a resumed epoch early.
@@ -305,6 +314,8 @@ class OrbaxCheckpoint(BestTracking):
         self._resumed_lr: np.ndarray | None = None  # the rate of a step saved mid-epoch (`resumed_lr`)
         self._restored: ResumeInfo | None = None  # the step this callback restored in this fit
         drawn = _keras.fit_input(self._model)
+        if drawn is None:
+            self._say(logging.WARNING, NOT_FROM_FIT, once=True)
         # EarlyStopping / ReduceLROnPlateau among them: their counters go into each step.
         self._callbacks: list[Any] = [] if drawn is None else drawn.callbacks
         self._fit_initial_epoch = 0 if drawn is None else drawn.initial_epoch  # fit(initial_epoch=...)
