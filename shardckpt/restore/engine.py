@@ -60,7 +60,8 @@ class LoadReport(ReadTally):
         missing: Variable paths with no array in the checkpoint.
         kept: Paths of optimizer and metric variables that keep their
             current values because the checkpoint holds none of their
-            collection (a weights-only checkpoint).
+            collection (a weights-only checkpoint), or holds its optimizer's
+            variables by position in another number (Keras h5; see `miscounted`).
         unexpected: Checkpoint keys matching no variable (a Hugging Face
             folder: tensors of the model's own modules no variable reads).
         skipped: Stored arrays left unread because the model has no such
@@ -68,6 +69,13 @@ class LoadReport(ReadTally):
             into a fresh model); a Hugging Face folder's buffers, heads of
             another class and the output embedding of a tied model
             (`shardckpt.presets.hf_unread`).
+        miscounted: Groups of a Keras h5 checkpoint (a layer's or the
+            optimizer's `vars`), stored by position, that hold another number
+            of arrays than the model's: "group: N stored, M in the model
+            (paths)". None of their variables is loaded (they are `missing`,
+            an optimizer's `kept`; their arrays `unexpected`): equal positions
+            are not the same variables there (`BatchNormalization(center=False)`
+            against a checkpoint with `beta`), as Keras' `load_weights` skips them.
         casts: "path: stored -> variable dtype" for every cast made.
         initialized: Lazily built variables given their own initial value:
             the checkpoint lacked them (`strict=False` only), or the format
@@ -105,6 +113,7 @@ class LoadReport(ReadTally):
     kept: list[str] = dataclasses.field(default_factory=list)
     unexpected: list[str] = dataclasses.field(default_factory=list)
     skipped: list[str] = dataclasses.field(default_factory=list)
+    miscounted: list[str] = dataclasses.field(default_factory=list)
     casts: list[str] = dataclasses.field(default_factory=list)
     initialized: list[str] = dataclasses.field(default_factory=list)
     lora_zeroed: list[str] = dataclasses.field(default_factory=list)
@@ -119,6 +128,7 @@ class LoadReport(ReadTally):
     def __str__(self) -> str:
         lines = [read_line("Loaded", self.arrays, self.bytes_read, f"{self.format} {self.path!r}", self.seconds) + "."]
         lines += key_lines((
+            ("stored by position in another number, not loaded", self.miscounted),
             ("missing", self.missing),
             ("unexpected", self.unexpected),
             ("skipped (model has no such variables)", self.skipped),
@@ -364,6 +374,13 @@ def say_fallbacks(report: LoadReport) -> None:
     fresh = [p for p in missing if p in initialized]
     kept = [p for p in missing if p not in initialized]
     said = []
+    if report.miscounted:
+        # First: it explains the missing and unexpected keys of those groups below.
+        said.append(
+            f"{len(report.miscounted)} group(s) of variables Keras stores by position hold another number "
+            f"of them than the model's, so none of theirs was loaded ({'; '.join(report.miscounted[:4])}"
+            f"{', ...' if len(report.miscounted) > 4 else ''})"
+        )
     if fresh:
         # (their initializer's, or what their layer's build assigned: `lazy.original_initializer`)
         said.append(f"{len(fresh)} variable(s) the checkpoint lacks got the values a build gives ({some(fresh)})")
@@ -397,6 +414,7 @@ def match_jobs(
     report.kept = [variable.path for _, variable in found.kept]
     report.unexpected = found.unexpected
     report.skipped = found.skipped
+    report.miscounted = found.miscounted
     # Checkpoint problems first (dtypes as they are found, then keys and
     # shapes), then where each variable goes.
     for key, variable in found.pairs:

@@ -1,0 +1,106 @@
+"""Restore paths checked against Keras' own loading where a user meets a silent difference."""
+
+from __future__ import annotations
+
+import logging
+
+import keras
+import numpy as np
+import pytest
+
+import shardckpt
+from tests.zoo import model_parallel, save_as
+
+
+def _bn_model(center: bool) -> keras.Model:
+    """Input(8) -> Dense(16) -> BatchNormalization(center=center): `center=False` has no `beta`."""
+    inputs = keras.Input((8,))
+    x = keras.layers.Dense(16, name="d")(inputs)
+    x = keras.layers.BatchNormalization(center=center, name="bn")(x)
+    return keras.Model(inputs, x, name="m")
+
+
+def _saved_with_beta(tmp_path, fmt: str) -> tuple[str, dict[str, np.ndarray]]:
+    """A `center=True` model with distinct values in every variable, saved by Keras as `fmt`."""
+    keras.backend.clear_session()
+    src = _bn_model(center=True)
+    rng = np.random.default_rng(7)
+    for v in src.weights:
+        v.assign(rng.standard_normal(v.shape).astype("float32"))
+    src.get_layer("bn").moving_variance.assign(rng.uniform(1.0, 2.0, 16).astype("float32"))
+    path = save_as(src, tmp_path, fmt)
+    values = {v.path: np.asarray(v.value) for v in src.weights}
+    keras.backend.clear_session()
+    return path, values
+
+
+@pytest.mark.parametrize("fmt", ["h5", "keras", "h5-sharded"])
+def test_a_layer_saved_with_another_number_of_variables_is_not_loaded_by_position(tmp_path, fmt, caplog):
+    """Keras saves a layer's variables by position (vars/0, vars/1, ...). A model whose
+    BatchNormalization has no `beta` (center=False) against a checkpoint with one: position 1 is
+    `beta` there and `moving_mean` here. strict=False loaded `beta` into `moving_mean` and
+    `moving_mean` into `moving_variance`, saying only that vars/3 was not loaded; Keras'
+    `load_weights(skip_mismatch=True)` skips the layer. Now no variable of that layer is loaded,
+    the load says why, and the result equals Keras' bit for bit, in the layout's sharding."""
+    path, saved = _saved_with_beta(tmp_path, fmt)
+
+    reference = _bn_model(center=False)  # BatchNormalization's initializers are constants
+    with pytest.warns(UserWarning, match="could not be loaded"):
+        reference.load_weights(path, skip_mismatch=True)
+    want = {v.path: np.asarray(v.value) for v in reference.weights}
+    assert want["bn/moving_mean"].tolist() == [0.0] * 16  # Keras left the layer as built
+
+    dist = model_parallel({"d/kernel": (None, "model"), "d/bias": ("model",)})
+    with shardckpt.lazy_init():
+        model = _bn_model(center=False)
+    with pytest.raises(shardckpt.errors.CheckpointMismatchError, match="by position") as refused:
+        shardckpt.load_sharded(model, path)
+    assert "layers/batch_normalization/vars: 4 stored, 3 in the model" in str(refused.value)
+
+    caplog.set_level(logging.WARNING, logger="shardckpt")
+    report = shardckpt.load_sharded(model, path, strict=False)
+    for v in model.weights:
+        np.testing.assert_array_equal(np.asarray(v.value), want[v.path], err_msg=v.path)
+        assert v.value.sharding.is_equivalent_to(dist.get_variable_layout(v).backend_layout, v.ndim), v.path
+    np.testing.assert_array_equal(np.asarray(model.get_layer("d").kernel.value), saved["d/kernel"])
+    assert report.miscounted == [
+        "layers/batch_normalization/vars: 4 stored, 3 in the model (bn/gamma, bn/moving_mean, bn/moving_variance)"
+    ]
+    assert report.missing_paths == ["bn/gamma", "bn/moving_mean", "bn/moving_variance"]
+    assert report.unexpected == [f"layers/batch_normalization/vars/{i}" for i in range(4)]
+    assert sorted(report.initialized) == ["bn/gamma", "bn/moving_mean", "bn/moving_variance"]
+    assert "stored by position in another number, not loaded: layers/batch_normalization/vars" in str(report)
+    said = [r.getMessage() for r in caplog.records if r.name == "shardckpt" and r.levelno == logging.WARNING]
+    assert len(said) == 1 and "layers/batch_normalization/vars: 4 stored, 3 in the model" in said[0]
+
+
+def test_an_optimizer_saved_with_other_variables_is_skipped_whole_as_keras_does(tmp_path):
+    """A `.weights.h5` of a trained model holds its optimizer's 6 variables by position; a model
+    compiled with another learning rate and not yet trained has 2 (iteration, learning_rate).
+    strict=False loaded the checkpoint's iteration count (6) and learning rate (0.01) over the
+    compiled 0.5 and dropped the slots: half an optimizer. Keras' `load_weights` skips the whole
+    optimizer with a warning; so does the load now, listing its variables in `report.kept`."""
+    keras.backend.clear_session()
+    src = _bn_model(center=True)
+    src.compile(keras.optimizers.Adam(0.01), "mse")
+    src.fit(np.ones((8, 8)), np.ones((8, 16)), batch_size=4, epochs=3, verbose=0)
+    path = str(tmp_path / "trained.weights.h5")
+    src.save_weights(path)
+    keras.backend.clear_session()
+
+    reference = _bn_model(center=True)
+    reference.compile(keras.optimizers.Adam(0.5), "mse")
+    with pytest.warns(UserWarning, match="Skipping variable loading for optimizer"):
+        reference.load_weights(path)
+
+    model = _bn_model(center=True)
+    model.compile(keras.optimizers.Adam(0.5), "mse")
+    with pytest.raises(shardckpt.errors.CheckpointMismatchError, match="optimizer is not built yet"):
+        shardckpt.load_sharded(model, path)  # the advice to build it first is kept
+    report = shardckpt.load_sharded(model, path, strict=False)
+    for ours, theirs in zip(model.weights + model.optimizer.variables, reference.weights + reference.optimizer.variables):
+        np.testing.assert_array_equal(np.asarray(ours.value), np.asarray(theirs.value), err_msg=ours.path)
+    assert int(np.asarray(model.optimizer.iterations.value)) == 0
+    assert float(np.asarray(model.optimizer.learning_rate)) == 0.5
+    assert report.kept == [v.path for v in model.optimizer.variables]
+    assert report.miscounted == [f"optimizer/vars: 10 stored, 2 in the model ({', '.join(report.kept)})"]
