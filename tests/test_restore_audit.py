@@ -104,3 +104,31 @@ def test_an_optimizer_saved_with_other_variables_is_skipped_whole_as_keras_does(
     assert float(np.asarray(model.optimizer.learning_rate)) == 0.5
     assert report.kept == [v.path for v in model.optimizer.variables]
     assert report.miscounted == [f"optimizer/vars: 10 stored, 2 in the model ({', '.join(report.kept)})"]
+
+
+def test_a_path_matching_several_layout_map_keys_is_a_typed_error_naming_it_and_the_fix_works(tmp_path):
+    """Keras' `LayoutMap` lookup raised a bare `ValueError` for the first path two patterns
+    match, from inside the load. Now every such path is named in one `LayoutError` before
+    anything is read, and its fix (add the path itself as a key) loads in that key's sharding."""
+    keras.backend.clear_session()
+    src = _bn_model(center=True)
+    path = save_as(src, tmp_path, "h5")
+    kernel = np.asarray(src.get_layer("d").kernel.value)
+    keras.backend.clear_session()
+    with shardckpt.lazy_init():
+        model = _bn_model(center=True)
+    mesh = keras.distribution.DeviceMesh((2, 4), ["data", "model"])
+    layout_map = keras.distribution.LayoutMap(mesh)
+    layout_map[".*/kernel"] = (None, "model")
+    layout_map["d/ker.*"] = ("model", None)
+    with pytest.raises(shardckpt.errors.LayoutError, match="several LayoutMap keys") as refused:
+        shardckpt.load_sharded(model, path, layout=layout_map)
+    assert "'d/kernel' matches ['.*/kernel', 'd/ker.*']" in str(refused.value)
+    assert str(refused.value).startswith("1 variable path(s)")
+    assert all(shardckpt.lazy.is_unloaded(v) for v in model.weights)  # nothing was read
+
+    layout_map["d/kernel"] = ("data", "model")  # the fix: the path itself as a key
+    shardckpt.load_sharded(model, path, layout=layout_map)
+    np.testing.assert_array_equal(np.asarray(model.get_layer("d").kernel.value), kernel)
+    want = layout_map["d/kernel"].backend_layout
+    assert model.get_layer("d").kernel.value.sharding.is_equivalent_to(want, 2)

@@ -34,7 +34,13 @@ from shardckpt.progress import ByteProgress, ReadTally, key_lines, read_line, so
 from shardckpt.restore import assets, hostmem, pipeline, slots
 from shardckpt.restore import keys as naming
 from shardckpt.restore.strategies import Budget, Job, load_variable
-from shardckpt.restore.targets import TargetLayout, check_mesh, resolve_layout, warn_unmatched_keys
+from shardckpt.restore.targets import (
+    TargetLayout,
+    check_mesh,
+    check_unambiguous_keys,
+    resolve_layout,
+    warn_unmatched_keys,
+)
 from shardckpt.structure import explicit_names, finalize_loaded, slot_references
 from shardckpt.types import Layout, Model, PlanLike
 
@@ -252,7 +258,8 @@ def load_sharded(
         MeshMismatchError: `layout` is on another mesh (see `allow_other_mesh`).
         UnplannedVariableError: a `LayoutPlan` has no placement for a variable.
         LayoutError: no layout for a lazily built variable on a host of several
-            devices, or a layout of more axes than its variable has dimensions.
+            devices, a layout of more axes than its variable has dimensions, or
+            a `LayoutMap` with several keys matching one variable's path.
     """
     report = load(
         model, path, layout=layout, strict=strict, max_inflight_bytes=max_inflight_bytes, progress=progress,
@@ -300,6 +307,7 @@ def load(
         layout = layout.bind(model)
     else:
         warn_unmatched_keys(layout, model)
+        check_unambiguous_keys(layout, model)
     check_mesh(layout, allow_other_mesh=allow_other_mesh)
     if transfer not in _TRANSFERS:
         raise ValueError(f"transfer must be one of {_TRANSFERS}. Received: transfer={transfer!r}")
