@@ -132,3 +132,30 @@ def test_a_path_matching_several_layout_map_keys_is_a_typed_error_naming_it_and_
     np.testing.assert_array_equal(np.asarray(model.get_layer("d").kernel.value), kernel)
     want = layout_map["d/kernel"].backend_layout
     assert model.get_layer("d").kernel.value.sharding.is_equivalent_to(want, 2)
+
+
+def test_the_printed_report_names_the_optimizer_variables_a_weights_file_leaves_as_they_are(tmp_path):
+    """A `.weights.h5` saved without an optimizer, loaded into a model trained a few steps: the
+    optimizer keeps its 10 variables (iteration count 2, slots of other weights), as in Keras,
+    whose `load_weights` warns "Skipping variable loading for optimizer". The printed report said
+    only "Loaded 6 arrays"; it now lists them (`report.kept`), as it lists every other list."""
+    keras.backend.clear_session()
+    path = save_as(_bn_model(center=True), tmp_path, "h5")  # no optimizer: weights only
+    keras.backend.clear_session()
+    model = _bn_model(center=True)
+    model.compile(keras.optimizers.Adam(0.01), "mse")
+    model.fit(np.ones((8, 8)), np.ones((8, 16)), batch_size=4, epochs=1, verbose=0)
+    before = {v.path: np.asarray(v.value) for v in model.optimizer.variables}
+    keras_twin = _bn_model(center=True)
+    keras_twin.compile(keras.optimizers.Adam(0.01), "mse")
+    keras_twin.fit(np.ones((8, 8)), np.ones((8, 16)), batch_size=4, epochs=1, verbose=0)
+    with pytest.warns(UserWarning, match="Skipping variable loading for optimizer"):
+        keras_twin.load_weights(path)
+    assert int(np.asarray(keras_twin.optimizer.iterations.value)) == 2  # Keras keeps them too
+    report = shardckpt.load_sharded(model, path)
+    for v in model.optimizer.variables:
+        np.testing.assert_array_equal(np.asarray(v.value), before[v.path], err_msg=v.path)
+    assert int(before[model.optimizer.iterations.path]) == 2
+    assert report.kept == list(before)
+    kept_line = "\n  optimizer/metric variables kept at their current values: " + ", ".join(list(before)[:8])
+    assert kept_line + ", ... (10 total)" in str(report)

@@ -138,10 +138,12 @@ class LoadReport(ReadTally):
             ("missing", self.missing),
             ("unexpected", self.unexpected),
             ("skipped (model has no such variables)", self.skipped),
+            ("optimizer/metric variables kept at their current values", self.kept),
             ("cast", self.casts),
             ("initialised (not in checkpoint)", self.initialized),
             ("LoRA factors zeroed (merged kernels loaded)", self.lora_zeroed),
             ("optimizer slots moved to their variable's sharding", self.slots_moved),
+            ("assets loaded", self.assets),
         ))
         if self.transfer == "ring":
             lines.append(
