@@ -154,6 +154,7 @@ def test_adapted_vocabulary_loads_as_load_model(tmp_path, fmt, lazy):
     assert model.get_layer("look").vocabulary.size == 0
     report = shardckpt.load_sharded(model, path)
     assert report.assets == ["layers/vocab_lookup/vocabulary.txt"]
+    assert "\n  assets loaded: layers/vocab_lookup/vocabulary.txt" in str(report)  # the printed report says it
     np.testing.assert_array_equal(model.get_layer("look").vocabulary, src.get_layer("look").vocabulary)
     np.testing.assert_array_equal(_out(model), want)
     assert model.get_layer("hidden").kernel.value.sharding.spec == PartitionSpec(None, "model")

@@ -34,7 +34,13 @@ from shardckpt.progress import ByteProgress, ReadTally, key_lines, read_line, so
 from shardckpt.restore import assets, hostmem, pipeline, slots
 from shardckpt.restore import keys as naming
 from shardckpt.restore.strategies import Budget, Job, load_variable
-from shardckpt.restore.targets import TargetLayout, check_mesh, resolve_layout, warn_unmatched_keys
+from shardckpt.restore.targets import (
+    TargetLayout,
+    check_mesh,
+    check_unambiguous_keys,
+    resolve_layout,
+    warn_unmatched_keys,
+)
 from shardckpt.structure import explicit_names, finalize_loaded, slot_references
 from shardckpt.types import Layout, Model, PlanLike
 
@@ -60,7 +66,8 @@ class LoadReport(ReadTally):
         missing: Variable paths with no array in the checkpoint.
         kept: Paths of optimizer and metric variables that keep their
             current values because the checkpoint holds none of their
-            collection (a weights-only checkpoint).
+            collection (a weights-only checkpoint), or holds its optimizer's
+            variables by position in another number (Keras h5; see `miscounted`).
         unexpected: Checkpoint keys matching no variable (a Hugging Face
             folder: tensors of the model's own modules no variable reads).
         skipped: Stored arrays left unread because the model has no such
@@ -68,6 +75,13 @@ class LoadReport(ReadTally):
             into a fresh model); a Hugging Face folder's buffers, heads of
             another class and the output embedding of a tied model
             (`shardckpt.presets.hf_unread`).
+        miscounted: Groups of a Keras h5 checkpoint (a layer's or the
+            optimizer's `vars`), stored by position, that hold another number
+            of arrays than the model's: "group: N stored, M in the model
+            (paths)". None of their variables is loaded (they are `missing`,
+            an optimizer's `kept`; their arrays `unexpected`): equal positions
+            are not the same variables there (`BatchNormalization(center=False)`
+            against a checkpoint with `beta`), as Keras' `load_weights` skips them.
         casts: "path: stored -> variable dtype" for every cast made.
         initialized: Lazily built variables given their own initial value:
             the checkpoint lacked them (`strict=False` only), or the format
@@ -105,6 +119,7 @@ class LoadReport(ReadTally):
     kept: list[str] = dataclasses.field(default_factory=list)
     unexpected: list[str] = dataclasses.field(default_factory=list)
     skipped: list[str] = dataclasses.field(default_factory=list)
+    miscounted: list[str] = dataclasses.field(default_factory=list)
     casts: list[str] = dataclasses.field(default_factory=list)
     initialized: list[str] = dataclasses.field(default_factory=list)
     lora_zeroed: list[str] = dataclasses.field(default_factory=list)
@@ -119,13 +134,16 @@ class LoadReport(ReadTally):
     def __str__(self) -> str:
         lines = [read_line("Loaded", self.arrays, self.bytes_read, f"{self.format} {self.path!r}", self.seconds) + "."]
         lines += key_lines((
+            ("stored by position in another number, not loaded", self.miscounted),
             ("missing", self.missing),
             ("unexpected", self.unexpected),
             ("skipped (model has no such variables)", self.skipped),
+            ("optimizer/metric variables kept at their current values", self.kept),
             ("cast", self.casts),
             ("initialised (not in checkpoint)", self.initialized),
             ("LoRA factors zeroed (merged kernels loaded)", self.lora_zeroed),
             ("optimizer slots moved to their variable's sharding", self.slots_moved),
+            ("assets loaded", self.assets),
         ))
         if self.transfer == "ring":
             lines.append(
@@ -242,7 +260,8 @@ def load_sharded(
         MeshMismatchError: `layout` is on another mesh (see `allow_other_mesh`).
         UnplannedVariableError: a `LayoutPlan` has no placement for a variable.
         LayoutError: no layout for a lazily built variable on a host of several
-            devices, or a layout of more axes than its variable has dimensions.
+            devices, a layout of more axes than its variable has dimensions, or
+            a `LayoutMap` with several keys matching one variable's path.
     """
     report = load(
         model, path, layout=layout, strict=strict, max_inflight_bytes=max_inflight_bytes, progress=progress,
@@ -290,6 +309,7 @@ def load(
         layout = layout.bind(model)
     else:
         warn_unmatched_keys(layout, model)
+        check_unambiguous_keys(layout, model)
     check_mesh(layout, allow_other_mesh=allow_other_mesh)
     if transfer not in _TRANSFERS:
         raise ValueError(f"transfer must be one of {_TRANSFERS}. Received: transfer={transfer!r}")
@@ -364,6 +384,13 @@ def say_fallbacks(report: LoadReport) -> None:
     fresh = [p for p in missing if p in initialized]
     kept = [p for p in missing if p not in initialized]
     said = []
+    if report.miscounted:
+        # First: it explains the missing and unexpected keys of those groups below.
+        said.append(
+            f"{len(report.miscounted)} group(s) of variables Keras stores by position hold another number "
+            f"of them than the model's, so none of theirs was loaded ({'; '.join(report.miscounted[:4])}"
+            f"{', ...' if len(report.miscounted) > 4 else ''})"
+        )
     if fresh:
         # (their initializer's, or what their layer's build assigned: `lazy.original_initializer`)
         said.append(f"{len(fresh)} variable(s) the checkpoint lacks got the values a build gives ({some(fresh)})")
@@ -397,6 +424,7 @@ def match_jobs(
     report.kept = [variable.path for _, variable in found.kept]
     report.unexpected = found.unexpected
     report.skipped = found.skipped
+    report.miscounted = found.miscounted
     # Checkpoint problems first (dtypes as they are found, then keys and
     # shapes), then where each variable goes.
     for key, variable in found.pairs:

@@ -419,6 +419,10 @@ class KeyMatch:
         note: A line said before the problems.
         names: `CheckpointMismatchError.names`: set where keys are missing
             or unexpected and every layer of the model is named by the user.
+        miscounted: One line per group of positional keys (Keras h5: a
+            layer's or the optimizer's `vars/0`, `vars/1`, ...) that holds
+            another number of arrays in the checkpoint than in the model;
+            none of its keys is paired (`_unpair_miscounted`).
     """
 
     pairs: list[tuple[str, Any]] = dataclasses.field(default_factory=list)
@@ -432,6 +436,7 @@ class KeyMatch:
     fix: str | None = None
     note: str = ""
     names: tuple[list[str], list[str]] | None = None
+    miscounted: list[str] = dataclasses.field(default_factory=list)
 
     def missing_lines(self) -> list[str]:
         """`missing` as `CheckpointMismatchError` lists it."""
@@ -522,7 +527,70 @@ def match(wanted: dict[str, Any], reader: Reader, *, explicit: Collection[str]) 
         _follow_trainability(result, model_keys, reader.keys())
     if result.unexpected or result.skipped:  # (Orbax: scales are non-trainable variables)
         _refuse_quantized_into_float(result, reader)
+    if fmt in FORMATS and FORMATS[fmt].keys in ("h5", "preset"):
+        _unpair_miscounted(result, wanted, stored_keys)
     return result
+
+
+def _position_group(key: str) -> str | None:
+    """The group of a positional h5 key (`layers/dense/vars/1` -> `layers/dense/vars`), else None."""
+    group, _, index = key.rpartition("/")
+    return group if group and index.isdigit() else None
+
+
+def _positions(keys: Iterable[str]) -> dict[str, set[str]]:
+    """`{group: its positions}` of the positional keys among `keys`."""
+    out: dict[str, set[str]] = {}
+    for key in keys:
+        group = _position_group(key)
+        if group is not None:
+            out.setdefault(group, set()).add(key)
+    return out
+
+
+def _indices(keys: Iterable[str]) -> set[str]:
+    return {key.rsplit("/", 1)[1] for key in keys}
+
+
+def _unpair_miscounted(result: KeyMatch, wanted: dict[str, Any], stored: Iterable[str]) -> None:
+    """Pairs no key of a group whose number of arrays differs between model and checkpoint.
+
+    Keras saves a layer's variables (and an optimizer's) by position only
+    (`vars/0`, `vars/1`, ...: `Layer.save_own_variables`). When the two sides
+    hold another number of them (a `BatchNormalization(center=False)` against
+    a checkpoint with `beta`, an optimizer of other slots), equal positions
+    are not the same variables: pairing them loads `beta` into
+    `moving_mean`. Keras' `load_weights` refuses such a layer (skips it with
+    `skip_mismatch=True`) and skips such an optimizer with a warning; here
+    the group's variables become missing (an optimizer's `kept`), its stored
+    arrays unexpected, and `miscounted` names the group, so `strict=True`
+    refuses the load and `strict=False` leaves the group as it is, said.
+    """
+    fmt = result.format
+    ours, theirs = _positions(wanted), _positions(stored)
+    groups = natural_sorted(g for g in ours.keys() & theirs.keys() if _indices(ours[g]) != _indices(theirs[g]))
+    if not groups:
+        return
+    unpaired = [(k, v) for k, v in result.pairs if _position_group(k) in groups]
+    result.pairs = [(k, v) for k, v in result.pairs if _position_group(k) not in groups]
+    # An optimizer's variables (an optional collection) keep their values as a whole, as
+    # Keras' optimizer does when the counts differ; a layer's are missing.
+    order = {key: i for i, key in enumerate(wanted)}
+    held = sorted([*result.missing, *unpaired], key=lambda pair: order.get(pair[0], len(order)))
+    result.missing = [(k, v) for k, v in held if _position_group(k) not in groups or not is_optional_key(k, fmt)]
+    result.kept += [(k, v) for k, v in held if _position_group(k) in groups and is_optional_key(k, fmt)]
+    result.unexpected = natural_sorted([*result.unexpected, *(k for k, _ in unpaired)])
+    for group in groups:
+        variables = [wanted[k] for k in natural_sorted(ours[group])]
+        names = some([v.path if is_variable(v) else "(a computed value)" for v in variables], 4)
+        result.miscounted.append(
+            f"{group}: {len(theirs[group])} stored, {len(ours[group])} in the model ({names})"
+        )
+    result.note = (
+        "Keras stores a layer's (and an optimizer's) variables by position (vars/0, vars/1, ...), and "
+        "these groups hold another number of them in the checkpoint than in the model, so no position "
+        f"is the same variable and none of them is loaded: {'; '.join(result.miscounted)}."
+    )
 
 
 def _stem(weight_key: str) -> str:

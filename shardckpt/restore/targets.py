@@ -191,6 +191,45 @@ def warn_unmatched_keys(layout: Layout, model: Any) -> list[str]:
     return unmatched
 
 
+def check_unambiguous_keys(layout: Layout, model: Any) -> None:
+    """Refuses a `LayoutMap` (yours, or the active distribution's) where a variable path
+    matches several keys.
+
+    Keras looks a path up exactly, then as `re.fullmatch` of every key, and
+    raises a bare `ValueError` for the first path two keys match, in the
+    middle of placing variables. Here every such path is named at once,
+    before anything is read.
+
+    Args:
+        layout: The `layout=` value; None reads the active distribution's map.
+        model: The model being loaded.
+
+    Raises:
+        LayoutError: naming each path, the keys it matches and the fix.
+    """
+    if layout is None:
+        layout = kd.distribution()
+    layout_map = layout if isinstance(layout, kd.LayoutMap) else _keras.layout_map_of(layout)
+    if not isinstance(layout_map, kd.LayoutMap):
+        return
+    keys = list(layout_map)
+    ambiguous = []
+    for path in dict.fromkeys(v.path for v in model.variables):
+        if path in keys:
+            continue  # an exact key wins, as in Keras
+        matched = [key for key in keys if re.fullmatch(key, path)]
+        if len(matched) > 1:
+            ambiguous.append(f"{path!r} matches {matched}")
+    if ambiguous:
+        raise LayoutError(
+            f"{len(ambiguous)} variable path(s) match several LayoutMap keys, and Keras places a path by "
+            f"one key only (an exact key first, else the one pattern that re.fullmatch-es it): "
+            f"{some(ambiguous)}. Fix: narrow the patterns so that each path matches at most one "
+            f"(e.g. anchor them on the layer name), or add the path itself as a key. "
+            f"Received: keys={keys}"
+        )
+
+
 def _places_a_layer_output(key: str, layers: set[str]) -> bool:
     """Whether `key` is `<layer>/output` for one of `layers` (exactly, or as Keras' `re.fullmatch`)."""
     suffix = "/output"
