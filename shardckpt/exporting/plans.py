@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import math
 import os
 import re
 from collections.abc import Callable
@@ -56,13 +57,14 @@ def max_shard_bytes(max_shard_size: Any) -> int | None:
     if max_shard_size is None:
         return None
     if isinstance(max_shard_size, str):
-        m = re.fullmatch(r"\s*([\d.]+)\s*([KMG]i?B|B)\s*", max_shard_size, re.IGNORECASE)
+        m = re.fullmatch(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*([KMG]i?B|B)\s*", max_shard_size, re.IGNORECASE)
         if not m:
             raise ValueError(f"max_shard_size must be a number of GB or a size like '5GB'. Received: {max_shard_size!r}")
         unit = m.group(2).upper()
         scale = {"B": 1, "KB": 1e3, "MB": 1e6, "GB": 1e9, "KIB": 1024, "MIB": 1024**2, "GIB": 1024**3}[unit]
         return max(1, int(float(m.group(1)) * scale))
-    if isinstance(max_shard_size, (int, float)) and not isinstance(max_shard_size, bool) and max_shard_size > 0:
+    if (isinstance(max_shard_size, (int, float)) and not isinstance(max_shard_size, bool) and max_shard_size > 0
+            and math.isfinite(max_shard_size)):
         return max(1, int(max_shard_size * 1024**3))  # keras-hub: GB as 1024**3 bytes
     raise ValueError(f"max_shard_size must be a positive number of GB or a size like '5GB'. Received: {max_shard_size!r}")
 

@@ -19,6 +19,7 @@ from shardckpt.conversion.converter import ConvertReport
 from shardckpt.conversion.converter import convert as to_orbax
 from shardckpt.errors import ModelRequiredError
 from shardckpt.exporting import ExportReport, export
+from shardckpt.exporting.plans import max_shard_bytes
 from shardckpt.formats import FORMATS, detect_format
 from shardckpt.formats.orbax.writer import DEFAULT_COMPRESSION
 from shardckpt.layout import auto_layout
@@ -171,6 +172,7 @@ def convert(
             f"Received: compression={compression!r}"
         )
     dtypes.float_dtype(dtype)  # refused before the model is loaded, as `to="orbax"` refuses it
+    max_shard_bytes(max_shard_size)  # so is a size that does not parse: a load can take minutes
     loaded, load = _load(src, to=to, model=model, layout=layout, mesh=mesh, max_inflight_bytes=max_inflight_bytes)
     report = export(
         loaded, dst, format=to, max_shard_size=max_shard_size, dtype=dtype,
