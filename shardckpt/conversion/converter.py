@@ -189,7 +189,8 @@ def convert(
         mesh: A mesh shape such as `(1, 8)` or a `DeviceMesh`; without
             `layout`, `shardckpt.auto_layout(model, mesh)` gives the shards.
         dtype: Cast floating-point arrays to this dtype (e.g. "bfloat16");
-            integer and boolean arrays are kept.
+            integer and boolean arrays are kept, and so are float arrays
+            Keras reads as indices (int4 group indices; `ConvertReport.uncast`).
         compression: "none" or "zstd" (see README, "Compression").
         max_inflight_bytes: Most bytes of array data in memory at once (None:
             the host's default, `shardckpt.budget.default_max_inflight_bytes`).
