@@ -306,3 +306,31 @@ def test_a_max_shard_size_that_does_not_parse_is_a_usage_error_before_anything_l
     with pytest.raises(ValueError, match="max_shard_size must be"):
         shardckpt.convert(weights, tmp_path / "out", to="hf", max_shard_size=size)
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("target", ["hf", "keras-hub", "safetensors"])
+def test_an_existing_destination_is_refused_before_the_load_with_the_force_hint(tmp_path, target):
+    """The refusal came from `export` after the model's load, and named `overwrite=True`, which
+    neither the command (`--force`) nor `shardckpt.convert` (`force=True`) takes. The source is a bare
+    .weights.h5 with no --model, which the load's first step would refuse: the destination comes first."""
+    weights, out = str(tmp_path / "w.weights.h5"), tmp_path / "out"
+    with open(weights, "wb"):
+        pass
+    out.mkdir()
+    code, _, err = _run(["convert", weights, str(out), "--to", target, "--quiet"])
+    assert code == 1 and "already exists" in err and "--force" in err and "overwrite" not in err, err
+    with pytest.raises(shardckpt.errors.DestinationExistsError, match=r"force=True"):
+        shardckpt.convert(weights, out, to=target)
+    assert os.listdir(out) == []
+
+
+def test_force_replaces_an_existing_destination(preset, tmp_path):
+    """The hint, followed: `--force` replaces the folder with the export."""
+    folder, values = preset
+    out = tmp_path / "hf"
+    out.mkdir()
+    (out / "stale.txt").write_text("old")
+    code, _, err = _run(["convert", folder, str(out), "--to", "safetensors", "--force", "--quiet"])
+    assert code == 0, err
+    assert "stale.txt" not in os.listdir(out)
+    _assert_safetensors_hold(str(out), values)
