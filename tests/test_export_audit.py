@@ -44,3 +44,38 @@ def test_a_lone_tensor_over_the_limit_is_model_safetensors_as_huggingface_hub_na
     assert plan_files(specs, 1024) == {"model.safetensors": ["w"]}
     two = {**specs, "b": ArraySpec(shape=(64,), dtype=np.dtype("float32"))}
     assert list(plan_files(two, 1024)) == ["model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"]
+
+
+def _lora_llama() -> keras.Model:
+    keras.backend.clear_session()
+    backbone = keras_hub.models.Llama3Backbone(
+        vocabulary_size=64, num_layers=1, num_query_heads=4, num_key_value_heads=2, hidden_dim=32, intermediate_dim=64)
+    task = keras_hub.models.Llama3CausalLM(backbone=backbone, preprocessor=None)
+    task.backbone.enable_lora(2)
+    rng = np.random.default_rng(3)
+    for v in task.weights:
+        v.assign(rng.standard_normal(v.shape).astype("float32") * 0.1)
+    return task
+
+
+@pytest.mark.parametrize("fmt", ["orbax", "peft"])
+def test_max_shard_size_is_refused_where_the_format_is_not_split(fmt, tmp_path):
+    """It was ignored without a word by export (one Orbax step, one adapter file of any size), where
+    `convert(to="orbax", max_shard_size=...)` refused it."""
+    with pytest.raises(ValueError, match=rf"max_shard_size applies to .*Fix: drop it. Received: format='{fmt}'"):
+        shardckpt.export(_lora_llama(), tmp_path / "out", format=fmt, max_shard_size="1KB")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_peft_adapter_into_a_bucket_is_one_file_read_back_bit_equal(bucket, tmp_path):
+    """A bucket export passes the host budget on as the files' limit: not to a PEFT adapter, one file."""
+    from shardckpt import storage
+
+    task = _lora_llama()
+    shardckpt.export(task, tmp_path / "local", format="peft")
+    shardckpt.export(task, f"{bucket}/adapter", format="peft")
+    names = sorted(storage.listdir(storage.parse(f"{bucket}/adapter")))
+    assert names == sorted(os.listdir(tmp_path / "local")) == ["adapter_config.json", "adapter_model.safetensors"]
+    for name in names:
+        with open(tmp_path / "local" / name, "rb") as f:
+            assert storage.read_bytes(storage.parse(f"{bucket}/adapter/{name}")) == f.read(), name
