@@ -79,3 +79,30 @@ def test_peft_adapter_into_a_bucket_is_one_file_read_back_bit_equal(bucket, tmp_
     for name in names:
         with open(tmp_path / "local" / name, "rb") as f:
             assert storage.read_bytes(storage.parse(f"{bucket}/adapter/{name}")) == f.read(), name
+
+
+class _Unconfigurable(keras.Model):
+    """A subclassed model whose constructor takes an object Keras cannot serialise, and no get_config."""
+
+    def __init__(self, table: object, **kwargs):
+        super().__init__(**kwargs)
+        self.table = table
+        self.dense = keras.layers.Dense(3)
+
+    def call(self, x):
+        return self.dense(x)
+
+
+def test_a_model_without_a_config_is_refused_by_keras_hub_before_anything_is_written(tmp_path):
+    """keras-hub's saver writes config.json after the weights: the export wrote every weight, then ended
+    in Keras' bare NotImplementedError and left `<dst>.shardckpt-partial/` with the weights behind."""
+    from shardckpt.errors import UnsupportedModelError
+
+    keras.backend.clear_session()
+    model = _Unconfigurable(table=object())
+    model(np.zeros((1, 4), "float32"))
+    with pytest.raises(UnsupportedModelError, match=r"_Unconfigurable .*config\.json.*Fix: .*format='safetensors'"):
+        shardckpt.export(model, tmp_path / "kh", format="keras-hub")
+    assert list(tmp_path.iterdir()) == []
+    shardckpt.export(model, tmp_path / "st", format="safetensors")  # the fix: no config needed
+    assert os.listdir(tmp_path / "st") == ["model.safetensors"]
