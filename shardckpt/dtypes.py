@@ -118,10 +118,11 @@ def float_dtype(dtype: Any) -> np.dtype | None:
 
 
 def narrows_range(source: Any, target: Any) -> bool:
-    """True where a cast of float `source` into float `target` can turn finite values into inf.
+    """True where a cast of float `source` into float `target` can turn finite values into inf (or NaN).
 
     float32 or bfloat16 into float16 (largest finite 65504) does; float32
-    into bfloat16 only beyond 3.39e38.
+    into bfloat16 only beyond 3.39e38; into float8_e4m3fn, which has no inf,
+    beyond 448 values become NaN.
     """
     source, target = np.dtype(source), np.dtype(target)
     if source == target or not (is_float(source) and is_float(target)):
@@ -135,14 +136,25 @@ def largest(dtype: Any) -> float:
 
 
 def overflowed(source: np.ndarray, cast: np.ndarray) -> int:
-    """How many finite values of `source` are inf in `cast` (its cast into a narrower float)."""
-    return int(np.count_nonzero(np.isinf(cast) & np.isfinite(source)))
+    """How many finite values of `source` are not finite in `cast` (its cast into a narrower float).
+
+    inf where the target has one; NaN where it has none (float8_e4m3fn and
+    the other `fn` float8 types: ml_dtypes and XLA cast what is beyond their
+    largest value into NaN).
+    """
+    return int(np.count_nonzero(~np.isfinite(cast) & np.isfinite(source)))
+
+
+def has_inf(dtype: Any) -> bool:
+    """Whether float `dtype` holds an inf (float8_e4m3fn and the `fnuz` types do not)."""
+    with np.errstate(invalid="ignore", over="ignore"):
+        return bool(np.isinf(np.array(np.inf, np.float32).astype(np.dtype(dtype)).astype(np.float32)))
 
 
 class Overflows:
-    """Values a narrowing cast turned into inf, by variable: said once, after the whole write.
+    """Values a narrowing cast turned into inf (or NaN), by variable: said once, after the whole write.
 
-    numpy's own "overflow encountered in cast" names nothing and repeats per
+    NaN where the target has no inf (float8_e4m3fn). numpy's own "overflow encountered in cast" names nothing and repeats per
     block; callers cast under `np.errstate(over="ignore")` and count here.
     """
 
@@ -161,8 +173,10 @@ class Overflows:
         total = sum(self.counts.values())
         names = some([f"{n!r} ({c})" for n, c in self.counts.items()])
         bound = largest(self.target) if self.target is not None else float("nan")
+        into = (f"inf (beyond +-{bound:g})" if self.target is None or has_inf(self.target)
+                else f"NaN ({self.target} has no inf; beyond +-{bound:g})")
         return (
-            f"{what}: casting to {self.target} turned {total} finite value(s) into inf (beyond +-{bound:g}) in "
+            f"{what}: casting to {self.target} turned {total} finite value(s) into {into} in "
             f"{len(self.counts)} variable(s): {names}. Fix: store a dtype of wider range (dtype='bfloat16' "
             "or 'float32'), or rescale those weights before the cast."
         )

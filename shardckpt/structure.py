@@ -25,7 +25,9 @@ matching):
 - `slot_references(model)`: each optimizer slot and the variable it was made
   from;
 - `finalize_loaded(model, variables)`: the `finalize_state()` Keras' own
-  loading runs on layers that derive state from their loaded variables.
+  loading runs on layers that derive state from their loaded variables;
+- `index_variables(model)`: float variables Keras reads as indices (int4
+  group indices), which a dtype cast must leave alone.
 
 A variable the walk does not reach (none in Keras' built-in layers; a
 custom layer may skip some in `save_own_variables`) gets the key
@@ -135,6 +137,28 @@ def lora_layers(model: Any) -> list[tuple[Any, Any, str, tuple[Any, Any]]]:
             if getattr(layer, base, None) is not None and hasattr(layer, a) and hasattr(layer, b):
                 out.append((layer, getattr(layer, base), merged, (getattr(layer, a), getattr(layer, b))))
                 break
+    return out
+
+
+# Float variables that Keras reads as indices: the group of each input row of an int4 sub-channel
+# or GPTQ layer (`take(scale, g_idx)`), made float32 under every dtype policy (`add_weight(...,
+# dtype="float32")`), so a bfloat16 model keeps them float32 too.
+_INDEX_ATTRIBUTES = ("g_idx",)
+
+
+def index_variables(model: Any) -> dict[int, Any]:
+    """`id -> variable` of the float variables of `model` that hold indices (int4 / GPTQ `g_idx`).
+
+    A cast to a narrower float changes those indices once they pass its
+    exact integers (256 in bfloat16: a layer of more than 32768 inputs in
+    groups of 128), and each changed row reads another group's scale.
+    """
+    out = {}
+    for layer in getattr(model, "_flatten_layers", list)():
+        for name in _INDEX_ATTRIBUTES:
+            variable = getattr(layer, name, None)
+            if isinstance(variable, keras.Variable):
+                out[id(variable)] = variable
     return out
 
 

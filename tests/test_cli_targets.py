@@ -273,3 +273,64 @@ def _assert_safetensors_hold(folder: str, values: dict) -> None:
     assert sorted(stored) == sorted(values)
     for path, want in values.items():
         np.testing.assert_array_equal(stored[path], want, err_msg=path)
+
+
+def test_max_shard_size_as_a_bare_number_is_gb_as_in_python(preset, tmp_path):
+    """`--max-shard-size 0.00001` splits as `max_shard_size=0.00001` does (GB, keras-hub's unit); it used to
+    end in a ValueError traceback after the model's load."""
+    folder, values = preset
+    cli, py = str(tmp_path / "cli"), str(tmp_path / "py")
+    code, _, err = _run(["convert", folder, cli, "--to", "hf", "--max-shard-size", "0.00001", "--quiet"])
+    assert code == 0, err
+    keras.distribution.set_distribution(None)
+    keras.backend.clear_session()
+    shardckpt.convert(folder, py, to="hf", max_shard_size=0.00001)
+    names = sorted(os.listdir(cli))
+    assert names == sorted(os.listdir(py)) and "model.safetensors.index.json" in names
+    for name in names:
+        with open(os.path.join(cli, name), "rb") as a, open(os.path.join(py, name), "rb") as b:
+            assert a.read() == b.read(), name
+
+
+@pytest.mark.parametrize("size", ["banana", "1.5.2GB", "inf", "-1"])
+def test_a_max_shard_size_that_does_not_parse_is_a_usage_error_before_anything_loads(tmp_path, capsys, size):
+    """The source is a bare .weights.h5 with no --model: the load's first step would refuse it (exit 1);
+    the size is refused before it (exit 2, one line), as in Python."""
+    weights = str(tmp_path / "w.weights.h5")
+    with open(weights, "wb"):
+        pass
+    with pytest.raises(SystemExit) as e:
+        main(["convert", weights, str(tmp_path / "out"), "--to", "hf", "--max-shard-size", size])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "--max-shard-size: max_shard_size must be" in err and "Traceback" not in err
+    with pytest.raises(ValueError, match="max_shard_size must be"):
+        shardckpt.convert(weights, tmp_path / "out", to="hf", max_shard_size=size)
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("target", ["hf", "keras-hub", "safetensors"])
+def test_an_existing_destination_is_refused_before_the_load_with_the_force_hint(tmp_path, target):
+    """The refusal came from `export` after the model's load, and named `overwrite=True`, which
+    neither the command (`--force`) nor `shardckpt.convert` (`force=True`) takes. The source is a bare
+    .weights.h5 with no --model, which the load's first step would refuse: the destination comes first."""
+    weights, out = str(tmp_path / "w.weights.h5"), tmp_path / "out"
+    with open(weights, "wb"):
+        pass
+    out.mkdir()
+    code, _, err = _run(["convert", weights, str(out), "--to", target, "--quiet"])
+    assert code == 1 and "already exists" in err and "--force" in err and "overwrite" not in err, err
+    with pytest.raises(shardckpt.errors.DestinationExistsError, match=r"force=True"):
+        shardckpt.convert(weights, out, to=target)
+    assert os.listdir(out) == []
+
+
+def test_force_replaces_an_existing_destination(preset, tmp_path):
+    """The hint, followed: `--force` replaces the folder with the export."""
+    folder, values = preset
+    out = tmp_path / "hf"
+    out.mkdir()
+    (out / "stale.txt").write_text("old")
+    code, _, err = _run(["convert", folder, str(out), "--to", "safetensors", "--force", "--quiet"])
+    assert code == 0, err
+    assert "stale.txt" not in os.listdir(out)
+    _assert_safetensors_hold(str(out), values)

@@ -185,6 +185,34 @@ def test_dtype_casts_floats_only_and_checksums_the_stored_bytes(tmp_path):
         convert(src, str(tmp_path / "x"), model=arch, dtype="int8")
 
 
+def test_dtype_leaves_int4_group_indices_float32_as_keras_keeps_them(tmp_path):
+    """int4 sub-channel `g_idx` is the group of each input row, float32 under every Keras policy. Cast
+    to bfloat16, 257 became 256 (128 rows read the wrong group's scale: outputs 17% off, against
+    2% for the scales' own rounding); it is kept float32 and said."""
+    inputs = 257 * 128 + 128  # 258 groups of 128 rows: indices up to 257, past bfloat16's exact 256
+    keras.backend.clear_session()
+    model = keras.Sequential([keras.Input((inputs,)), keras.layers.Dense(8, name="down")])
+    model.layers[0].kernel.assign(np.random.default_rng(0).standard_normal((inputs, 8)).astype("float32"))
+    model.quantize("int4")
+    src = str(tmp_path / "q.keras")
+    model.save(src)
+    names = [v.name for v in model.weights]  # bias, kernel, kernel_scale, kernel_zero, g_idx
+    saved = [np.asarray(v.value) for v in model.weights]
+    assert names[-1] == "g_idx" and saved[-1].max() == 257
+    report = convert(src, str(tmp_path / "orbax"), dtype="bfloat16", progress=False)
+    keras.backend.clear_session()
+    back = keras.saving.load_model(src)
+    shardckpt.load_sharded(back, str(tmp_path / "orbax"))
+    assert [v.name for v in back.weights] == names
+    for v, want in zip(back.weights, saved, strict=True):
+        if v.name in ("bias", "kernel_scale"):  # cast, as asked
+            want = want.astype(ml_dtypes.bfloat16).astype(want.dtype)
+        np.testing.assert_array_equal(np.asarray(v.value), want, err_msg=v.path)
+    assert report.uncast == ["layers/dense/vars/4: float32"]
+    assert not any(c.startswith("layers/dense/vars/4:") for c in report.casts)
+    assert "not cast (indices, float32 as Keras keeps them): layers/dense/vars/4: float32" in str(report)
+
+
 def test_safetensors_index_set(tmp_path):
     keras.backend.clear_session()
     model = build_zoo()

@@ -33,3 +33,20 @@ def test_export_into_a_bucket_reads_back_bit_equal(llama_folder, bucket):
         assert [v.path for v in back.weights] == list(values)
         for v in back.weights:
             np.testing.assert_array_equal(np.asarray(v.value), values[v.path], err_msg=f"{folder}: {v.path}")
+
+
+def test_export_into_a_bucket_with_no_shard_size_reads_back(llama_folder, bucket):
+    """A bucket export's files are at most the host budget by default: a model below it is one file,
+    which must be `model.safetensors` (a lone `model-00001-of-00001.safetensors` has no index and
+    no loader finds it)."""
+    keras.backend.clear_session()
+    model = shardckpt.from_preset(llama_folder, mesh=(2, 4))
+    values = {v.path: np.asarray(v.value) for v in model.weights}
+    shardckpt.export(model, f"{bucket}/hf")
+    assert sorted(storage.listdir(storage.parse(f"{bucket}/hf"))) == ["config.json", "model.safetensors"]
+    keras.distribution.set_distribution(None)
+    keras.backend.clear_session()
+    back = shardckpt.from_preset(f"{bucket}/hf", mesh=(2, 4))
+    assert [v.path for v in back.weights] == list(values)
+    for v in back.weights:
+        np.testing.assert_array_equal(np.asarray(v.value), values[v.path], err_msg=v.path)

@@ -4,7 +4,8 @@
   target of `convert`, before anything is written (it truncated every weight).
 - A cast into float16 that turns finite values into inf names the variables
   on the "shardckpt" logger, once per export or conversion; numpy's anonymous
-  RuntimeWarning is not raised.
+  RuntimeWarning is not raised. So does a cast into float8_e4m3fn, which has
+  no inf and turns them into NaN.
 - The Hugging Face `config.json`'s `dtype` and `torch_dtype` name the dtype the
   tensors are stored in: transformers loads that dtype by default.
 """
@@ -66,6 +67,40 @@ def test_a_float16_export_that_overflows_names_the_variable_once(fmt, tmp_path, 
     if fmt == "safetensors":
         stored = load_file(str(tmp_path / "out" / "model.safetensors"))[model.layers[0].kernel.path]
         assert stored.dtype == np.float16 and np.isinf(stored).sum() == 4
+
+
+@pytest.mark.parametrize("fmt", ["safetensors", "orbax", "keras-hub"])
+def test_a_float8_e4m3fn_export_that_turns_values_into_nan_names_the_variable_once(fmt, tmp_path, caplog):
+    """float8_e4m3fn has no inf: ml_dtypes and XLA cast a value beyond its 448 (BIG) into NaN, which a
+    count of infs missed, so the export said nothing."""
+    caplog.set_level(logging.WARNING, logger="shardckpt")
+    model = _mlp()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        shardckpt.export(model, tmp_path / "out", format=fmt, dtype="float8_e4m3fn")
+    said = [r.getMessage() for r in caplog.records if r.name == "shardckpt" and "casting to" in r.getMessage()]
+    assert len(said) == 1, said
+    assert "turned 4 finite value(s) into NaN (float8_e4m3fn has no inf; beyond +-448)" in said[0]
+    assert f"{model.layers[0].kernel.path!r} (4)" in said[0] and "in 1 variable(s):" in said[0]
+    if fmt == "safetensors":
+        from safetensors import safe_open
+
+        torch = pytest.importorskip("torch")  # safetensors reads float8 into torch, not numpy
+        with safe_open(str(tmp_path / "out" / "model.safetensors"), "pt") as f:
+            stored = f.get_tensor(model.layers[0].kernel.path)
+        assert stored.dtype == torch.float8_e4m3fn and int(stored.float().isnan().sum()) == 4
+
+
+def test_convert_to_orbax_float8_e4m3fn_nan_names_the_array_once(tmp_path, caplog):
+    caplog.set_level(logging.WARNING, logger="shardckpt")
+    src = tmp_path / "mlp.keras"
+    _mlp().save(src)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        shardckpt.convert(src, tmp_path / "out", dtype="float8_e4m3fn", max_inflight_bytes=64)
+    said = [r.getMessage() for r in caplog.records if r.name == "shardckpt" and "casting to" in r.getMessage()]
+    assert len(said) == 1, said
+    assert "turned 4 finite value(s) into NaN" in said[0] and "in 1 variable(s):" in said[0]
 
 
 @pytest.mark.parametrize("fmt", ["safetensors", "keras-hub", "orbax"])

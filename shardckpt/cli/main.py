@@ -55,7 +55,7 @@ def _parser() -> argparse.ArgumentParser:
                    "preset or safetensors (variable paths); the last three load the model sharded and "
                    "export it (shardckpt.export)")
     p.add_argument("--max-shard-size", help="--to hf/keras-hub/safetensors: files of at most this size "
-                   "(e.g. 5GB, 500MB)")
+                   "(e.g. 5GB, 500MB; a bare number is GB, as keras-hub's max_shard_size)")
     p.add_argument("--model", help="architecture for .weights.h5/safetensors: package.module:function (found in "
                    "the current directory too), a .keras file or a keras-hub preset folder")
     p.add_argument("--mesh", help="data x model, e.g. 2x4 (simulated CPU devices): --to orbax aligns chunks to "
@@ -172,6 +172,7 @@ def _convert(args: argparse.Namespace) -> int:
     if args.to == "orbax" and args.max_shard_size is not None:
         _parser().error("--max-shard-size applies to --to hf, keras-hub and safetensors; an Orbax checkpoint "
                         "is chunked, not split into files")
+    max_shard_size = None if args.max_shard_size is None else _max_shard_size(args.max_shard_size)
     report = convert(
         args.src,
         args.dst,
@@ -180,7 +181,7 @@ def _convert(args: argparse.Namespace) -> int:
         mesh=_mesh_shape(args.mesh) if args.mesh else None,
         dtype=args.dtype,
         compression=args.compression or DEFAULT_COMPRESSION,
-        max_shard_size=args.max_shard_size,
+        max_shard_size=max_shard_size,
         max_inflight_bytes=None if args.max_inflight_mb is None else args.max_inflight_mb * 2**20,
         force=args.force,
         progress=False if args.quiet else None,
@@ -190,6 +191,26 @@ def _convert(args: argparse.Namespace) -> int:
     else:
         print(report)
     return 0
+
+
+def _max_shard_size(text: str) -> float | str:
+    """`--max-shard-size`: a bare number is GB (as `max_shard_size=5` in Python), else a size such as "500MB".
+
+    Checked here, a usage error (exit 2), rather than by the export after the
+    model's load, which for a large model takes minutes.
+    """
+    from shardckpt.exporting.plans import max_shard_bytes
+
+    size: float | str
+    try:
+        size = float(text)
+    except ValueError:
+        size = text
+    try:
+        max_shard_bytes(size)
+    except ValueError as e:
+        _parser().error(f"--max-shard-size: {e}")
+    return size
 
 
 def _architecture(spec: str) -> Any:

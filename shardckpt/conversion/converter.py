@@ -59,7 +59,7 @@ from shardckpt.restore import keys as naming
 from shardckpt.restore.assets import stored_assets
 from shardckpt.restore.targets import resolve_layout
 from shardckpt.storage import commit
-from shardckpt.structure import explicit_names
+from shardckpt.structure import explicit_names, index_variables
 from shardckpt.types import DType, Layout, Mesh, Model
 
 _log = logging.getLogger("shardckpt")
@@ -81,6 +81,9 @@ class ConvertReport:
         skipped: Source keys not converted (optimizer state: the output holds
             weights only).
         casts: "key: from -> to" for each array cast by `dtype=`.
+        uncast: Floating-point arrays `dtype=` leaves in their dtype: indices
+            (int4 / GPTQ group indices `g_idx`, float32 under every Keras
+            policy), which the cast would change beyond its exact integers.
         initialized: Variables the source format cannot hold (seed-generator
             states in Keras h5), written with their initial value as Keras'
             own build + load_weights + save would.
@@ -100,6 +103,7 @@ class ConvertReport:
     compression: str = DEFAULT_COMPRESSION
     skipped: list[str] = dataclasses.field(default_factory=list)
     casts: list[str] = dataclasses.field(default_factory=list)
+    uncast: list[str] = dataclasses.field(default_factory=list)
     initialized: list[str] = dataclasses.field(default_factory=list)
     rounding: str | None = None
 
@@ -113,6 +117,7 @@ class ConvertReport:
         lines += key_lines((
             ("skipped (optimizer state; output holds weights only)", self.skipped),
             ("cast", self.casts),
+            ("not cast (indices, float32 as Keras keeps them)", self.uncast),
             ("initial values (not in the source format)", self.initialized),
         ))
         if self.rounding:
@@ -184,7 +189,8 @@ def convert(
         mesh: A mesh shape such as `(1, 8)` or a `DeviceMesh`; without
             `layout`, `shardckpt.auto_layout(model, mesh)` gives the shards.
         dtype: Cast floating-point arrays to this dtype (e.g. "bfloat16");
-            integer and boolean arrays are kept.
+            integer and boolean arrays are kept, and so are float arrays
+            Keras reads as indices (int4 group indices; `ConvertReport.uncast`).
         compression: "none" or "zstd" (see README, "Compression").
         max_inflight_bytes: Most bytes of array data in memory at once (None:
             the host's default, `shardckpt.budget.default_max_inflight_bytes`).
@@ -320,11 +326,15 @@ def _match(reader: Reader, model: Any, report: ConvertReport, target: np.dtype |
     found.raise_if_mismatched(reader.path, strict=True)
     report.skipped = found.skipped
     order = {key: i for i, key in enumerate(reader.keys())}
+    indices = index_variables(model)
     items: list[_Item] = []
     for key, variable in sorted(found.pairs, key=lambda pair: order[pair[0]]):
         spec = reader.spec(key)
         stored = np.dtype(spec.dtype)
         out = target if target is not None and dtypes.is_float(stored) else stored
+        if out != stored and id(variable) in indices:
+            out = stored  # group indices: bfloat16 holds integers exactly only up to 256
+            report.uncast.append(f"{key}: {stored}")
         shard = shard_of(variable) if shard_of is not None else tuple(spec.shape)
         items.append(_Item(key, dst_of[id(variable)], tuple(spec.shape), stored, out, shard))
     in_format = {id(v) for v in by_key.values()}

@@ -100,6 +100,13 @@ class ExportReport:
         return "\n".join([*lines, *text])
 
 
+# Formats not split into files, and why (`max_shard_size` is refused for them).
+_UNSPLIT = {
+    "orbax": "an Orbax checkpoint is chunked, not split into files.",
+    "peft": "a PEFT adapter is one adapter_model.safetensors, the file PEFT reads.",
+}
+
+
 def _barrier(name: str) -> None:
     import jax
 
@@ -217,7 +224,7 @@ def export(
             merged, without factors, in every format but "peft".
         max_shard_size: Split weights into files of at most this size: a
             number of GB (as keras-hub's `save_to_preset`) or a string such
-            as "500MB". None: one file.
+            as "500MB". None: one file. Not for "orbax" or "peft" (refused).
         dtype: Store floating-point tensors in this dtype (e.g. "bfloat16");
             None: each variable's own dtype. A floating-point dtype only.
         max_inflight_bytes: Most bytes of tensor data this process holds in
@@ -236,6 +243,8 @@ def export(
             model (before anything is written).
         UnloadedVariableError: a variable holds no value.
         DtypeMismatchError: `dtype` is not a floating-point dtype.
+        ValueError: `max_shard_size` does not parse, or is given with
+            format="orbax" or "peft".
     """
     start = time.perf_counter()
     write = registry.writer_for(format)  # an unknown format is refused first
@@ -244,6 +253,12 @@ def export(
     dtype = dtypes.float_dtype(dtype)
     _model.check_exportable(model)
     shard = plans.max_shard_bytes(max_shard_size)
+    if shard is not None and format in _UNSPLIT:
+        # Refused, not ignored, as `convert(to="orbax")` refuses it.
+        raise ValueError(
+            f"max_shard_size applies to format='hf', 'keras-hub' and 'safetensors'; {_UNSPLIT[format]} "
+            f"Fix: drop it. Received: format={format!r}, max_shard_size={max_shard_size!r}"
+        )
     if location.is_remote and format == "orbax":
         raise UnsupportedURLError(
             f"dst={location.url!r}: format='orbax' writes local folders. Fix: export format='safetensors' or "
@@ -253,8 +268,10 @@ def export(
     if location.is_remote:
         from shardckpt.exporting.bucket import export_to_bucket
 
+        # A PEFT adapter is one file whatever its size: no limit to pass on (`_UNSPLIT`).
+        limit = None if format in _UNSPLIT else shard or _budget.resolve(max_inflight_bytes)
         return export_to_bucket(
-            location, export, model, shard=shard or _budget.resolve(max_inflight_bytes), overwrite=overwrite,
+            location, export, model, shard=limit, overwrite=overwrite,
             format=format, dtype=dtype, max_inflight_bytes=max_inflight_bytes, progress=progress,
         )
     return write(model, location.path, format=format, dtype=dtype, shard=shard,

@@ -7,7 +7,7 @@ are written whole (the storage layer's writes are single, atomic object
 writes), so uploading a file holds it in host memory once: a bucket
 export's files are therefore at most `max_shard_size`, which defaults to
 the host's `max_inflight_bytes` budget (one larger tensor gets a file of its
-own). The upload goes through the commit protocol (`storage.commit`) with
+own; a PEFT adapter is one file whatever its size). The upload goes through the commit protocol (`storage.commit`) with
 the file that makes the folder loadable as its marker, written last:
 `config.json` (what `from_preset` and transformers look for), else the
 adapter config or the index, else the one data file; a crash before it
@@ -31,7 +31,7 @@ from shardckpt.storage import commit
 LAST = "config.json"
 
 
-def export_to_bucket(location: storage.Location, export: Any, model: Any, *, shard: int, overwrite: bool,
+def export_to_bucket(location: storage.Location, export: Any, model: Any, *, shard: int | None, overwrite: bool,
                      **kwargs: Any) -> Any:
     """Runs `export(model, staging, max_shard_size=..., **kwargs)` locally, then uploads it to `location`."""
     import jax

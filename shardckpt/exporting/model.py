@@ -80,7 +80,7 @@ def value_of(variable: Any, getters: dict[int, Callable[[], Any]]) -> Any:
 
 
 def overflowed(value: Any, stored: np.dtype) -> int:
-    """How many finite values of `value` its cast into `stored` turns into inf.
+    """How many finite values of `value` its cast into `stored` turns into inf (NaN without inf).
 
     Counted where the value lives (one fused reduction per device for a
     sharded `jax.Array`, no gather); every process calls it for every
@@ -117,4 +117,5 @@ def _count_overflows(stored: np.dtype) -> Callable[[Any], Any]:
     import jax
     import jax.numpy as jnp
 
-    return jax.jit(lambda x: jnp.sum(jnp.isinf(x.astype(stored)) & jnp.isfinite(x), dtype=jnp.int32))
+    # Not finite rather than inf: a dtype without inf (float8_e4m3fn) takes what is beyond its range as NaN.
+    return jax.jit(lambda x: jnp.sum(~jnp.isfinite(x.astype(stored)) & jnp.isfinite(x), dtype=jnp.int32))

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import math
 import os
 import re
 from collections.abc import Callable
@@ -56,13 +57,14 @@ def max_shard_bytes(max_shard_size: Any) -> int | None:
     if max_shard_size is None:
         return None
     if isinstance(max_shard_size, str):
-        m = re.fullmatch(r"\s*([\d.]+)\s*([KMG]i?B|B)\s*", max_shard_size, re.IGNORECASE)
+        m = re.fullmatch(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*([KMG]i?B|B)\s*", max_shard_size, re.IGNORECASE)
         if not m:
             raise ValueError(f"max_shard_size must be a number of GB or a size like '5GB'. Received: {max_shard_size!r}")
         unit = m.group(2).upper()
         scale = {"B": 1, "KB": 1e3, "MB": 1e6, "GB": 1e9, "KIB": 1024, "MIB": 1024**2, "GIB": 1024**3}[unit]
         return max(1, int(float(m.group(1)) * scale))
-    if isinstance(max_shard_size, (int, float)) and not isinstance(max_shard_size, bool) and max_shard_size > 0:
+    if (isinstance(max_shard_size, (int, float)) and not isinstance(max_shard_size, bool) and max_shard_size > 0
+            and math.isfinite(max_shard_size)):
         return max(1, int(max_shard_size * 1024**3))  # keras-hub: GB as 1024**3 bytes
     raise ValueError(f"max_shard_size must be a positive number of GB or a size like '5GB'. Received: {max_shard_size!r}")
 
@@ -162,6 +164,7 @@ def plan_keras_hub(model: Any, dtype: Any, shard: int | None) -> Plan:
     from shardckpt.exporting import kerashub
     from shardckpt.restore.keys import is_task
 
+    _check_configs(model, is_task(model))
     specs: dict[str, ArraySpec] = {}
     files: dict[str, list[str]] = {}
     groups: dict[str, dict[str, str]] = {}
@@ -186,6 +189,37 @@ def plan_keras_hub(model: Any, dtype: Any, shard: int | None) -> Plan:
 
     return Plan(kind="h5", specs=specs, files=files, writes=writes, groups=groups, index=index,
                  small_files=small_files)
+
+
+def _check_configs(model: Any, task: bool) -> None:
+    """Refuses, before any byte is written, a model whose config keras-hub's preset saver cannot write.
+
+    The saver writes `config.json` (and a task's `task.json`) as JSON of
+    `keras.saving.serialize_keras_object`, after the weights (`small_files`):
+    a model without a serialisable config (a subclassed model whose
+    `__init__` takes other than plain values and has no `get_config`) would
+    fail only once every weight is written.
+
+    Raises:
+        UnsupportedModelError: naming the object, with the fix.
+    """
+    import json
+
+    import keras
+
+    from shardckpt.errors import UnsupportedModelError
+
+    for obj, name in ((model.backbone, "config.json"), (model, "task.json")) if task else ((model, "config.json"),):
+        try:
+            json.dumps(keras.saving.serialize_keras_object(obj))
+        except (NotImplementedError, TypeError, ValueError) as e:
+            said = " ".join(str(e).strip().split("\n\n")[0].split())  # Keras' first paragraph, not its example
+            raise UnsupportedModelError(
+                f"{type(obj).__name__} ({obj.name!r}) has no config keras-hub's preset saver can write as "
+                f"{name} ({type(e).__name__}: {said}). Fix: give it a get_config() "
+                "that returns its constructor's arguments (and from_config), or export format='safetensors' "
+                "or 'orbax', which store no config."
+            ) from e
 
 
 def plan_safetensors(model: Any, dtype: Any, shard: int | None) -> Plan:

@@ -80,20 +80,24 @@ def plan_files(specs: Mapping[str, ArraySpec], max_shard_bytes: int | None, *, s
     """Splits keys (in order) into files of at most `max_shard_bytes` of data.
 
     A key larger than the limit gets a file of its own. Returns `{file name:
-    keys}`: `model.safetensors` when unsharded, else Hugging Face's
+    keys}`: `model.safetensors` when the keys fill one file (no limit, all
+    within it, or a lone key larger than it), else Hugging Face's
     `model-0000i-of-0000n.safetensors`.
     """
-    if max_shard_bytes is None:
-        return {f"{stem}.safetensors": list(specs)}
     groups: list[list[str]] = [[]]
     size = 0
     for key, spec in specs.items():
-        if groups[-1] and size + spec.nbytes > max_shard_bytes:
+        if max_shard_bytes is not None and groups[-1] and size + spec.nbytes > max_shard_bytes:
             groups.append([])
             size = 0
         groups[-1].append(key)
         size += spec.nbytes
     n = len(groups)
+    if n == 1:
+        # As huggingface_hub's `split_state_dict_into_shards` names a single shard: a lone
+        # `model-00001-of-00001.safetensors` would come with no index (`create_folder` writes one
+        # for several files), and neither transformers nor keras-hub looks for it.
+        return {f"{stem}.safetensors": groups[0]}
     return {f"{stem}-{i + 1:05d}-of-{n:05d}.safetensors": keys for i, keys in enumerate(groups)}
 
 

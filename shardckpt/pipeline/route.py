@@ -17,8 +17,9 @@ from typing import Any, Literal, overload
 from shardckpt import dtypes, storage
 from shardckpt.conversion.converter import ConvertReport
 from shardckpt.conversion.converter import convert as to_orbax
-from shardckpt.errors import ModelRequiredError
+from shardckpt.errors import DestinationExistsError, ModelRequiredError
 from shardckpt.exporting import ExportReport, export
+from shardckpt.exporting.plans import max_shard_bytes
 from shardckpt.formats import FORMATS, detect_format
 from shardckpt.formats.orbax.writer import DEFAULT_COMPRESSION
 from shardckpt.layout import auto_layout
@@ -171,6 +172,13 @@ def convert(
             f"Received: compression={compression!r}"
         )
     dtypes.float_dtype(dtype)  # refused before the model is loaded, as `to="orbax"` refuses it
+    max_shard_bytes(max_shard_size)  # so is a size that does not parse: a load can take minutes
+    destination = storage.parse(dst, what="dst")
+    if storage.exists(destination) and not force:  # and an existing dst, in convert's words (not export's)
+        raise DestinationExistsError(
+            f"{destination.url!r} already exists. Fix: choose another destination, remove it, or pass "
+            "force=True (--force) to replace it once the new folder is complete."
+        )
     loaded, load = _load(src, to=to, model=model, layout=layout, mesh=mesh, max_inflight_bytes=max_inflight_bytes)
     report = export(
         loaded, dst, format=to, max_shard_size=max_shard_size, dtype=dtype,
