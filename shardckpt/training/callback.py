@@ -305,7 +305,8 @@ class OrbaxCheckpoint(BestTracking):
     # ---- Keras callback hooks -----------------------------------------------
 
     def on_train_begin(self, logs: dict | None = None) -> None:
-        self._count = BatchCount.start(self.params, self._model)
+        # An integer save_freq counts on from the previous fit's batches, as in Keras' callback.
+        self._count = BatchCount.start(self.params, self._model, since_save=self._count.since_save)
         self._count.total = fitstate.batches_at_start(self._model, self._count.total)
         self._started = False  # on_epoch_begin not yet called in this fit
         # The preemption step this fit resumed from while no save of this fit superseded it.

@@ -1,0 +1,63 @@
+"""`OrbaxCheckpoint`'s options against Keras' own callback on the same run.
+
+Each test runs `keras.callbacks.OrbaxCheckpoint` and ours on the same model,
+data and arguments, and checks that ours saves what Keras' saves (the same
+step numbers, the same state in them) where the README names no difference.
+"""
+
+from __future__ import annotations
+
+import os
+
+import keras
+import numpy as np
+import pytest
+
+from shardckpt.formats.orbax.ondisk import METADATA_ITEM, read_json_item
+from shardckpt.training import OrbaxCheckpoint, restore_latest
+from tests.support import assert_training_state_equal, training_state
+
+SAMPLES, BATCH = 40, 10  # 4 batches per fit
+
+
+def _regressor(steps_per_execution: int) -> keras.Model:
+    keras.utils.set_random_seed(5)
+    # Explicit names: every model of the test has the same variable paths.
+    model = keras.Sequential([keras.Input((6,)), keras.layers.Dense(8, name="a"), keras.layers.Dense(1, name="b")],
+                             name="seq")
+    model.compile(optimizer=keras.optimizers.Adam(name="adam"), loss="mse", steps_per_execution=steps_per_execution)
+    return model
+
+
+def _steps(directory: str) -> list[int]:
+    return sorted(int(n) for n in os.listdir(directory) if n.isdigit())
+
+
+@pytest.mark.parametrize("steps_per_execution", [1, 2])
+def test_an_integer_save_freq_counts_on_across_a_loop_of_fits_shorter_than_it(tmp_path, steps_per_execution):
+    """Four fits of 4 batches with one callback and save_freq=6: Keras' callback keeps its count of
+    batches since the last save across fits and saves at batches 6 and 12 (with
+    steps_per_execution=2 too, its count moving 2 batches at a time). Ours saves the same steps,
+    holding the same state; it used to start the count again at every fit and save nothing."""
+    expected = [6, 12]
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((SAMPLES, 6)).astype("float32")
+    y = rng.standard_normal((SAMPLES, 1)).astype("float32")
+    runs = {}
+    for name, callback_class in (("keras", keras.callbacks.OrbaxCheckpoint), ("ours", OrbaxCheckpoint)):
+        directory = str(tmp_path / name)
+        callback = callback_class(directory, save_freq=6, max_to_keep=None)
+        model = _regressor(steps_per_execution)
+        for _ in range(4):
+            model.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, callbacks=[callback], verbose=0)
+        callback.wait_until_finished()
+        assert int(model.optimizer.iterations) == 16
+        runs[name] = directory
+    assert _steps(runs["keras"]) == expected
+    assert _steps(runs["ours"]) == expected
+    assert read_json_item(os.path.join(runs["ours"], str(expected[-1])), METADATA_ITEM)["total_batches"] == expected[-1]
+    # The newest step of each holds the same state, bit for bit.
+    from_keras, from_ours = _regressor(steps_per_execution), _regressor(steps_per_execution)
+    assert restore_latest(from_keras, runs["keras"]).step == expected[-1]
+    assert restore_latest(from_ours, runs["ours"]).step == expected[-1]
+    assert_training_state_equal(from_ours, training_state(from_keras))
