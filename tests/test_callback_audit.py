@@ -13,6 +13,7 @@ import keras
 import numpy as np
 import pytest
 
+from shardckpt.errors import ConfigurationError
 from shardckpt.formats.orbax.ondisk import METADATA_ITEM, read_json_item
 from shardckpt.training import OrbaxCheckpoint, restore_latest
 from tests.support import assert_training_state_equal, training_state
@@ -61,3 +62,36 @@ def test_an_integer_save_freq_counts_on_across_a_loop_of_fits_shorter_than_it(tm
     assert restore_latest(from_keras, runs["keras"]).step == expected[-1]
     assert restore_latest(from_ours, runs["ours"]).step == expected[-1]
     assert_training_state_equal(from_ours, training_state(from_keras))
+
+
+def test_resume_refuses_to_start_over_a_model_that_trained_past_the_steps_it_would_delete(tmp_path):
+    """resume=True with only partial-epoch steps and arrays as input starts from the beginning and
+    deletes those steps, to write them again: exact for the fresh model of a rerun. A second fit of
+    the same model in this process has trained past them: it used to delete step 4 (with
+    max_to_keep=None), say "training starts from the beginning (exact)", go on from its current
+    weights and never write step 4 again. It is refused before anything is deleted or trained; the
+    fix it names (resume=False) goes on from the model as it is and keeps every step."""
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((SAMPLES, 6)).astype("float32")
+    y = rng.standard_normal((SAMPLES, 1)).astype("float32")
+    directory = str(tmp_path / "c")
+    ckpt = OrbaxCheckpoint(directory, save_freq=3, max_to_keep=None, resume=True)
+    model = _regressor(1)
+    model.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, callbacks=[ckpt], verbose=0)
+    ckpt.wait_until_finished()
+    assert _steps(directory) == [3]
+    before = training_state(model)
+    with pytest.raises(ConfigurationError, match=r"step 3 in .* is not continued") as raised:
+        model.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, callbacks=[ckpt], verbose=0)
+    message = str(raised.value)
+    assert "this model has trained 4 batches already, as far as steps [3] were saved" in message
+    assert "Fix: set resume=False on the callback" in message
+    assert _steps(directory) == [3]
+    assert int(model.optimizer.iterations) == 4
+    assert_training_state_equal(model, before)
+
+    ckpt.resume = False
+    model.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, callbacks=[ckpt], verbose=0)
+    ckpt.wait_until_finished()
+    assert _steps(directory) == [3, 6] and int(model.optimizer.iterations) == 8
+    assert read_json_item(os.path.join(directory, "6"), METADATA_ITEM)["total_batches"] == 6

@@ -530,6 +530,7 @@ class OrbaxCheckpoint(BestTracking):
             fitstate.publish_resume(self._model, self.params, fitstate.Resumed(owner=id(self), directory=self.directory, info=None))
             return
         assert self._writer is not None  # set in on_train_begin
+        self._refuse_a_restart_of_a_trained_model(point)
         for step in point.newer:  # the resumed run writes them again, bit-identical
             self._writer.delete(step)
         info = self._resume.restore(self.model, point, tracker=self._data.tracker, data_iterator=self.data_iterator)
@@ -551,6 +552,31 @@ class OrbaxCheckpoint(BestTracking):
                                          directory=self.directory, caveat=self._data_caveat(info, tracked),
                                          initial_epoch=self._fit_initial_epoch),
                   once=True)
+
+    def _refuse_a_restart_of_a_trained_model(self, point: resume_point.ResumePoint) -> None:
+        """Refuses a start from the beginning that the model, trained already, cannot make.
+
+        Where no step can be continued (`resume_point.choose`), the run
+        starts over and deletes the steps it will write again; that holds for
+        the fresh model of a rerun only (`resume_point.trained_past`).
+
+        Raises:
+            ConfigurationError: naming the steps, the model's batches and the fix.
+        """
+        past = resume_point.trained_past(self.directory, point, self._count.total)
+        if not past:
+            return
+        assert self._writer is not None  # set in on_train_begin
+        self._writer.close(None)
+        raise ConfigurationError(
+            f"resume=True: step {point.latest} in {self.directory} is not continued: {point.why}, and no step "
+            f"holds a whole epoch, so the run would start from the beginning and delete steps {point.newer} to "
+            f"write them again; but this model has trained {self._count.total} batches already, as far as steps {past} were "
+            "saved (a second fit of the same model in this process?): fit would go on from its current weights, "
+            "not from the beginning, and never write those steps again. Fix: set resume=False on the callback "
+            "for a fit that goes on from the model as it is (ckpt.resume = False after the first fit), or feed "
+            "fit from OrbaxCheckpoint.batches() so a step can be continued mid-epoch. Received: resume=True, "
+            f"model at {self._count.total} batches, steps {point.newer}")
 
     def _data_caveat(self, info: ResumeInfo | None, tracked: bool) -> str:
         """Why the resumed `fit` will not train as the uninterrupted run did ("" where it will, or is not known).
