@@ -95,3 +95,30 @@ def test_resume_refuses_to_start_over_a_model_that_trained_past_the_steps_it_wou
     ckpt.wait_until_finished()
     assert _steps(directory) == [3, 6] and int(model.optimizer.iterations) == 8
     assert read_json_item(os.path.join(directory, "6"), METADATA_ITEM)["total_batches"] == 6
+
+
+def test_a_loop_of_fits_numbering_its_epochs_on_with_initial_epoch_saves_every_epoch_as_keras(tmp_path):
+    """fit(initial_epoch=i, epochs=i + 1) three times with one callback, save_freq="epoch": Keras'
+    callback saves steps 0, 1, 2. Ours used to refuse the second fit with StepExistsError ("saves
+    start at step 0"): it took the first epoch from the model's resume marker, not from fit's
+    initial_epoch. It saves the same steps now, the newest bit-equal to Keras'."""
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((SAMPLES, 6)).astype("float32")
+    y = rng.standard_normal((SAMPLES, 1)).astype("float32")
+    runs = {}
+    for name, callback_class in (("keras", keras.callbacks.OrbaxCheckpoint), ("ours", OrbaxCheckpoint)):
+        directory = str(tmp_path / name)
+        callback = callback_class(directory, monitor="loss", max_to_keep=None)
+        model = _regressor(1)
+        for i in range(3):
+            model.fit(x, y, batch_size=BATCH, initial_epoch=i, epochs=i + 1, shuffle=False, callbacks=[callback],
+                      verbose=0)
+            assert model.history.epoch == [i]
+        callback.wait_until_finished()
+        runs[name] = directory
+    assert _steps(runs["keras"]) == _steps(runs["ours"]) == [0, 1, 2]
+    assert read_json_item(os.path.join(runs["ours"], "2"), METADATA_ITEM)["epoch"] == 2
+    from_keras, from_ours = _regressor(1), _regressor(1)
+    assert restore_latest(from_keras, runs["keras"]).step == 2
+    assert restore_latest(from_ours, runs["ours"]).step == 2
+    assert_training_state_equal(from_ours, training_state(from_keras))

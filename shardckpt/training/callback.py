@@ -357,7 +357,7 @@ class OrbaxCheckpoint(BestTracking):
             try:
                 self._go_on_from_resume()
                 self._give_back_other_callbacks()
-                self._refuse_saves_below_committed_steps()
+                self._refuse_saves_below_committed_steps(first_epoch=epoch)
             except Exception:
                 self._stop_before_training()
                 raise
@@ -658,7 +658,7 @@ class OrbaxCheckpoint(BestTracking):
         if self._writer is not None:
             self._writer.close(None)
 
-    def _refuse_saves_below_committed_steps(self) -> None:
+    def _refuse_saves_below_committed_steps(self, *, first_epoch: int) -> None:
         """Refuses a `fit` whose saves would be numbered at or below a step already committed.
 
         Steps are ordered by number: retention keeps the highest, a resume
@@ -668,6 +668,10 @@ class OrbaxCheckpoint(BestTracking):
         this run's saves vanish as they are written, or fail one save in.
         (Keras' callback loses them without a word.)
 
+        Args:
+            first_epoch: The epoch this `fit` starts at (`on_epoch_begin`'s):
+                a resumed step's, else `fit(initial_epoch=...)`.
+
         Raises:
             StepExistsError: naming the newest step and the fix.
         """
@@ -675,7 +679,7 @@ class OrbaxCheckpoint(BestTracking):
         if not steps:
             return
         newest = max(steps)
-        first = self._schedule.first_step(self._count, _keras.initial_epoch(self._model))
+        first = self._schedule.first_step(self._count, first_epoch)
         if not self._schedule.writes_below(newest, first):
             return
         saved = (ondisk.read_json_item(ondisk.join(self.directory, str(newest)), ondisk.METADATA_ITEM) or {})
