@@ -13,7 +13,7 @@ import keras
 import numpy as np
 import pytest
 
-from shardckpt.errors import ConfigurationError
+from shardckpt.errors import ConfigurationError, StepExistsError
 from shardckpt.formats.orbax.ondisk import METADATA_ITEM, read_json_item
 from shardckpt.training import OrbaxCheckpoint, restore_latest
 from tests.support import assert_training_state_equal, training_state
@@ -95,6 +95,29 @@ def test_resume_refuses_to_start_over_a_model_that_trained_past_the_steps_it_wou
     ckpt.wait_until_finished()
     assert _steps(directory) == [3, 6] and int(model.optimizer.iterations) == 8
     assert read_json_item(os.path.join(directory, "6"), METADATA_ITEM)["total_batches"] == 6
+
+
+def test_a_further_per_epoch_fit_of_a_trained_model_is_told_to_number_its_epochs_on(tmp_path):
+    """save_freq="epoch" names steps by epoch: a second fit(epochs=1) of the same model would save
+    step 0 again (Keras' callback trains the epoch, then fails with StepAlreadyExistsError), and is
+    refused before it trains. resume=True, the fix the refusal used to name alone, restores step 0
+    and trains nothing in a fit(epochs=1); the fix for a fit in a loop is Keras' own, initial_epoch,
+    which the refusal now names, and which saves step 1 beside step 0."""
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((SAMPLES, 6)).astype("float32")
+    y = rng.standard_normal((SAMPLES, 1)).astype("float32")
+    directory = str(tmp_path / "c")
+    ckpt = OrbaxCheckpoint(directory, monitor="loss", max_to_keep=None)
+    model = _regressor(1)
+    model.fit(x, y, batch_size=BATCH, epochs=1, callbacks=[ckpt], verbose=0)
+    with pytest.raises(StepExistsError, match=r"holds committed step 0.*start at step 0") as raised:
+        model.fit(x, y, batch_size=BATCH, epochs=1, callbacks=[ckpt], verbose=0)
+    assert "Fix: for a further fit of this model after the epochs it trained, number its epochs on: " \
+           "fit(initial_epoch=1, epochs=1 + more), as Keras does; or pass resume=True" in str(raised.value)
+    assert int(model.optimizer.iterations) == 4
+    model.fit(x, y, batch_size=BATCH, initial_epoch=1, epochs=2, callbacks=[ckpt], verbose=0)
+    ckpt.wait_until_finished()
+    assert _steps(directory) == [0, 1] and int(model.optimizer.iterations) == 8
 
 
 def test_a_loop_of_fits_numbering_its_epochs_on_with_initial_epoch_saves_every_epoch_as_keras(tmp_path):

@@ -695,6 +695,11 @@ class OrbaxCheckpoint(BestTracking):
                    f"step {newest} here is further on than the step that one resumed")
         elif not self.resume:
             fix = f"pass resume=True to continue from step {newest}, or save into a new directory"
+            if self._schedule.per_epoch and self._count.total > 0:
+                # A further fit of a model that trained those epochs (fit in a loop): resume=True would
+                # restore the newest step and, with the same `epochs`, train nothing.
+                fix = (f"for a further fit of this model after the epochs it trained, number its epochs on: "
+                       f"fit(initial_epoch={newest + 1}, epochs={newest + 1} + more), as Keras does; or {fix}")
         elif saved.get("save_freq") not in (None, self.save_freq):
             fix = f"save with the save_freq step {newest} was saved with ({saved['save_freq']!r}), or into a new directory"
         else:
