@@ -319,7 +319,8 @@ class ObjectChangedError(ShardckptError, RuntimeError):
 
 class ConfigurationError(ShardckptError, ValueError):
     """A setting shardckpt cannot use: a `SHARDCKPT_*` environment variable's value, or a combination
-    of arguments (two `OrbaxCheckpoint` callbacks of one `fit` with `resume=True`).
+    of arguments (two `OrbaxCheckpoint` callbacks of one `fit` with `resume=True`; `resume=True` that
+    would start a model over from the beginning when it has trained past the steps it would delete).
 
     The message names the setting, the value received and the fix.
     """

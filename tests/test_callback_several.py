@@ -11,6 +11,7 @@ resumes mid-epoch through `batches()`.
 from __future__ import annotations
 
 import gc
+import logging
 import signal
 import weakref
 
@@ -20,7 +21,7 @@ import pytest
 
 from shardckpt import load_sharded
 from shardckpt.conversion.info import inspect
-from shardckpt.errors import ConfigurationError
+from shardckpt.errors import ConfigurationError, StepExistsError
 from shardckpt.formats.orbax import ondisk
 from shardckpt.training import OrbaxCheckpoint
 from tests._train_worker import sigterm_at
@@ -157,6 +158,35 @@ def test_two_callbacks_that_both_resume_are_refused_before_either_trains(tmp_pat
     assert int(model.optimizer.iterations) == 8  # a's restore, and not one batch trained after it
     assert _steps(str(tmp_path / "a")) == [8] and _steps(str(tmp_path / "b")) == [1]
 
+
+
+@pytest.mark.parametrize("refusal", ["two_resumes", "steps_below_committed", "restart_of_a_trained_model"])
+def test_a_fit_one_callback_refuses_leaves_the_sigterm_handler_and_absl_as_it_found_them(tmp_path, refusal):
+    """Keras calls no on_train_end after a hook raised. The callback listed before the one that
+    refuses the fit (in its on_train_begin, or at the first on_epoch_begin) had started its watch
+    and absl filter: they stayed, so the process's next SIGTERM, after fit, was taken for a notice
+    ("saving at the next step boundary") and did not end it, and absl's "Skipping merge" lines
+    stayed filtered. Every callback of the refused fit that started is stopped now."""
+    data = np.ones((ROWS, 6), "float32"), np.ones((ROWS, 1), "float32")
+    a, b = str(tmp_path / "a"), str(tmp_path / "b")
+    model = _two_dense_adam_regressor()
+    if refusal == "two_resumes":
+        model.fit(*data, batch_size=8, epochs=1, callbacks=[OrbaxCheckpoint(a), OrbaxCheckpoint(b)], verbose=0)
+        callbacks, error = [OrbaxCheckpoint(a, resume=True), OrbaxCheckpoint(b, resume=True)], ConfigurationError
+        model = _two_dense_adam_regressor()
+    elif refusal == "steps_below_committed":  # b holds step 8 of another run; this fit's saves start at 1
+        _two_dense_adam_regressor().fit(*data, batch_size=8, epochs=2, callbacks=[OrbaxCheckpoint(b, save_freq=4)],
+                                        verbose=0)
+        callbacks, error = [OrbaxCheckpoint(a), OrbaxCheckpoint(b, save_freq=4)], StepExistsError
+    else:  # b's only step is part of an epoch this model has trained past (a second fit of it)
+        model.fit(*data, batch_size=8, epochs=1, callbacks=[OrbaxCheckpoint(b, save_freq=3)], verbose=0)
+        callbacks, error = [OrbaxCheckpoint(a), OrbaxCheckpoint(b, save_freq=3, resume=True)], ConfigurationError
+    before = signal.getsignal(signal.SIGTERM)
+    with pytest.raises(error):
+        model.fit(*data, batch_size=8, epochs=1, callbacks=callbacks, verbose=0)
+    assert signal.getsignal(signal.SIGTERM) is before
+    assert logging.getLogger("absl").filters == []
+    assert callbacks[0].checkpointer is not None and _steps(a) == ([0] if refusal == "two_resumes" else [])
 
 def test_what_the_callbacks_of_a_fit_share_does_not_keep_the_model_alive(tmp_path):
     """The shared resume record is keyed weakly by the model; its value must not hold the model

@@ -258,6 +258,9 @@ class OrbaxCheckpoint(BestTracking):
         self._times = SaveTimes()
         self._count = BatchCount()  # the current (or last) fit's
         self._writer: saving.StepWriter | None = None  # the current (or last) fit's
+        # What the current fit has started, for `_stop_before_training`: its writer, then its watch and filter.
+        self._writer_open = self._in_fit = False
+        self._callbacks: list[Any] = []  # the current fit's, EarlyStopping & co among them
 
     @property
     def checkpointer(self) -> Any:
@@ -305,7 +308,19 @@ class OrbaxCheckpoint(BestTracking):
     # ---- Keras callback hooks -----------------------------------------------
 
     def on_train_begin(self, logs: dict | None = None) -> None:
-        self._count = BatchCount.start(self.params, self._model)
+        self._writer_open = self._in_fit = False
+        self._callbacks = []
+        try:
+            self._begin_fit()
+        except Exception:
+            # Keras calls no on_train_end after a hook raised: whatever this fit started stops here.
+            self._stop_fit_before_training()
+            raise
+
+    def _begin_fit(self) -> None:
+        """`on_train_begin`'s work (see there for what a failure undoes)."""
+        # An integer save_freq counts on from the previous fit's batches, as in Keras' callback.
+        self._count = BatchCount.start(self.params, self._model, since_save=self._count.since_save)
         self._count.total = fitstate.batches_at_start(self._model, self._count.total)
         self._started = False  # on_epoch_begin not yet called in this fit
         # The preemption step this fit resumed from while no save of this fit superseded it.
@@ -317,7 +332,7 @@ class OrbaxCheckpoint(BestTracking):
         if drawn is None:
             self._say(logging.WARNING, NOT_FROM_FIT, once=True)
         # EarlyStopping / ReduceLROnPlateau among them: their counters go into each step.
-        self._callbacks: list[Any] = [] if drawn is None else drawn.callbacks
+        self._callbacks = [] if drawn is None else drawn.callbacks
         self._fit_initial_epoch = 0 if drawn is None else drawn.initial_epoch  # fit(initial_epoch=...)
         self._schedule.begin()
         self._warned_monitor = False
@@ -334,6 +349,7 @@ class OrbaxCheckpoint(BestTracking):
         self._writer = saving.StepWriter(self._location, policy=policy, compression=self.compression,
                                          background=self.save_on_background, context=self._contents.context,
                                          waits_s=self._times.waits, writes_s=self._times.writes)
+        self._writer_open = True
         self._contents.begin(self.model, weights_only=self.save_weights_only)
         # Refused before the first step rather than at the first save (the snapshot checks too):
         # fit has built the optimizer, and Adafactor's factored slots share paths.
@@ -348,6 +364,7 @@ class OrbaxCheckpoint(BestTracking):
         self._schedule.begin_auto()
         quiet.start()  # after the resume: a failed one never reaches on_train_end to stop it
         self._preemption.start()
+        self._in_fit = True
 
     def on_epoch_begin(self, epoch: int, logs: dict | None = None) -> None:
         if not self._started:
@@ -356,9 +373,9 @@ class OrbaxCheckpoint(BestTracking):
             try:
                 self._go_on_from_resume()
                 self._give_back_other_callbacks()
-                self._refuse_saves_below_committed_steps()
+                self._refuse_saves_below_committed_steps(first_epoch=epoch)
             except Exception:
-                self._stop_before_training()
+                self._stop_fit_before_training()
                 raise
         if self._count.begin_epoch(epoch) and self._count.resume_metrics is not None:
             # fit reset the metrics before this hook; give back the partial
@@ -438,6 +455,7 @@ class OrbaxCheckpoint(BestTracking):
         return True
 
     def on_train_end(self, logs: dict | None = None) -> None:
+        self._in_fit = self._writer_open = False
         self._preemption.stop()
         optimizer = getattr(self._model, "optimizer", None)
         if optimizer is not None and optimizer.built:
@@ -529,6 +547,7 @@ class OrbaxCheckpoint(BestTracking):
             fitstate.publish_resume(self._model, self.params, fitstate.Resumed(owner=id(self), directory=self.directory, info=None))
             return
         assert self._writer is not None  # set in on_train_begin
+        self._refuse_a_restart_of_a_trained_model(point)
         for step in point.newer:  # the resumed run writes them again, bit-identical
             self._writer.delete(step)
         info = self._resume.restore(self.model, point, tracker=self._data.tracker, data_iterator=self.data_iterator)
@@ -550,6 +569,29 @@ class OrbaxCheckpoint(BestTracking):
                                          directory=self.directory, caveat=self._data_caveat(info, tracked),
                                          initial_epoch=self._fit_initial_epoch),
                   once=True)
+
+    def _refuse_a_restart_of_a_trained_model(self, point: resume_point.ResumePoint) -> None:
+        """Refuses a start from the beginning that the model, trained already, cannot make.
+
+        Where no step can be continued (`resume_point.choose`), the run
+        starts over and deletes the steps it will write again; that holds for
+        the fresh model of a rerun only (`resume_point.trained_past`).
+
+        Raises:
+            ConfigurationError: naming the steps, the model's batches and the fix.
+        """
+        past = resume_point.trained_past(self.directory, point, self._count.total)
+        if not past:
+            return
+        raise ConfigurationError(
+            f"resume=True: step {point.latest} in {self.directory} is not continued: {point.why}, and no step "
+            f"holds a whole epoch, so the run would start from the beginning and delete steps {point.newer} to "
+            f"write them again; but this model has trained {self._count.total} batches already, as far as steps {past} were "
+            "saved (a second fit of the same model in this process?): fit would go on from its current weights, "
+            "not from the beginning, and never write those steps again. Fix: set resume=False on the callback "
+            "for a fit that goes on from the model as it is (ckpt.resume = False after the first fit), or feed "
+            "fit from OrbaxCheckpoint.batches() so a step can be continued mid-epoch. Received: resume=True, "
+            f"model at {self._count.total} batches, steps {point.newer}")
 
     def _data_caveat(self, info: ResumeInfo | None, tracked: bool) -> str:
         """Why the resumed `fit` will not train as the uninterrupted run did ("" where it will, or is not known).
@@ -596,8 +638,6 @@ class OrbaxCheckpoint(BestTracking):
         other = fitstate.resume_of(self._model, self.params)
         if other is None:
             return
-        assert self._writer is not None  # set in on_train_begin
-        self._writer.close(None)
         raise ConfigurationError(
             f"Two OrbaxCheckpoint callbacks of this fit have resume=True ({other.directory!r} and "
             f"{self.directory!r}): each would restore its own step into the same model, the later one over "
@@ -626,12 +666,30 @@ class OrbaxCheckpoint(BestTracking):
 
     def _stop_before_training(self) -> None:
         """Undoes what `on_train_begin` started, for a `fit` refused before its first batch."""
-        self._preemption.stop()
-        quiet.stop()
-        if self._writer is not None:
+        if self._in_fit:
+            self._in_fit = False
+            self._preemption.stop()
+            quiet.stop()
+        if self._writer_open and self._writer is not None:
+            self._writer_open = False
             self._writer.close(None)
 
-    def _refuse_saves_below_committed_steps(self) -> None:
+    def _stop_fit_before_training(self) -> None:
+        """Stops this callback and every other `OrbaxCheckpoint` of the `fit` whose `on_train_begin` ran.
+
+        A hook that raises ends `fit` without `on_train_end`: the callbacks
+        that started would keep their SIGTERM handler (the process's next
+        SIGTERM, after `fit`, would be taken for a notice and not end it) and
+        the absl filter. Those listed after this one have started too when it
+        refuses at the first `on_epoch_begin`, not when its `on_train_begin`
+        fails; `_in_fit` says which did.
+        """
+        started = [c for c in self._callbacks if isinstance(c, OrbaxCheckpoint) and c is not self and c._in_fit]
+        self._stop_before_training()
+        for callback in started:
+            callback._stop_before_training()
+
+    def _refuse_saves_below_committed_steps(self, *, first_epoch: int) -> None:
         """Refuses a `fit` whose saves would be numbered at or below a step already committed.
 
         Steps are ordered by number: retention keeps the highest, a resume
@@ -641,6 +699,10 @@ class OrbaxCheckpoint(BestTracking):
         this run's saves vanish as they are written, or fail one save in.
         (Keras' callback loses them without a word.)
 
+        Args:
+            first_epoch: The epoch this `fit` starts at (`on_epoch_begin`'s):
+                a resumed step's, else `fit(initial_epoch=...)`.
+
         Raises:
             StepExistsError: naming the newest step and the fix.
         """
@@ -648,7 +710,7 @@ class OrbaxCheckpoint(BestTracking):
         if not steps:
             return
         newest = max(steps)
-        first = self._schedule.first_step(self._count, _keras.initial_epoch(self._model))
+        first = self._schedule.first_step(self._count, first_epoch)
         if not self._schedule.writes_below(newest, first):
             return
         saved = (ondisk.read_json_item(ondisk.join(self.directory, str(newest)), ondisk.METADATA_ITEM) or {})
@@ -664,6 +726,11 @@ class OrbaxCheckpoint(BestTracking):
                    f"step {newest} here is further on than the step that one resumed")
         elif not self.resume:
             fix = f"pass resume=True to continue from step {newest}, or save into a new directory"
+            if self._schedule.per_epoch and self._count.total > 0:
+                # A further fit of a model that trained those epochs (fit in a loop): resume=True would
+                # restore the newest step and, with the same `epochs`, train nothing.
+                fix = (f"for a further fit of this model after the epochs it trained, number its epochs on: "
+                       f"fit(initial_epoch={newest + 1}, epochs={newest + 1} + more), as Keras does; or {fix}")
         elif saved.get("save_freq") not in (None, self.save_freq):
             fix = f"save with the save_freq step {newest} was saved with ({saved['save_freq']!r}), or into a new directory"
         else:

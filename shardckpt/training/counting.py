@@ -30,7 +30,8 @@ class BatchCount:
         epoch: The epoch running.
         in_epoch: Batches of `epoch` done (a resumed epoch starts at its offset).
         fit_batches: Batches this `fit` trained (how far the data moved).
-        since_save: Batches since the last scheduled save (integer `save_freq`).
+        since_save: Batches since the last scheduled save (integer `save_freq`),
+            counted on across the fits of one callback.
         ends: `on_train_batch_end` calls so far (the preemption sync counter).
         resume_epoch: The epoch a mid-epoch resume continues, until it ends.
         resume_offset: Its batches done before the resume.
@@ -52,11 +53,20 @@ class BatchCount:
     _last_batch: int | None = None
 
     @classmethod
-    def start(cls, params: dict[str, Any] | None, model: Any) -> BatchCount:
-        """The count at the start of `fit` (`params` of the callback)."""
+    def start(cls, params: dict[str, Any] | None, model: Any, *, since_save: int = 0) -> BatchCount:
+        """The count at the start of `fit` (`params` of the callback).
+
+        Args:
+            params: The callback's `params` (`steps`: batches per epoch).
+            model: The model `fit` trains (its optimizer's update count).
+            since_save: Batches counted toward an integer `save_freq` by the
+                callback's previous `fit` since its last save. Keras' callback
+                keeps that count across fits; restarting it at 0 would make a
+                loop of fits shorter than `save_freq` never save.
+        """
         optimizer = getattr(model, "optimizer", None)
         total = int(optimizer.iterations) if optimizer is not None and optimizer.built else 0
-        return cls(steps_per_epoch=(params or {}).get("steps"), total=total)
+        return cls(steps_per_epoch=(params or {}).get("steps"), total=total, since_save=since_save)
 
     @property
     def epoch_complete(self) -> bool:

@@ -79,6 +79,37 @@ def choose(directory: str, *, mid_epoch: bool) -> ResumePoint | None:
     return ResumePoint(step_dir=None, latest=latest, newer=list(steps), why=WHY_NOT_MID_EPOCH)
 
 
+def trained_past(directory: str, point: ResumePoint, batches: int) -> list[int]:
+    """The steps a start from the beginning would delete that the model has trained past already.
+
+    "From the beginning" is exact for the model a rerun builds, which has
+    trained none of the run's batches: the resumed `fit` writes the deleted
+    steps again. A model that has trained as far as a step was saved (a
+    second `fit` of it in the same process, a model stopped by a preemption
+    and fit again) goes on from its current weights instead, and its saves
+    come after those steps: they would be deleted and never written again.
+
+    Args:
+        directory: The checkpoint root of `point`.
+        point: Where the resuming `fit` starts.
+        batches: The batches the model has trained (the callback's count at
+            the start of `fit`).
+
+    Returns:
+        The steps of `point.newer` saved at or before `batches` batches; none
+        where `point` restores a step (the model goes back to that step).
+    """
+    if point.step_dir is not None:
+        return []
+    location = storage.parse(directory)
+    past = []
+    for step in point.newer:
+        saved = (read_json_item(location.join(str(step)).url, METADATA_ITEM) or {}).get("total_batches")
+        if isinstance(saved, int) and saved <= batches:
+            past.append(step)
+    return past
+
+
 def restore(model: Any, point: ResumePoint, *, tracker: IteratorTracker | None, data_iterator: Any,
             iterator_restored_from: str | None, on_process_count_change: str = "error") -> ResumeInfo | None:
     """Restores `point`'s step into `model` (None when the run starts from the beginning).
