@@ -528,7 +528,7 @@ def match(wanted: dict[str, Any], reader: Reader, *, explicit: Collection[str]) 
     if result.unexpected or result.skipped:  # (Orbax: scales are non-trainable variables)
         _refuse_quantized_into_float(result, reader)
     if fmt in FORMATS and FORMATS[fmt].keys in ("h5", "preset"):
-        _unpair_miscounted(result, wanted, stored_keys)
+        _unpair_miscounted(result, wanted, stored_keys, reader)
     return result
 
 
@@ -552,7 +552,19 @@ def _indices(keys: Iterable[str]) -> set[str]:
     return {key.rsplit("/", 1)[1] for key in keys}
 
 
-def _unpair_miscounted(result: KeyMatch, wanted: dict[str, Any], stored: Iterable[str]) -> None:
+def _float_into_quantized(result: KeyMatch, reader: Reader) -> set[str]:
+    """Groups where a stored float array is paired with an integer variable: a quantized model
+    built for a float checkpoint. Their count differs (the scales), but the load's dtype check
+    refuses them with the better fix (load the float model, then `quantize()`), so they stay paired."""
+    groups = set()
+    for key, variable in result.pairs:
+        group = _position_group(key)
+        if group is not None and np.dtype(variable.dtype).kind in "iu" and np.dtype(reader.spec(key).dtype).kind == "f":
+            groups.add(group)
+    return groups
+
+
+def _unpair_miscounted(result: KeyMatch, wanted: dict[str, Any], stored: Iterable[str], reader: Reader) -> None:
     """Pairs no key of a group whose number of arrays differs between model and checkpoint.
 
     Keras saves a layer's variables (and an optimizer's) by position only
@@ -565,10 +577,14 @@ def _unpair_miscounted(result: KeyMatch, wanted: dict[str, Any], stored: Iterabl
     the group's variables become missing (an optimizer's `kept`), its stored
     arrays unexpected, and `miscounted` names the group, so `strict=True`
     refuses the load and `strict=False` leaves the group as it is, said.
+    A float checkpoint meeting a quantized layer (`_float_into_quantized`)
+    is left paired: the dtype check refuses it, naming `quantize()`.
     """
     fmt = result.format
     ours, theirs = _positions(wanted), _positions(stored)
-    groups = natural_sorted(g for g in ours.keys() & theirs.keys() if _indices(ours[g]) != _indices(theirs[g]))
+    quantizing = _float_into_quantized(result, reader)
+    groups = natural_sorted(g for g in ours.keys() & theirs.keys()
+                            if _indices(ours[g]) != _indices(theirs[g]) and g not in quantizing)
     if not groups:
         return
     unpaired = [(k, v) for k, v in result.pairs if _position_group(k) in groups]
