@@ -30,6 +30,13 @@ def _regressor(steps_per_execution: int) -> keras.Model:
     return model
 
 
+def _data() -> tuple[np.ndarray, np.ndarray]:
+    """`SAMPLES` rows of inputs (6 features) and targets, the same in every test."""
+    rng = np.random.default_rng(0)
+    return (rng.standard_normal((SAMPLES, 6)).astype("float32"),
+            rng.standard_normal((SAMPLES, 1)).astype("float32"))
+
+
 def _steps(directory: str) -> list[int]:
     return sorted(int(n) for n in os.listdir(directory) if n.isdigit())
 
@@ -41,9 +48,7 @@ def test_an_integer_save_freq_counts_on_across_a_loop_of_fits_shorter_than_it(tm
     steps_per_execution=2 too, its count moving 2 batches at a time). Ours saves the same steps,
     holding the same state; it used to start the count again at every fit and save nothing."""
     expected = [6, 12]
-    rng = np.random.default_rng(0)
-    x = rng.standard_normal((SAMPLES, 6)).astype("float32")
-    y = rng.standard_normal((SAMPLES, 1)).astype("float32")
+    x, y = _data()
     runs = {}
     for name, callback_class in (("keras", keras.callbacks.OrbaxCheckpoint), ("ours", OrbaxCheckpoint)):
         directory = str(tmp_path / name)
@@ -71,9 +76,7 @@ def test_resume_refuses_to_start_over_a_model_that_trained_past_the_steps_it_wou
     max_to_keep=None), say "training starts from the beginning (exact)", go on from its current
     weights and never write step 4 again. It is refused before anything is deleted or trained; the
     fix it names (resume=False) goes on from the model as it is and keeps every step."""
-    rng = np.random.default_rng(0)
-    x = rng.standard_normal((SAMPLES, 6)).astype("float32")
-    y = rng.standard_normal((SAMPLES, 1)).astype("float32")
+    x, y = _data()
     directory = str(tmp_path / "c")
     ckpt = OrbaxCheckpoint(directory, save_freq=3, max_to_keep=None, resume=True)
     model = _regressor(1)
@@ -103,9 +106,7 @@ def test_a_further_per_epoch_fit_of_a_trained_model_is_told_to_number_its_epochs
     refused before it trains. resume=True, the fix the refusal used to name alone, restores step 0
     and trains nothing in a fit(epochs=1); the fix for a fit in a loop is Keras' own, initial_epoch,
     which the refusal now names, and which saves step 1 beside step 0."""
-    rng = np.random.default_rng(0)
-    x = rng.standard_normal((SAMPLES, 6)).astype("float32")
-    y = rng.standard_normal((SAMPLES, 1)).astype("float32")
+    x, y = _data()
     directory = str(tmp_path / "c")
     ckpt = OrbaxCheckpoint(directory, monitor="loss", max_to_keep=None)
     model = _regressor(1)
@@ -125,9 +126,7 @@ def test_a_loop_of_fits_numbering_its_epochs_on_with_initial_epoch_saves_every_e
     callback saves steps 0, 1, 2. Ours used to refuse the second fit with StepExistsError ("saves
     start at step 0"): it took the first epoch from the model's resume marker, not from fit's
     initial_epoch. It saves the same steps now, the newest bit-equal to Keras'."""
-    rng = np.random.default_rng(0)
-    x = rng.standard_normal((SAMPLES, 6)).astype("float32")
-    y = rng.standard_normal((SAMPLES, 1)).astype("float32")
+    x, y = _data()
     runs = {}
     for name, callback_class in (("keras", keras.callbacks.OrbaxCheckpoint), ("ours", OrbaxCheckpoint)):
         directory = str(tmp_path / name)

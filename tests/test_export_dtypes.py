@@ -91,13 +91,19 @@ def test_a_float8_e4m3fn_export_that_turns_values_into_nan_names_the_variable_on
         assert stored.dtype == torch.float8_e4m3fn and int(stored.float().isnan().sum()) == 4
 
 
-def test_convert_to_orbax_float8_e4m3fn_nan_names_the_array_once(tmp_path, caplog):
-    caplog.set_level(logging.WARNING, logger="shardckpt")
+def _convert_mlp(tmp_path, dtype: str):
+    """`convert` of `_mlp()` saved as `.keras` into Orbax in `dtype`, in small batches; numpy's own
+    cast warnings are errors (shardckpt says what a cast did, once)."""
     src = tmp_path / "mlp.keras"
     _mlp().save(src)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        shardckpt.convert(src, tmp_path / "out", dtype="float8_e4m3fn", max_inflight_bytes=64)
+        return shardckpt.convert(src, tmp_path / "out", dtype=dtype, max_inflight_bytes=64)
+
+
+def test_convert_to_orbax_float8_e4m3fn_nan_names_the_array_once(tmp_path, caplog):
+    caplog.set_level(logging.WARNING, logger="shardckpt")
+    _convert_mlp(tmp_path, "float8_e4m3fn")
     said = [r.getMessage() for r in caplog.records if r.name == "shardckpt" and "casting to" in r.getMessage()]
     assert len(said) == 1, said
     assert "turned 4 finite value(s) into NaN" in said[0] and "in 1 variable(s):" in said[0]
@@ -123,11 +129,7 @@ def test_a_float16_export_within_range_says_nothing(tmp_path, caplog):
 
 def test_convert_to_orbax_float16_overflow_names_the_array_once(tmp_path, caplog):
     caplog.set_level(logging.WARNING, logger="shardckpt")
-    src = tmp_path / "mlp.keras"
-    _mlp().save(src)
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        report = shardckpt.convert(src, tmp_path / "out", dtype="float16", max_inflight_bytes=64)
+    report = _convert_mlp(tmp_path, "float16")
     said = _overflow_records(caplog)
     assert len(said) == 1, said
     kernel = next(c for c in report.casts if "float32 -> float16" in c and "dense" in c).split(":")[0]
