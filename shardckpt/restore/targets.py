@@ -145,6 +145,14 @@ def check_mesh(layout: Layout, *, allow_other_mesh: bool = False) -> None:
         )
 
 
+def _layout_map(layout: Layout) -> kd.LayoutMap | None:
+    """The `LayoutMap` behind `layout=` (None: the active distribution's), or None where there is none."""
+    if layout is None:
+        layout = kd.distribution()
+    layout_map = layout if isinstance(layout, kd.LayoutMap) else _keras.layout_map_of(layout)
+    return layout_map if isinstance(layout_map, kd.LayoutMap) else None
+
+
 _warned_unmatched: set[tuple[str, ...]] = set()
 
 
@@ -164,10 +172,8 @@ def warn_unmatched_keys(layout: Layout, model: Any) -> list[str]:
     Returns:
         The keys that match no variable (warned about the first time only).
     """
-    if layout is None:
-        layout = kd.distribution()
-    layout_map = layout if isinstance(layout, kd.LayoutMap) else _keras.layout_map_of(layout)
-    if not isinstance(layout_map, kd.LayoutMap):
+    layout_map = _layout_map(layout)
+    if layout_map is None:
         return []
     paths = [v.path for v in model.variables]
     # A LayoutPlan's map also places the LoRA factors `enable_lora` may add later: not a mistake.
@@ -207,10 +213,8 @@ def check_unambiguous_keys(layout: Layout, model: Any) -> None:
     Raises:
         LayoutError: naming each path, the keys it matches and the fix.
     """
-    if layout is None:
-        layout = kd.distribution()
-    layout_map = layout if isinstance(layout, kd.LayoutMap) else _keras.layout_map_of(layout)
-    if not isinstance(layout_map, kd.LayoutMap):
+    layout_map = _layout_map(layout)
+    if layout_map is None:
         return
     keys = list(layout_map)
     ambiguous = []
