@@ -45,7 +45,7 @@ from shardckpt import budget as budgets
 from shardckpt import dtypes, state, storage
 from shardckpt.conversion import boxes, integrity
 from shardckpt.conversion.architecture import built, load_architecture
-from shardckpt.errors import DestinationExistsError, ModelRequiredError, UnknownFormatError
+from shardckpt.errors import ModelRequiredError, UnknownFormatError
 from shardckpt.formats import FORMATS, detect_format, open_reader
 from shardckpt.formats.base import MappedReader, Reader
 from shardckpt.formats.hf import HFReader
@@ -63,6 +63,9 @@ from shardckpt.structure import explicit_names, index_variables
 from shardckpt.types import DType, Layout, Mesh, Model
 
 _log = logging.getLogger("shardckpt")
+
+FORCE_FIX = "pass force=True (--force)"
+"""What replaces an existing destination of `convert` (its messages say so)."""
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -221,11 +224,8 @@ def convert(
     if compression not in COMPRESSIONS:
         raise ValueError(f"compression must be one of {COMPRESSIONS}. Received: compression={compression!r}")
     max_inflight_bytes = budgets.resolve(max_inflight_bytes)
-    if storage.exists(dst_location) and not force:  # refused before any work (`commit.begin` checks again)
-        raise DestinationExistsError(
-            f"{dst!r} already exists. Fix: choose another destination, remove it, or pass "
-            "force=True (--force) to replace it once the new checkpoint is complete."
-        )
+    if not force:
+        commit.refuse_existing(dst_location, fix=FORCE_FIX)  # before any work
     target_dtype = dtypes.float_dtype(dtype)
     if model is not None:
         model = built(model)
@@ -368,7 +368,7 @@ def _write(
 ) -> None:
     """Writes the step through the commit protocol (`storage.commit`): beside `dst` and renamed locally,
     in place with `commit_success.txt` written last in a bucket (an old `dst` deleted marker first)."""
-    stage = commit.begin(dst, overwrite=force, marker=ondisk.COMMIT_MARKER, who="convert", fix="pass force=True (--force)")
+    stage = commit.begin(dst, overwrite=force, marker=ondisk.COMMIT_MARKER, who="convert", fix=FORCE_FIX)
     try:
         writer = OrbaxStepWriter(stage.location.url, compression=report.compression,
                                  chunk_byte_size=orbax_writer.CHUNK_BYTES[report.compression])

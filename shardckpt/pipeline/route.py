@@ -15,9 +15,9 @@ import os
 from typing import Any, Literal, overload
 
 from shardckpt import dtypes, storage
-from shardckpt.conversion.converter import ConvertReport
+from shardckpt.conversion.converter import FORCE_FIX, ConvertReport
 from shardckpt.conversion.converter import convert as to_orbax
-from shardckpt.errors import DestinationExistsError, ModelRequiredError
+from shardckpt.errors import ModelRequiredError
 from shardckpt.exporting import ExportReport, export
 from shardckpt.exporting.plans import max_shard_bytes
 from shardckpt.formats import FORMATS, detect_format
@@ -25,6 +25,7 @@ from shardckpt.formats.orbax.writer import DEFAULT_COMPRESSION
 from shardckpt.layout import auto_layout
 from shardckpt.presets import load_preset
 from shardckpt.restore import LoadReport, load_sharded
+from shardckpt.storage import commit
 from shardckpt.types import DType, Layout, Mesh, Model
 
 TARGETS = ("orbax", "hf", "keras-hub", "safetensors")
@@ -173,12 +174,8 @@ def convert(
         )
     dtypes.float_dtype(dtype)  # refused before the model is loaded, as `to="orbax"` refuses it
     max_shard_bytes(max_shard_size)  # so is a size that does not parse: a load can take minutes
-    destination = storage.parse(dst, what="dst")
-    if storage.exists(destination) and not force:  # and an existing dst, in convert's words (not export's)
-        raise DestinationExistsError(
-            f"{destination.url!r} already exists. Fix: choose another destination, remove it, or pass "
-            "force=True (--force) to replace it once the new folder is complete."
-        )
+    if not force:  # and an existing dst, in convert's words (not export's)
+        commit.refuse_existing(storage.parse(dst, what="dst"), fix=FORCE_FIX)
     loaded, load = _load(src, to=to, model=model, layout=layout, mesh=mesh, max_inflight_bytes=max_inflight_bytes)
     report = export(
         loaded, dst, format=to, max_shard_size=max_shard_size, dtype=dtype,

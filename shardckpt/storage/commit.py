@@ -257,6 +257,18 @@ def remove_leftovers(dst: str, *, who: str) -> list[str]:
     return removed
 
 
+def refuse_existing(dst: Location, *, fix: str) -> None:
+    """Refuses an existing `dst` before any work, in `begin`'s words (which checks again when it starts).
+
+    For writers that load or read for a long time before `begin` (`convert`).
+
+    Raises:
+        DestinationExistsError: `dst` exists; `fix` says what to pass to replace it.
+    """
+    if storage.exists(dst):
+        raise _exists(dst, fix)
+
+
 def _exists(dst: Location, fix: str, when: str = "") -> DestinationExistsError:
     return DestinationExistsError(
         f"{dst.url!r} already exists{when}. Fix: choose another destination, remove it, or {fix} to replace "
